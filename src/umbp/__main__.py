@@ -1,0 +1,3 @@
+from umbp.cli import main
+
+raise SystemExit(main())

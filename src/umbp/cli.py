@@ -1,0 +1,63 @@
+"""The `umbp` command. Each subcommand lives in its own module under umbp.tools and is imported lazily,
+so `umbp --help` stays fast and `umbp bench pool` never imports vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import umbp
+
+# subcommand path -> (module, help). The module provides add_arguments(parser) and run(args) -> int.
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("bench", "pool"): ("umbp.tools.bench_pool", "DRAM pool put/get throughput vs a plain numpy copy"),
+    ("demo",): ("umbp.tools.demo", "the seed's hybrid restore on real vLLM (tiny random-weight model)"),
+    ("explain",): ("umbp.tools.explain", "why did a hybrid restore stop at T?"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="umbp", description=umbp.__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("version", help="print the umbp version")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, (module, help_text) in COMMANDS.items():
+        if len(path) == 1:
+            p = sub.add_parser(path[0], help=help_text, description=help_text)
+        else:
+            if path[0] not in groups:
+                g = sub.add_parser(path[0], help=f"{path[0]} subcommands")
+                groups[path[0]] = g.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+            p = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
+        p.set_defaults(_module=module, _adder_done=False)
+        _add_module_arguments(module, p)
+    return parser
+
+
+def _add_module_arguments(module: str, parser: argparse.ArgumentParser) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:  # a tool whose optional dependency is missing still shows up in --help
+        parser.set_defaults(_import_error=str(exc))
+        return
+    mod.add_arguments(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "version":
+        print(f"umbp {umbp.__version__}")
+        return 0
+    if getattr(args, "_import_error", None):
+        print(f"umbp {args.command}: cannot import its module: {args._import_error}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Layer 4: the `umbp` command's tools (bench, demo, explain, ...)."""

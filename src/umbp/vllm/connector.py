@@ -1,0 +1,137 @@
+"""`UMBPConnector`: vLLM 0.32's KV-connector API over umbp's embedded DRAM tier.
+
+    --kv-transfer-config '{"kv_connector":"UMBPConnector","kv_connector_module_path":"umbp.vllm",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"dram_gb":64}}'
+
+vLLM builds one instance in the scheduler process (role SCHEDULER) and one per worker (role WORKER);
+this class only routes each hook to `SchedulerSide` or `WorkerSide`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from umbp.vllm.config import UMBPConfig
+from umbp.vllm.layout import describe
+from umbp.vllm.metadata import UMBPConnectorMetadata
+from umbp.vllm.scheduler import SchedulerSide
+from umbp.vllm.stats import UMBPPromMetrics, UMBPStats
+from umbp.vllm.worker import WorkerSide
+
+logger = logging.getLogger("umbp.vllm")
+
+
+class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.cfg = UMBPConfig.from_extra_config(transfer.kv_connector_extra_config)
+        # A hybrid model cannot report block-level load errors, only failed requests; with vLLM's default
+        # "fail" policy a missing page would fail the request. umbp's contract is "a miss is a recompute".
+        transfer.kv_load_failure_policy = self.cfg.load_failure_policy
+        self.layout = describe(vllm_config, kv_cache_config, tenant=self.cfg.tenant)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self.cfg, self.layout)
+        else:
+            self._worker = WorkerSide(self.cfg, self.layout, kv_cache_config)
+        logger.info(
+            "umbp: %s connector, namespace %s, unit %d, groups %s, eagle groups %s",
+            role.name.lower(), self.layout.namespace, self.layout.unit,
+            [type(g).__name__ for g in self.layout.groups], sorted(self.layout.eagle_groups),
+        )
+
+    # A best-effort cache: a dropped save is a future miss, not a lost hand-off.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ============================================================ scheduler side
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        if self._sched is not None:
+            self._sched.block_pool = gpu_block_pool
+
+    def on_new_request(self, request) -> None:
+        self._sched.track(request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._sched.on_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> UMBPConnectorMetadata:
+        return self._sched.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._sched.on_worker_output(connector_output)
+
+    def register_finished_partial_tail(self, request, block_ids, partial_tail_offloads) -> bool:
+        self._sched.on_partial_tail(request, block_ids, partial_tail_offloads)
+        return False  # the blocks it saves are pinned by the connector itself
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self._sched.on_finished(request, block_ids)
+        return False, None
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset() if self._sched is not None else None
+
+    def get_kv_connector_stats(self) -> UMBPStats | None:
+        side = self._sched or self._worker
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UMBPStats:
+        return UMBPStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return UMBPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ============================================================ worker side
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, UMBPConnectorMetadata) and meta.loads:
+            self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # saves run after the forward, in wait_for_save (Mamba layers have no per-layer hook)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, UMBPConnectorMetadata) and meta.saves:
+            self._worker.save(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished, failed = self._worker.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def build_connector_worker_meta(self):
+        return self._worker.take_worker_meta() if self._worker is not None else None

@@ -1,0 +1,119 @@
+"""Translate vLLM's KV-cache configuration into umbp's engine-agnostic terms.
+
+Both connector roles compute this from the same `KVCacheConfig`, so the scheduler's slot sizes and the
+workers' namespace agree without any handshake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from umbp.hybrid import FullAttention, RecurrentState, SlidingWindow
+from umbp.identity import GroupLayout, ModelIdentity, ParallelSizes, RankCoord, all_ranks
+
+
+class UnsupportedLayout(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    groups: tuple  # umbp.hybrid group specs, one per KV-cache group
+    unit: int  # prefix_match_unit == vLLM hash_block_size
+    eagle_groups: frozenset[int]
+    identity: ModelIdentity
+    namespace: str
+    ranks: tuple[RankCoord, ...]
+    object_bytes: tuple[int, ...]  # per group: bytes one rank's object of that group may take
+
+
+def umbp_group(spec) -> object:
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindow(block_size=spec.block_size, window=spec.sliding_window)
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttention(block_size=spec.block_size)
+    if isinstance(spec, MambaSpec):
+        if spec.mamba_cache_mode != "align":
+            raise UnsupportedLayout(
+                f"umbp: Mamba group uses mamba_cache_mode={spec.mamba_cache_mode!r}; umbp restores hybrid "
+                "state only in 'align' mode: start vLLM with --enable-prefix-caching (align is then the default)"
+            )
+        return RecurrentState(block_size=spec.block_size)
+    raise UnsupportedLayout(
+        f"umbp: KV-cache spec {type(spec).__name__} is not supported yet; umbp handles full attention "
+        "(incl. MLA), sliding window and Mamba-style recurrent state"
+    )
+
+
+def eagle_groups_of(vllm_config, kv_cache_config: KVCacheConfig) -> frozenset[int]:
+    """vLLM 0.32: the drop applies to annotated groups, or to every group when none is annotated."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.use_eagle_block_drop():
+        return frozenset()
+    flagged = {i for i, g in enumerate(kv_cache_config.kv_cache_groups) if g.is_eagle_group}
+    return frozenset(flagged or range(len(kv_cache_config.kv_cache_groups)))
+
+
+def parallel_sizes(vllm_config) -> ParallelSizes:
+    p = vllm_config.parallel_config
+    return ParallelSizes(
+        tp=p.tensor_parallel_size,
+        pcp=getattr(p, "prefill_context_parallel_size", 1),
+        dcp=getattr(p, "decode_context_parallel_size", 1),
+        pp=p.pipeline_parallel_size,
+    )
+
+
+def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> Layout:
+    sizes = parallel_sizes(vllm_config)
+    if sizes.dcp > 1 or sizes.pcp > 1:
+        raise UnsupportedLayout(
+            "umbp: decode/prefill context parallelism (dcp/pcp > 1) is not supported yet; run with "
+            "dcp=pcp=1 (TP and PP are supported)"
+        )
+    kv_groups = kv_cache_config.kv_cache_groups
+    groups = tuple(umbp_group(g.kv_cache_spec) for g in kv_groups)
+    unit = kv_cache_config.hash_block_size or vllm_config.cache_config.hash_block_size
+    if not unit:
+        unit = vllm_config.cache_config.block_size
+    layouts = tuple(
+        GroupLayout(
+            kind=type(groups[i]).__name__,
+            block_size=g.kv_cache_spec.block_size,
+            layer_names=tuple(g.layer_names),
+            page_shapes=((g.kv_cache_spec.page_size_bytes,),),
+            dtypes=(str(getattr(g.kv_cache_spec, "dtype", getattr(g.kv_cache_spec, "dtypes", ""))),),
+        )
+        for i, g in enumerate(kv_groups)
+    )
+    spec_cfg = vllm_config.speculative_config
+    model_cfg = vllm_config.model_config
+    identity = ModelIdentity(
+        model=str(model_cfg.model),
+        revision=model_cfg.revision,
+        dtype=str(model_cfg.dtype),
+        groups=layouts,
+        parallel=sizes,
+        speculative_method=getattr(spec_cfg, "method", None) if spec_cfg else None,
+        draft_model=str(getattr(spec_cfg, "model", None)) if spec_cfg else None,
+        draft_revision=getattr(spec_cfg, "revision", None) if spec_cfg else None,
+        prefix_hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+        tenant=tenant,
+    )
+    object_bytes = tuple(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_groups)
+    return Layout(
+        groups=groups,
+        unit=int(unit),
+        eagle_groups=eagle_groups_of(vllm_config, kv_cache_config),
+        identity=identity,
+        namespace=identity.namespace(),
+        ranks=tuple(all_ranks(sizes)),
+        object_bytes=object_bytes,
+    )

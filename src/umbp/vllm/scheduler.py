@@ -1,0 +1,363 @@
+"""Scheduler side of the UMBPConnector (embedded mode).
+
+The scheduler process owns the DRAM tier's index and slot allocation; every worker owns an arena whose
+slot offsets mirror it. Per step this side decides:
+
+* lookups: the longest boundary at which every group of the prompt is held (``umbp.hybrid``);
+* loads: which stored objects go into which freshly allocated GPU blocks (asynchronous; a failed load is
+  reported through vLLM's ``failed_recving`` path, so vLLM recomputes);
+* saves: what the planner says to store, each into a reserved slot; a key becomes visible to lookups only
+  after every rank confirmed its save, and the GPU blocks it reads stay pinned until then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from umbp.hybrid import RequestStorePlanner, StorePlan, explain, longest_hit
+from umbp.pool import DramIndex
+from umbp.vllm.config import UMBPConfig
+from umbp.vllm.layout import Layout
+from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
+from umbp.vllm.stats import UMBPStats
+
+logger = logging.getLogger("umbp.vllm")
+
+SAVE_CONFIRM_STEPS = 64  # steps after which an unconfirmed save is given up (its keys never become visible)
+
+
+def logical_key(namespace: str, group: int, prefix_hash: bytes) -> str:
+    """One index entry per logical object; each rank's shard of it sits at the same arena offset."""
+    return f"umbp:v1:{namespace}:all:g{group}:{bytes(prefix_hash).hex()}"
+
+
+@dataclass
+class PendingLoad:
+    req_id: str
+    tokens: int  # the resume boundary this load restores
+    new_tokens: int  # tokens beyond the local hit
+    keys: list[str]
+    job: LoadJob
+    sent: bool = False
+
+
+@dataclass
+class PendingSave:
+    job: SaveJob
+    keys: list[str]
+    blocks: list[int]  # GPU blocks pinned until every rank confirmed
+    confirmed: set[str] = field(default_factory=set)
+    failed: bool = False
+    sent_step: int = -1
+
+
+@dataclass
+class TrackedRequest:
+    request: object  # vllm Request (kept for its growing block_hashes)
+    planner: RequestStorePlanner
+    hit: object | None = None  # last lookup result (umbp.hybrid Hit), consumed at allocation
+    hit_local: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, cfg: UMBPConfig, layout: Layout, block_pool=None):
+        self.cfg = cfg
+        self.layout = layout
+        self.block_pool = block_pool
+        self.index = DramIndex(cfg.dram_bytes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark)
+        self.rank_tags = {r.tag() for r in layout.ranks}
+        self.requests: dict[str, TrackedRequest] = {}
+        self.loads: dict[str, PendingLoad] = {}
+        self.saves: dict[int, PendingSave] = {}
+        self.unsent_saves: list[int] = []
+        self.in_flight_keys: set[str] = set()
+        self.restored: dict[str, int] = {}  # live request -> boundary it was restored at
+        self.job_ids = itertools.count(1)
+        self.step = 0
+        self.stats = UMBPStats()
+
+    # ---------------------------------------------------------------- requests
+    def track(self, request) -> TrackedRequest:
+        tracked = self.requests.get(request.request_id)
+        if tracked is None:
+            planner = RequestStorePlanner(
+                list(self.layout.groups),
+                self.layout.unit,
+                eagle_groups=self.layout.eagle_groups,
+                boundary_page=self.cfg.boundary_page,
+                store_limit=None if self.cfg.decode_saves else request.num_prompt_tokens,
+            )
+            tracked = TrackedRequest(request, planner)
+            self.requests[request.request_id] = tracked
+        return tracked
+
+    def key(self, group: int, request, token_end: int) -> str:
+        prefix_hash = request.block_hashes[token_end // self.layout.unit - 1]
+        return logical_key(self.layout.namespace, group, prefix_hash)
+
+    # ---------------------------------------------------------------- lookup
+    def present_sets(self, request, limit: int) -> list[set[int]]:
+        unit, ns = self.layout.unit, self.layout.namespace
+        hashes = request.block_hashes
+        ends = range(unit, min(limit, len(hashes) * unit) + 1, unit)
+        present: list[set[int]] = []
+        for g in range(len(self.layout.groups)):
+            keys = [logical_key(ns, g, hashes[t // unit - 1]) for t in ends]
+            present.append({t for t, ok in zip(ends, self.index.lookup(keys)) if ok})
+        return present
+
+    def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        tracked = self.track(request)
+        self.stats.add("lookups")
+        max_tokens = request.num_tokens - 1
+        hashed = len(request.block_hashes) * self.layout.unit
+        present = self.present_sets(request, hashed)
+        hit = longest_hit(
+            list(self.layout.groups),
+            unit=self.layout.unit,
+            present=present,
+            max_tokens=max_tokens,
+            eagle_groups=self.layout.eagle_groups,
+            hashed_tokens=hashed,
+        )
+        tracked.hit, tracked.hit_local = hit, num_computed_tokens
+        if hit.tokens <= num_computed_tokens:
+            return 0, False
+        self.stats.add("lookup_hit_requests")
+        return hit.tokens - num_computed_tokens, True
+
+    def explain(self, request) -> str:
+        hashed = len(request.block_hashes) * self.layout.unit
+        return explain(
+            list(self.layout.groups),
+            unit=self.layout.unit,
+            present=self.present_sets(request, hashed),
+            max_tokens=request.num_tokens - 1,
+            eagle_groups=self.layout.eagle_groups,
+            hashed_tokens=hashed,
+        )
+
+    # ---------------------------------------------------------------- loads
+    def on_alloc(self, request, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        tracked = self.track(request)
+        if num_external_tokens == 0 or request.request_id in self.loads:
+            return
+        hit, local = tracked.hit, tracked.hit_local
+        tracked.hit = None
+        if hit is None or hit.tokens != local + num_external_tokens:
+            # vLLM asked for a load we did not offer; never load a boundary we did not check
+            job = LoadJob(request.request_id, {}, poisoned=True)
+            self.loads[request.request_id] = PendingLoad(request.request_id, 0, num_external_tokens, [], job)
+            return
+        moves, keys, ok = self._load_moves(request, hit, local, block_ids)
+        slots = self.index.pin(keys) if ok else []
+        if not ok or any(s is None for s in slots):
+            self.index.unpin([k for k, s in zip(keys, slots) if s is not None])
+            keys, ok = [], False
+        else:
+            _fill_offsets(moves, slots)
+        job = LoadJob(request.request_id, moves, poisoned=not ok)
+        self.loads[request.request_id] = PendingLoad(request.request_id, hit.tokens, num_external_tokens, keys, job)
+        self.stats.add("hit_tokens", num_external_tokens)
+
+    def _load_moves(self, request, hit, local: int, block_ids) -> tuple[dict[int, list[PageMove]], list[str], bool]:
+        moves: dict[int, list[PageMove]] = {}
+        keys: list[str] = []
+        for g, ends in enumerate(hit.loads):
+            spec = self.layout.groups[g]
+            for end in sorted(ends):
+                idx = (end - 1) // spec.block_size
+                is_state = spec.kind == "recurrent_state"
+                if not is_state and idx * spec.block_size < local:
+                    continue  # this block is already held by the local prefix hit
+                table = block_ids[g]
+                if idx >= len(table) or table[idx] == 0:
+                    return {}, [], False
+                key = self.key(g, request, end)
+                keys.append(key)
+                prefix_hash = request.block_hashes[end // self.layout.unit - 1]
+                moves.setdefault(g, []).append(PageMove(table[idx], -1, self.layout.object_bytes[g], prefix_hash))
+        return moves, keys, True
+
+    # ---------------------------------------------------------------- saves
+    def plan_saves(self, scheduler_output) -> None:
+        state = scheduler_output.kv_connector_block_state
+        if state is None:
+            return
+        for req_id in sorted(scheduler_output.preempted_req_ids or ()):
+            if req_id in self.requests:
+                self.requests[req_id].planner.reset()
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens or {}
+        for req_id in sorted(state.req_ids):
+            tracked = self.requests.get(req_id)
+            if tracked is None or req_id in self.loads:
+                continue
+            block_ids = state.get_block_ids(req_id)
+            if block_ids is None:
+                continue
+            request = tracked.request
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            computed = request.num_computed_tokens + scheduled - len(spec_tokens.get(req_id, ()))
+            plans = tracked.planner.step(
+                computed_tokens=computed,
+                hashed_tokens=len(request.block_hashes) * self.layout.unit,
+                block_ids=block_ids,
+                offloads=state.boundary_state_offloads.get(req_id, ()),
+            )
+            self.queue_saves(request, plans)
+
+    def queue_saves(self, request, plans: Sequence[StorePlan]) -> None:
+        by_group: dict[int, tuple[list[PageMove], list[str]]] = {}
+        for plan in plans:
+            key = self.key(plan.group, request, plan.key_end)
+            if key in self.in_flight_keys or self.index.lookup([key])[0]:
+                continue
+            nbytes = self.layout.object_bytes[plan.group]
+            slot = self.index.reserve(key, nbytes)
+            if slot is None:
+                self.stats.add("saves_dropped_no_space")
+                continue
+            self.in_flight_keys.add(key)
+            prefix_hash = request.block_hashes[plan.key_end // self.layout.unit - 1]
+            moves, keys = by_group.setdefault(plan.group, ([], []))
+            moves.append(PageMove(plan.block_id, slot.offset, nbytes, prefix_hash))
+            keys.append(key)
+        self._count_evictions()
+        for group, (moves, keys) in sorted(by_group.items()):
+            job = SaveJob(next(self.job_ids), group, moves)
+            blocks = [m.block_id for m in moves]
+            self._pin_gpu_blocks(blocks)
+            self.saves[job.job_id] = PendingSave(job, keys, blocks)
+            self.unsent_saves.append(job.job_id)
+
+    def _count_evictions(self) -> None:
+        evicted = self.index.drain_evicted()
+        if evicted:
+            self.stats.add("evictions", len(evicted))
+
+    def _pin_gpu_blocks(self, block_ids: list[int]) -> None:
+        if self.block_pool is not None:
+            self.block_pool.touch([self.block_pool.blocks[b] for b in block_ids])
+
+    def _unpin_gpu_blocks(self, block_ids: list[int]) -> None:
+        if self.block_pool is not None:
+            self.block_pool.free_blocks([self.block_pool.blocks[b] for b in block_ids])
+
+    # ---------------------------------------------------------------- per step
+    def build_meta(self, scheduler_output) -> UMBPConnectorMetadata:
+        self.step += 1
+        self._expire_unconfirmed_saves()
+        self.plan_saves(scheduler_output)
+        meta = UMBPConnectorMetadata()
+        for job_id in self.unsent_saves:
+            meta.saves.append(self.saves[job_id].job)
+            self.saves[job_id].sent_step = self.step
+        self.unsent_saves = []
+        for load in self.loads.values():
+            if not load.sent:
+                meta.loads.append(load.job)
+                load.sent = True
+        return meta
+
+    def on_worker_output(self, output) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, UMBPWorkerMetadata):
+            self._confirm_saves(meta)
+        failed = set(output.failed_recving or ())
+        for req_id in output.finished_recving or ():
+            load = self.loads.pop(req_id, None)
+            if load is None:
+                continue
+            self.index.unpin(load.keys)
+            if req_id in failed or load.job.poisoned:
+                # a corrupt or vanished object must not be offered again: drop it
+                self.index.remove(load.keys)
+                self.stats.add("load_failures")
+                logger.warning("umbp: load for request %s failed; vLLM recomputes it", req_id)
+            else:
+                self.restored[req_id] = load.tokens
+                self.stats.add("restored_tokens", load.new_tokens)
+                self.stats.add("loaded_objects", len(load.keys))
+
+    def _confirm_saves(self, meta: UMBPWorkerMetadata) -> None:
+        for job_id, ranks in meta.failed.items():
+            if job_id in self.saves:
+                self.saves[job_id].failed = True
+                self.saves[job_id].confirmed |= ranks
+        for job_id, ranks in meta.saved.items():
+            if job_id in self.saves:
+                self.saves[job_id].confirmed |= ranks
+        for job_id in [j for j, s in self.saves.items() if s.confirmed >= self.rank_tags]:
+            self._finish_save(self.saves.pop(job_id))
+
+    def _expire_unconfirmed_saves(self) -> None:
+        """A save some rank never confirmed (a lost worker) must not pin GPU blocks forever."""
+        stale = [j for j, s in self.saves.items() if 0 <= s.sent_step < self.step - SAVE_CONFIRM_STEPS]
+        for job_id in stale:
+            save = self.saves.pop(job_id)
+            save.failed = True
+            logger.warning("umbp: save job %d unconfirmed after %d steps; dropped", job_id, SAVE_CONFIRM_STEPS)
+            self._finish_save(save)
+
+    def _finish_save(self, save: PendingSave) -> None:
+        for key in save.keys:
+            self.in_flight_keys.discard(key)
+            if save.failed:
+                self.index.abort(key)
+            else:
+                self.index.commit(key)
+        self._unpin_gpu_blocks(save.blocks)
+        if save.failed:
+            self.stats.add("save_failures", len(save.keys))
+            return
+        group = save.job.group
+        nbytes = sum(m.nbytes for m in save.job.moves) * len(self.rank_tags)
+        self.stats.add("stored_objects", len(save.keys))
+        self.stats.add(f"stored_objects_g{group}", len(save.keys))
+        self.stats.add("stored_bytes", nbytes)
+
+    # ---------------------------------------------------------------- finish
+    def on_partial_tail(self, request, block_ids, offloads) -> None:
+        tracked = self.requests.get(request.request_id)
+        if tracked is None:
+            return
+        plans = tracked.planner.step(
+            computed_tokens=request.num_computed_tokens,
+            hashed_tokens=len(request.block_hashes) * self.layout.unit,
+            block_ids=block_ids,
+            offloads=offloads,
+        )
+        self.queue_saves(request, plans)
+
+    def on_finished(self, request, block_ids) -> None:
+        self.restored.pop(request.request_id, None)
+        tracked = self.requests.pop(request.request_id, None)
+        if tracked is None or request.request_id in self.loads:
+            return
+        plans = tracked.planner.step(
+            computed_tokens=request.num_computed_tokens,
+            hashed_tokens=len(request.block_hashes) * self.layout.unit,
+            block_ids=block_ids,
+            finished=True,
+        )
+        self.queue_saves(request, plans)
+
+    def has_pending_work(self) -> bool:
+        """Keep vLLM stepping until every queued save was sent and confirmed by all ranks."""
+        return bool(self.unsent_saves or self.saves)
+
+    def reset(self) -> bool:
+        if self.saves or self.loads:
+            return False
+        self.index.clear()
+        return True
+
+
+def _fill_offsets(moves: dict[int, list[PageMove]], slots: list) -> None:
+    """`slots` follow the order `_load_moves` produced keys in: groups ascending, token ends ascending."""
+    flat = [m for g in sorted(moves) for m in moves[g]]
+    for move, slot in zip(flat, slots):
+        move.offset = slot.offset

@@ -1,0 +1,159 @@
+"""Worker side of the UMBPConnector (embedded mode): this rank's arena and the copies in and out of it.
+
+Every object written here is remembered with the rank-local key it was saved under and its checksum, so a
+load verifies that the slot still holds exactly the object the scheduler asked for; any mismatch is a
+failed load (vLLM recomputes), never wrong bytes in the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from umbp.identity import RankCoord, object_key
+from umbp.pool import Arena
+from umbp.vllm.config import UMBPConfig
+from umbp.vllm.layout import Layout
+from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
+from umbp.vllm.pages import GroupPages, group_pages
+from umbp.vllm.stats import UMBPStats
+
+logger = logging.getLogger("umbp.vllm")
+
+
+def current_rank() -> RankCoord:
+    """This worker's parallel coordinates (all 0 when vLLM's parallel state is not initialised)."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_rank()
+        pp = ps.get_pp_group().rank_in_group
+    except Exception:  # noqa: BLE001 - no distributed state (single process tests)
+        return RankCoord()
+    return RankCoord(tp=tp, pcp=0, dcp=0, pp=pp)
+
+
+class WorkerSide:
+    def __init__(self, cfg: UMBPConfig, layout: Layout, kv_cache_config, rank: RankCoord | None = None):
+        self.cfg = cfg
+        self.layout = layout
+        self.kv_cache_config = kv_cache_config
+        self.rank = rank if rank is not None else current_rank()
+        self.groups: dict[int, GroupPages] = {}
+        self.arena: Arena | None = None
+        self.slots: dict[int, tuple[str, int]] = {}  # arena offset -> (rank-local key, checksum)
+        self.saved: dict[int, set[str]] = {}
+        self.failed: dict[int, set[str]] = {}
+        self.finished_loads: set[str] = set()
+        self.failed_loads: set[str] = set()
+        self.stats = UMBPStats()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self.kv_cache_config.num_blocks
+        for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            pages = group_pages(kv_caches, list(group.layer_names), num_blocks)
+            if pages is None:
+                continue
+            if pages.object_bytes > self.layout.object_bytes[g]:
+                raise ValueError(
+                    f"umbp: group {g}'s pages take {pages.object_bytes} bytes on this rank but the scheduler "
+                    f"reserves {self.layout.object_bytes[g]}; this KV-cache layout is not supported yet"
+                )
+            self.groups[g] = pages
+        pinned = {"auto": "auto", "on": True, "off": False}[self.cfg.pinned]
+        self.arena = Arena(self.cfg.dram_bytes, pinned=pinned, prefault=False)
+        logger.info(
+            "umbp: rank %s arena %.2f GiB, groups %s", self.rank.tag(), self.cfg.dram_bytes / 2**30,
+            {g: p.object_bytes for g, p in self.groups.items()},
+        )
+
+    def rank_key(self, group: int, prefix_hash: bytes) -> str:
+        return object_key(self.layout.namespace, self.rank, group, prefix_hash)
+
+    # ---------------------------------------------------------------- saves
+    def save(self, meta: UMBPConnectorMetadata) -> None:
+        for job in meta.saves:
+            try:
+                self._save_job(job)
+                self.saved.setdefault(job.job_id, set()).add(self.rank.tag())
+            except Exception:  # noqa: BLE001 - a failed save is a future miss, never a crash
+                logger.exception("umbp: save job %d failed on rank %s", job.job_id, self.rank.tag())
+                for move in job.moves:
+                    self.slots.pop(move.offset, None)
+                self.failed.setdefault(job.job_id, set()).add(self.rank.tag())
+                self.stats.add("save_failures", len(job.moves))
+
+    def _save_job(self, job: SaveJob) -> None:
+        pages = self.groups.get(job.group)
+        if pages is None:  # this rank holds no layer of the group (pipeline parallel)
+            return
+        data = pages.gather([m.block_id for m in job.moves]).cpu()
+        for i, move in enumerate(job.moves):
+            self._write(move, job.group, data[i])
+        self.stats.add("stored_bytes_rank", data.numel())
+
+    def _write(self, move: PageMove, group: int, page: torch.Tensor) -> None:
+        if page.numel() > move.nbytes:
+            raise ValueError(f"umbp: page of {page.numel()} bytes exceeds its slot of {move.nbytes}")
+        self.slots.pop(move.offset, None)  # the slot is being rewritten: invalid until done
+        digest = self.arena.write(move.offset, page.numpy())  # copy and checksum in one pass
+        self.slots[move.offset] = (self.rank_key(group, move.prefix_hash), digest)
+
+    # ---------------------------------------------------------------- loads
+    def load(self, meta: UMBPConnectorMetadata) -> None:
+        for job in meta.loads:
+            ok = not job.poisoned
+            if ok:
+                try:
+                    ok = self._load_job(job)
+                except Exception:  # noqa: BLE001 - a failed load is a recompute, never a crash
+                    logger.exception("umbp: load for request %s failed on rank %s", job.req_id, self.rank.tag())
+                    ok = False
+            self.finished_loads.add(job.req_id)
+            if not ok:
+                self.failed_loads.add(job.req_id)
+                self.stats.add("load_failures_rank")
+
+    def _load_job(self, job: LoadJob) -> bool:
+        staged: list[tuple[GroupPages, list[int], torch.Tensor]] = []
+        for group, moves in sorted(job.moves.items()):
+            pages = self.groups.get(group)
+            if pages is None:
+                continue
+            data = torch.empty((len(moves), pages.object_bytes), dtype=torch.uint8)
+            for i, move in enumerate(moves):
+                if not self._read(move, group, pages.object_bytes, data[i]):
+                    return False  # nothing was written to the KV cache yet
+            staged.append((pages, [m.block_id for m in moves], data))
+        for pages, block_ids, data in staged:
+            pages.scatter(block_ids, data)
+            self.stats.add("loaded_bytes", data.numel())
+        return True
+
+    def _read(self, move: PageMove, group: int, nbytes: int, out: torch.Tensor) -> bool:
+        expected = self.rank_key(group, move.prefix_hash)
+        held = self.slots.get(move.offset)
+        if held is None or held[0] != expected:
+            logger.warning("umbp: slot %d does not hold %s; treating as a miss", move.offset, expected)
+            return False
+        digest = self.arena.read_into(move.offset, nbytes, out.numpy())
+        if self.cfg.checksum and digest != held[1]:
+            logger.warning("umbp: checksum mismatch for %s; treating as a miss", expected)
+            self.slots.pop(move.offset, None)
+            self.stats.add("checksum_failures")
+            return False
+        return True
+
+    # ---------------------------------------------------------------- reports
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        finished, failed = self.finished_loads, self.failed_loads
+        self.finished_loads, self.failed_loads = set(), set()
+        return finished, failed
+
+    def take_worker_meta(self) -> UMBPWorkerMetadata | None:
+        if not self.saved and not self.failed:
+            return None
+        meta = UMBPWorkerMetadata(self.saved, self.failed)
+        self.saved, self.failed = {}, {}
+        return meta

@@ -1,0 +1,264 @@
+"""Drive vLLM 0.32's real Scheduler with the real UMBPConnector on both sides and no model.
+
+The "GPU" is a set of CPU tensors laid out per vLLM's KV-cache config; a fake forward writes values that
+depend only on the prompt and the position (attention: one value per token slot; recurrent state: one
+value for "state after t tokens" filling the page). A restore is correct iff the restored request's
+blocks hold exactly the values a recompute would have written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from umbp.identity import RankCoord
+from umbp.vllm.connector import UMBPConnector
+
+HEADS, HEAD = 2, 8
+
+
+def fake_model_dir(root: Path, eagle: bool = False) -> Path:
+    d = root / ("fake_eagle" if eagle else "fake_model")
+    d.mkdir(parents=True, exist_ok=True)
+    arch = "EagleLlamaForCausalLM" if eagle else "LlamaForCausalLM"
+    cfg = {
+        "architectures": [arch], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1 if eagle else 2,
+        "vocab_size": 512, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@dataclass
+class GroupDef:
+    kind: str  # "fa" | "swa" | "mamba"
+    block_size: int
+    window: int = 0
+
+
+def _spec(g: GroupDef):
+    if g.kind == "fa":
+        return FullAttentionSpec(block_size=g.block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+    if g.kind == "swa":
+        return SlidingWindowSpec(block_size=g.block_size, num_kv_heads=HEADS, head_size=HEAD,
+                                 dtype=torch.float32, sliding_window=g.window)
+    return MambaSpec(block_size=g.block_size, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
+
+
+@dataclass
+class Harness:
+    sched: Scheduler
+    workers: list[UMBPConnector]
+    caches: list[dict[str, torch.Tensor]]
+    kv_cache_config: KVCacheConfig
+    vllm_config: VllmConfig
+    hasher: object
+    groups: list[GroupDef]
+    aggregator: KVOutputAggregator
+    fail_next_load: bool = False
+    log: list[str] = field(default_factory=list)
+
+    # ---------------------------------------------------------------- requests
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
+        req = Request(request_id=req_id, prompt_token_ids=list(prompt), pooling_params=None,
+                      block_hasher=self.hasher,
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        self.sched.add_request(req)
+        return req
+
+    def run(self, max_steps: int = 200) -> None:
+        steps = 0
+        while self.sched.has_requests():
+            self.step()
+            steps += 1
+            assert steps < max_steps, "scheduler did not drain"
+
+    def step(self):
+        so = self.sched.schedule()
+        ids = list(so.num_scheduled_tokens)
+        outputs = []
+        for rank, (worker, cache) in enumerate(zip(self.workers, self.caches)):
+            self._apply_copies(cache, so)
+            self._fake_forward(cache, so)
+            worker.bind_connector_metadata(so.kv_connector_metadata)
+            if self.fail_next_load and so.kv_connector_metadata.loads and rank == len(self.workers) - 1:
+                self._corrupt_arena(worker, so.kv_connector_metadata)
+                self.fail_next_load = False
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            res = worker.get_transfer_results(so.finished_req_ids)
+            kv_out = KVConnectorOutput(
+                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                kv_connector_stats=worker.get_kv_connector_stats(),
+            )
+            worker.clear_connector_metadata()
+            sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens
+                       else [] for r in ids]
+            outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                             sampled_token_ids=sampled, kv_connector_output=kv_out))
+        out = self.aggregator.aggregate(outputs)
+        self.sched.update_from_output(so, out)
+        return so
+
+    # ---------------------------------------------------------------- fake GPU
+    def _apply_copies(self, cache, so) -> None:
+        for src, dst in so.kv_cache_block_copies or ():
+            for t in cache.values():
+                t[dst] = t[src]
+
+    def _fake_forward(self, cache, so) -> None:
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[req_id]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            start = end - n
+            block_ids = self.sched.kv_cache_manager.get_block_ids(req_id)
+            for g, gdef in enumerate(self.groups):
+                t = cache[f"g{g}"]
+                table = block_ids[g]
+                if gdef.kind == "mamba":
+                    idx = (end - 1) // gdef.block_size
+                    if idx < len(table) and table[idx]:
+                        t[table[idx]] = state_value(req.all_token_ids, end)
+                    continue
+                for p in range(start, end):
+                    b = table[p // gdef.block_size]
+                    if b:
+                        t[b, p % gdef.block_size] = token_value(req.all_token_ids, p)
+
+    def _corrupt_arena(self, worker, meta) -> None:
+        for job in meta.loads:
+            for moves in job.moves.values():
+                m = moves[0]
+                worker._worker.arena.tensor_view(m.offset, 8).add_(1)
+                return
+
+    # ---------------------------------------------------------------- checks
+    def held_values(self, req_id: str, tokens: int, rank: int = 0) -> list[str]:
+        """Mismatches between what request `req_id`'s blocks hold and a recompute of [0, tokens)."""
+        req = self.sched.requests[req_id]
+        block_ids = self.sched.kv_cache_manager.get_block_ids(req_id)
+        cache = self.caches[rank]
+        bad = []
+        for g, gdef in enumerate(self.groups):
+            t, table = cache[f"g{g}"], block_ids[g]
+            if gdef.kind == "mamba":
+                idx = (tokens - 1) // gdef.block_size
+                got = t[table[idx]].flatten()[0].item()
+                if got != state_value(req.all_token_ids, tokens):
+                    bad.append(f"g{g} state at {tokens}")
+                continue
+            lo = 0 if gdef.kind == "fa" else max(0, tokens - gdef.window)
+            for p in range(lo, tokens):
+                b = table[p // gdef.block_size]
+                got = t[b, p % gdef.block_size].flatten()[0].item()
+                if got != token_value(req.all_token_ids, p):
+                    bad.append(f"g{g} token {p}")
+                    break
+        return bad
+
+
+def _digest(tokens: list[int]) -> float:
+    return float(int.from_bytes(hashlib.blake2b(repr(tokens).encode(), digest_size=3).digest(), "big"))
+
+
+def token_value(tokens: list[int], p: int) -> float:
+    return _digest(list(tokens[: p + 1]))
+
+
+def state_value(tokens: list[int], t: int) -> float:
+    return -_digest(list(tokens[:t])) - 1.0
+
+
+def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool = False, tp: int = 1,
+          num_blocks: int = 64, extra: dict | None = None, retention: int | None = 0,
+          max_num_batched_tokens: int = 1024, max_model_len: int = 4096) -> Harness:
+    model = ModelConfig(model=str(fake_model_dir(tmp_path)), skip_tokenizer_init=True, dtype="float32",
+                        max_model_len=max_model_len)
+    sched_cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len, enable_chunked_prefill=True,
+                                is_encoder_decoder=False)
+    block = groups[0].block_size
+    cache = CacheConfig(block_size=block, enable_prefix_caching=True, mamba_cache_mode="align",
+                        prefix_match_unit=unit, prefix_cache_retention_interval=retention)
+    transfer = KVTransferConfig(kv_connector="UMBPConnector", kv_connector_module_path="umbp.vllm",
+                                kv_role="kv_both", kv_connector_extra_config=extra or {"dram_bytes": 64 << 20})
+    spec = None
+    if eagle:
+        spec = SpeculativeConfig(method="eagle", model=str(fake_model_dir(tmp_path, eagle=True)),
+                                 num_speculative_tokens=1, target_model_config=model,
+                                 target_parallel_config=ParallelConfig())
+    vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched_cfg,
+                             kv_transfer_config=transfer, speculative_config=spec,
+                             parallel_config=ParallelConfig(tensor_parallel_size=tp))
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=1, layers=[f"g{g}"], layer_stride=0, block_stride=0)
+                          for g in range(len(groups))],
+        kv_cache_groups=[KVCacheGroupSpec([f"g{g}"], _spec(gd)) for g, gd in enumerate(groups)],
+        prefix_cache_retention_interval=retention,
+    )
+    with set_current_vllm_config(vllm_config):
+        sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        kv_cache_config.hash_block_size = hash_bs
+        kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+            kv_cache_config, vllm_config, sched_bs, hash_bs)
+        sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
+        fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(fn)
+        hasher = get_request_block_hasher(hash_bs, fn)
+        workers, caches = [], []
+        for r in range(tp):
+            w = UMBPConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+            w._worker.rank = RankCoord(tp=r)
+            cache_t = {}
+            for g, gd in enumerate(groups):
+                if gd.kind == "mamba":
+                    cache_t[f"g{g}"] = torch.zeros(num_blocks, 4, 8)
+                else:
+                    cache_t[f"g{g}"] = torch.zeros(num_blocks, gd.block_size, 2, HEADS, HEAD)
+            w.register_kv_caches(cache_t)
+            workers.append(w)
+            caches.append(cache_t)
+    return Harness(sched, workers, caches, kv_cache_config, vllm_config, hasher, groups,
+                   KVOutputAggregator(tp))
