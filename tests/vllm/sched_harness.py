@@ -93,6 +93,7 @@ class Harness:
     groups: list[GroupDef]
     aggregator: KVOutputAggregator
     fail_next_load: bool = False
+    failing_save_ranks: set[int] = field(default_factory=set)
     log: list[str] = field(default_factory=list)
 
     # ---------------------------------------------------------------- requests
@@ -112,11 +113,18 @@ class Harness:
 
     def step(self):
         so = self.sched.schedule()
+        self.sched.update_from_output(so, self.execute(so))
+        return so
+
+    def execute(self, so) -> ModelRunnerOutput:
+        """What the workers do for one SchedulerOutput: CoW copies, forward, loads, saves, reports."""
         ids = list(so.num_scheduled_tokens)
         outputs = []
         for rank, (worker, cache) in enumerate(zip(self.workers, self.caches)):
             self._apply_copies(cache, so)
             self._fake_forward(cache, so)
+            if rank in self.failing_save_ranks:
+                worker._worker._save_job = _raise
             worker.bind_connector_metadata(so.kv_connector_metadata)
             if self.fail_next_load and so.kv_connector_metadata.loads and rank == len(self.workers) - 1:
                 self._corrupt_arena(worker, so.kv_connector_metadata)
@@ -134,9 +142,28 @@ class Harness:
                        else [] for r in ids]
             outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                              sampled_token_ids=sampled, kv_connector_output=kv_out))
-        out = self.aggregator.aggregate(outputs)
-        self.sched.update_from_output(so, out)
-        return so
+        return self.aggregator.aggregate(outputs)
+
+    # ---------------------------------------------------------------- probes
+    def local_hit(self, prompt: list[int]) -> int:
+        """vLLM's own local prefix-cache hit for `prompt` right now (the number umbp must match)."""
+        probe = Request(request_id="__probe__", prompt_token_ids=list(prompt), pooling_params=None,
+                        block_hasher=self.hasher, sampling_params=SamplingParams(max_tokens=1))
+        return self.sched.kv_cache_manager.get_computed_blocks(probe)[1]
+
+    @property
+    def umbp(self):
+        return self.sched.connector._sched
+
+    def leaks(self) -> dict:
+        """Pins and held GPU blocks left behind once every request is done (all must be zero)."""
+        pool = self.sched.kv_cache_manager.block_pool
+        return {
+            "index_pinned": self.umbp.index.stats()["pinned"],
+            "pending_saves": len(self.umbp.saves),
+            "pending_loads": len(self.umbp.loads),
+            "gpu_blocks_held": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        }
 
     # ---------------------------------------------------------------- fake GPU
     def _apply_copies(self, cache, so) -> None:
@@ -193,6 +220,10 @@ class Harness:
                     bad.append(f"g{g} token {p}")
                     break
         return bad
+
+
+def _raise(*args, **kwargs):
+    raise OSError("injected save failure")
 
 
 def _digest(tokens: list[int]) -> float:

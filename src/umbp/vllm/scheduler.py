@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -77,7 +78,12 @@ class SchedulerSide:
         self.restored: dict[str, int] = {}  # live request -> boundary it was restored at
         self.job_ids = itertools.count(1)
         self.step = 0
-        self.stats = UMBPStats()
+        self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
+        self.totals: Counter[str] = Counter()  # since start, for `umbp stats`-style inspection and tests
+
+    def count(self, key: str, value: int = 1) -> None:
+        self.stats.add(key, value)
+        self.totals[key] += value
 
     # ---------------------------------------------------------------- requests
     def track(self, request) -> TrackedRequest:
@@ -111,7 +117,7 @@ class SchedulerSide:
 
     def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         tracked = self.track(request)
-        self.stats.add("lookups")
+        self.count("lookups")
         max_tokens = request.num_tokens - 1
         hashed = len(request.block_hashes) * self.layout.unit
         present = self.present_sets(request, hashed)
@@ -126,7 +132,7 @@ class SchedulerSide:
         tracked.hit, tracked.hit_local = hit, num_computed_tokens
         if hit.tokens <= num_computed_tokens:
             return 0, False
-        self.stats.add("lookup_hit_requests")
+        self.count("lookup_hit_requests")
         return hit.tokens - num_computed_tokens, True
 
     def explain(self, request) -> str:
@@ -161,7 +167,7 @@ class SchedulerSide:
             _fill_offsets(moves, slots)
         job = LoadJob(request.request_id, moves, poisoned=not ok)
         self.loads[request.request_id] = PendingLoad(request.request_id, hit.tokens, num_external_tokens, keys, job)
-        self.stats.add("hit_tokens", num_external_tokens)
+        self.count("hit_tokens", num_external_tokens)
 
     def _load_moves(self, request, hit, local: int, block_ids) -> tuple[dict[int, list[PageMove]], list[str], bool]:
         moves: dict[int, list[PageMove]] = {}
@@ -218,7 +224,7 @@ class SchedulerSide:
             nbytes = self.layout.object_bytes[plan.group]
             slot = self.index.reserve(key, nbytes)
             if slot is None:
-                self.stats.add("saves_dropped_no_space")
+                self.count("saves_dropped_no_space")
                 continue
             self.in_flight_keys.add(key)
             prefix_hash = request.block_hashes[plan.key_end // self.layout.unit - 1]
@@ -236,7 +242,7 @@ class SchedulerSide:
     def _count_evictions(self) -> None:
         evicted = self.index.drain_evicted()
         if evicted:
-            self.stats.add("evictions", len(evicted))
+            self.count("evictions", len(evicted))
 
     def _pin_gpu_blocks(self, block_ids: list[int]) -> None:
         if self.block_pool is not None:
@@ -275,12 +281,12 @@ class SchedulerSide:
             if req_id in failed or load.job.poisoned:
                 # a corrupt or vanished object must not be offered again: drop it
                 self.index.remove(load.keys)
-                self.stats.add("load_failures")
+                self.count("load_failures")
                 logger.warning("umbp: load for request %s failed; vLLM recomputes it", req_id)
             else:
                 self.restored[req_id] = load.tokens
-                self.stats.add("restored_tokens", load.new_tokens)
-                self.stats.add("loaded_objects", len(load.keys))
+                self.count("restored_tokens", load.new_tokens)
+                self.count("loaded_objects", len(load.keys))
 
     def _confirm_saves(self, meta: UMBPWorkerMetadata) -> None:
         for job_id, ranks in meta.failed.items():
@@ -311,13 +317,13 @@ class SchedulerSide:
                 self.index.commit(key)
         self._unpin_gpu_blocks(save.blocks)
         if save.failed:
-            self.stats.add("save_failures", len(save.keys))
+            self.count("save_failures", len(save.keys))
             return
         group = save.job.group
         nbytes = sum(m.nbytes for m in save.job.moves) * len(self.rank_tags)
-        self.stats.add("stored_objects", len(save.keys))
-        self.stats.add(f"stored_objects_g{group}", len(save.keys))
-        self.stats.add("stored_bytes", nbytes)
+        self.count("stored_objects", len(save.keys))
+        self.count(f"stored_objects_g{group}", len(save.keys))
+        self.count("stored_bytes", nbytes)
 
     # ---------------------------------------------------------------- finish
     def on_partial_tail(self, request, block_ids, offloads) -> None:

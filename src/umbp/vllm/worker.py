@@ -8,6 +8,7 @@ failed load (vLLM recomputes), never wrong bytes in the KV cache.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 
@@ -47,7 +48,8 @@ class WorkerSide:
         self.failed: dict[int, set[str]] = {}
         self.finished_loads: set[str] = set()
         self.failed_loads: set[str] = set()
-        self.stats = UMBPStats()
+        self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
+        self.totals: Counter[str] = Counter()  # since start, for `umbp stats`-style inspection and tests
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
@@ -71,6 +73,10 @@ class WorkerSide:
     def rank_key(self, group: int, prefix_hash: bytes) -> str:
         return object_key(self.layout.namespace, self.rank, group, prefix_hash)
 
+    def count(self, key: str, value: int = 1) -> None:
+        self.stats.add(key, value)
+        self.totals[key] += value
+
     # ---------------------------------------------------------------- saves
     def save(self, meta: UMBPConnectorMetadata) -> None:
         for job in meta.saves:
@@ -82,7 +88,7 @@ class WorkerSide:
                 for move in job.moves:
                     self.slots.pop(move.offset, None)
                 self.failed.setdefault(job.job_id, set()).add(self.rank.tag())
-                self.stats.add("save_failures", len(job.moves))
+                self.count("save_failures", len(job.moves))
 
     def _save_job(self, job: SaveJob) -> None:
         pages = self.groups.get(job.group)
@@ -91,7 +97,7 @@ class WorkerSide:
         data = pages.gather([m.block_id for m in job.moves]).cpu()
         for i, move in enumerate(job.moves):
             self._write(move, job.group, data[i])
-        self.stats.add("stored_bytes_rank", data.numel())
+        self.count("stored_bytes_rank", data.numel())
 
     def _write(self, move: PageMove, group: int, page: torch.Tensor) -> None:
         if page.numel() > move.nbytes:
@@ -113,7 +119,7 @@ class WorkerSide:
             self.finished_loads.add(job.req_id)
             if not ok:
                 self.failed_loads.add(job.req_id)
-                self.stats.add("load_failures_rank")
+                self.count("load_failures_rank")
 
     def _load_job(self, job: LoadJob) -> bool:
         staged: list[tuple[GroupPages, list[int], torch.Tensor]] = []
@@ -128,7 +134,7 @@ class WorkerSide:
             staged.append((pages, [m.block_id for m in moves], data))
         for pages, block_ids, data in staged:
             pages.scatter(block_ids, data)
-            self.stats.add("loaded_bytes", data.numel())
+            self.count("loaded_bytes", data.numel())
         return True
 
     def _read(self, move: PageMove, group: int, nbytes: int, out: torch.Tensor) -> bool:
@@ -141,7 +147,7 @@ class WorkerSide:
         if self.cfg.checksum and digest != held[1]:
             logger.warning("umbp: checksum mismatch for %s; treating as a miss", expected)
             self.slots.pop(move.offset, None)
-            self.stats.add("checksum_failures")
+            self.count("checksum_failures")
             return False
         return True
 
