@@ -41,6 +41,7 @@ def run_setting(arch: str, model_dir: Path, prompt: list[int], args, boundary_pa
         turn1 = H.run_prompt(llm, prompt, max_tokens=args.max_tokens)
         H.drop_gpu_prefix_cache(llm)
         turn2 = H.run_prompt(llm, prompt, max_tokens=args.max_tokens)
+        umbp_totals = dict(umbp_scheduler(llm).totals) if umbp_scheduler(llm) is not None else {}
         turn3 = H.run_prompt(llm, prompt, max_tokens=args.max_tokens)
     finally:
         H.shutdown_llm(llm)
@@ -48,12 +49,22 @@ def run_setting(arch: str, model_dir: Path, prompt: list[int], args, boundary_pa
     return {
         "boundary_page": boundary_page,
         "gpu_prefix_hit": turn3.num_cached_tokens,
+        "umbp_counters_after_turn2": umbp_totals,
         "restored_from_umbp": turn2.num_cached_tokens,
         "tokens_identical": turn2.token_ids == turn3.token_ids == turn1.token_ids,
         "max_abs_logprob_diff": max_dlp,
         "logprobs_identical": max_dlp <= 1e-5,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def umbp_scheduler(llm):
+    """The scheduler-side umbp state of an in-process engine (None in multiprocess mode)."""
+    try:
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    except AttributeError:
+        return None
+    return getattr(connector, "_sched", None)
 
 
 def run(args: argparse.Namespace) -> int:
