@@ -7,9 +7,13 @@ the local prefix hit vLLM itself reaches for the same prompt.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytestmark = pytest.mark.vllm
+if os.environ.get("UMBP_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
 
 from sched_harness import GroupDef, build  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
