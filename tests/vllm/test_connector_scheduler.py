@@ -161,3 +161,22 @@ def test_preemption_under_block_pressure(tmp_path):
     for req_id, prompt in (("C", p1), ("D", p2)):
         hit, mism = restore(h, req_id, prompt)
         assert hit > 0 and mism == []
+
+
+@pytest.mark.parametrize("decode_saves", [False, True])
+def test_multi_turn_extension_restores_what_a_local_hit_would(tmp_path, decode_saves):
+    # agentic turn 2 = turn 1's prompt + its reply + a tool output
+    h = build(tmp_path, [GroupDef("fa", 64), GroupDef("mamba", 64)], unit=16,
+              extra={"dram_bytes": 64 << 20, "decode_saves": decode_saves}, retention=None)
+    turn1 = PROMPT[:300]
+    req = h.add("A", turn1, max_tokens=40)
+    h.run()
+    turn2 = turn1 + list(req.output_token_ids) + PROMPT[300:400]
+    local = h.local_hit(turn2)
+    assert h.sched.reset_prefix_cache()
+    hit, mism = restore(h, "B", turn2)
+    assert mism == []
+    if decode_saves:
+        assert hit == local
+    else:
+        assert 0 < hit <= local
