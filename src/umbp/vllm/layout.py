@@ -35,17 +35,20 @@ class Layout:
 
 
 def umbp_group(spec) -> object:
+    """The umbp.hybrid group for a vLLM spec; `tag` keeps groups vLLM looks up separately apart (vLLM
+    merges only groups whose specs are equal)."""
+    tag = repr(spec)
     if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindow(block_size=spec.block_size, window=spec.sliding_window)
+        return SlidingWindow(block_size=spec.block_size, window=spec.sliding_window, tag=tag)
     if isinstance(spec, FullAttentionSpec):
-        return FullAttention(block_size=spec.block_size)
+        return FullAttention(block_size=spec.block_size, tag=tag)
     if isinstance(spec, MambaSpec):
         if spec.mamba_cache_mode != "align":
             raise UnsupportedLayout(
                 f"umbp: Mamba group uses mamba_cache_mode={spec.mamba_cache_mode!r}; umbp restores hybrid "
                 "state only in 'align' mode: start vLLM with --enable-prefix-caching (align is then the default)"
             )
-        return RecurrentState(block_size=spec.block_size)
+        return RecurrentState(block_size=spec.block_size, tag=tag)
     raise UnsupportedLayout(
         f"umbp: KV-cache spec {type(spec).__name__} is not supported yet; umbp handles full attention "
         "(incl. MLA), sliding window and Mamba-style recurrent state"

@@ -1,0 +1,107 @@
+"""vLLM 0.32's real KV-cache coordinator as an oracle for ``umbp.hybrid.longest_hit``.
+
+The coordinator is built exactly as the engine builds it (``get_kv_cache_coordinator``), over a
+``KVCacheConfig`` whose groups mirror the umbp groups. Its block pool's prefix-cache map is filled with one
+fake ``KVCacheBlock`` per present object, so vLLM's own ``BlockPool.get_cached_block`` answers from the
+present sets; a block's id encodes ``(group, token end)`` and turns the returned block lists back into load
+sets. Nothing is allocated and no model, tokenizer or VllmConfig is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Sequence
+
+import torch
+from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, make_block_hash_with_group_id
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from umbp.hybrid import CacheGroup, FullAttention, RecurrentState, SlidingWindow
+
+_END = 10**9  # block id = group * _END + token end (ids > 0: 0 is vLLM's null block)
+
+
+def vllm_spec(group: CacheGroup) -> KVCacheSpec:
+    """The vLLM spec of a umbp group; ``tag`` picks the head size / state shape, so groups equal in umbp
+    (same geometry and tag) are equal specs in vLLM, which looks them up jointly."""
+    variant = 8 + int(group.tag or 0)
+    if isinstance(group, FullAttention):
+        return FullAttentionSpec(
+            block_size=group.block_size, num_kv_heads=1, head_size=variant, dtype=torch.float32
+        )
+    if isinstance(group, SlidingWindow):
+        return SlidingWindowSpec(
+            block_size=group.block_size,
+            num_kv_heads=1,
+            head_size=variant,
+            dtype=torch.float32,
+            sliding_window=group.window,
+        )
+    if isinstance(group, RecurrentState):
+        return MambaSpec(
+            block_size=group.block_size,
+            shapes=((variant,),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+        )
+    raise TypeError(group)
+
+
+def vllm_longest_hit(
+    groups: Sequence[CacheGroup],
+    unit: int,
+    present: Sequence[Collection[int]],
+    max_tokens: int,
+    hashed_tokens: int,
+    use_eagle: bool,
+    flagged: Iterable[int] = (),
+) -> tuple[int, tuple[tuple[int, ...], ...], int]:
+    """``(hit tokens, per-group load ends, hit alignment)`` from vLLM's coordinator.
+
+    ``use_eagle``: the scheduler's ``use_eagle_block_drop``; ``flagged``: groups annotated
+    ``is_eagle_group`` (vLLM flags all when EAGLE is on and none is annotated).
+    """
+    flagged = set(flagged)
+    kv_groups = [
+        KVCacheGroupSpec([f"layer{g}"], vllm_spec(spec), is_eagle_group=g in flagged)
+        for g, spec in enumerate(groups)
+    ]
+    config = KVCacheConfig(
+        num_blocks=2, kv_cache_tensors=[], kv_cache_groups=kv_groups, prefix_cache_retention_interval=None
+    )
+    sizes = [g.block_size for g in groups]
+    coordinator = get_kv_cache_coordinator(
+        config,
+        max_model_len=1 << 20,
+        max_in_flight_tokens=1 << 12,
+        use_eagle=use_eagle,
+        enable_caching=True,
+        enable_kv_cache_events=False,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=math.lcm(*sizes) if len(sizes) > 1 else sizes[0],
+        hash_block_size=unit,
+    )
+    hashes = [BlockHash(t.to_bytes(8, "big")) for t in range(unit, hashed_tokens + 1, unit)]
+    cache = coordinator.block_pool.cached_block_hash_to_block
+    for g, ends in enumerate(present):
+        for t in ends:
+            if t <= hashed_tokens:
+                key = make_block_hash_with_group_id(hashes[t // unit - 1], g)
+                cache.insert(key, KVCacheBlock(block_id=g * _END + t))
+    blocks, tokens, _ = coordinator.find_longest_cache_hit(hashes, max_tokens)
+    loads = []
+    for g, group_blocks in enumerate(blocks):
+        ends = [b.block_id for b in group_blocks if not b.is_null]
+        assert all(i // _END == g for i in ends), f"group {g} got another group's block: {ends}"
+        loads.append(tuple(i % _END for i in ends))
+    alignment = getattr(coordinator, "_cache_hit_alignment_tokens", coordinator.scheduler_block_size)
+    return tokens, tuple(loads), alignment
