@@ -1,0 +1,49 @@
+"""Layer 2: the pool. Batched exists/put/get over tiers; the first tier is DRAM.
+
+    from umbp.pool import DramPool
+    pool = DramPool(capacity_bytes=8 << 30)          # or DramPool.from_options({"dram_gb": 8})
+    pool.put(["k"], [buf]); pool.get_into(["k"], [out])
+
+`DramIndex` (metadata) and `Arena` (bytes) are the two halves of `DramPool`, usable apart (the vLLM
+connector keeps the index in the scheduler and one arena per worker). Depends on numpy; torch optional.
+"""
+
+from umbp.pool.allocator import PageAllocator
+from umbp.pool.arena import Arena
+from umbp.pool.base import Pool
+from umbp.pool.dram import OPTIONS, DramPool
+from umbp.pool.errors import (
+    BufferSizeError,
+    BufferTypeError,
+    CapacityError,
+    ObjectTooLargeError,
+    OptionValueError,
+    PinnedMemoryError,
+    SlotStateError,
+    UmbpError,
+    UmbpValueError,
+    UnknownOptionError,
+)
+from umbp.pool.index import DramIndex, Slot
+from umbp.pool.psum import checksum
+
+__all__ = [
+    "OPTIONS",
+    "Arena",
+    "BufferSizeError",
+    "BufferTypeError",
+    "CapacityError",
+    "DramIndex",
+    "DramPool",
+    "ObjectTooLargeError",
+    "OptionValueError",
+    "PageAllocator",
+    "PinnedMemoryError",
+    "Pool",
+    "Slot",
+    "SlotStateError",
+    "UmbpError",
+    "UmbpValueError",
+    "UnknownOptionError",
+    "checksum",
+]

@@ -1,0 +1,346 @@
+"""DramIndex: the metadata half of the DRAM tier (keys, slots, LRU, pins), with no bytes.
+
+Why separate: in vLLM's embedded mode the scheduler process owns the index and hands out slot offsets,
+while every worker process owns its own Arena and copies its shard of each object at that same offset.
+
+Object life cycle::
+
+    reserve(key, n) -> Slot   (invisible to lookup; the caller copies into the slot)
+      commit(key)             (visible; joins the LRU)        or  abort(key)  (freed)
+    pin([key]) -> [Slot]      (read pin: never evicted, overwritten or freed while pinned)
+      unpin([key])            (back in the LRU as most recently used)
+    remove([key]) / clear()   (invisible at once; the pages of pinned or reserved objects are freed
+                               only at the last unpin / at commit or abort)
+
+Eviction takes least recently used committed, unpinned objects: when a reservation would lift usage above
+the high watermark it evicts down to the low watermark, and when no free run is long enough it keeps
+evicting until one is. A reservation that still cannot fit returns None (counted in stats).
+
+Not thread-safe on purpose: the owner serialises calls (DramPool holds one lock; the vLLM scheduler is
+single-threaded), so the hot path pays for no second lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from umbp.pool.allocator import PageAllocator
+from umbp.pool.errors import (
+    BufferSizeError,
+    CapacityError,
+    ObjectTooLargeError,
+    OptionValueError,
+    SlotStateError,
+    human_bytes,
+)
+
+ABSENT, PENDING, COMMITTED, BUSY = "absent", "pending", "committed", "busy"
+
+
+class Slot(NamedTuple):
+    """Where an object lives in the arena. `checksum` is whatever the committer recorded (DramPool stores
+    the psum64 of the bytes; the embedded connector may leave it None and keep checksums per worker).
+    A NamedTuple rather than a frozen dataclass: it is built on every reserve and costs a fraction."""
+
+    offset: int
+    nbytes: int
+    checksum: int | None = None
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: str
+    slot: Slot
+    start: int  # first page
+    npages: int
+    pins: int = 0
+    doomed: bool = False  # removed while pinned or reserved: free when the last user lets go
+
+
+def check_capacity(capacity_bytes: Any, alignment: Any = 4096) -> None:
+    """Raise a clear error for a capacity/alignment that cannot make an arena."""
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 8 or alignment & (alignment - 1):
+        raise OptionValueError(
+            f"umbp: alignment must be a power of two >= 8 bytes, got {alignment!r}; the default 4096 suits KV pages"
+        )
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        raise OptionValueError(
+            f"umbp: capacity_bytes must be an int number of bytes, got {capacity_bytes!r}; "
+            "e.g. capacity_bytes=8 << 30, or dram_gb=8 in options"
+        )
+    if capacity_bytes <= 0:
+        raise CapacityError(
+            f"umbp: capacity_bytes must be > 0, got {capacity_bytes}; set capacity_bytes (dram_gb) to the "
+            "DRAM the pool may use, e.g. capacity_bytes=8 << 30"
+        )
+    if capacity_bytes < alignment:
+        raise CapacityError(
+            f"umbp: capacity_bytes={capacity_bytes} is smaller than one {alignment}-byte page; "
+            "raise capacity_bytes (dram_gb)"
+        )
+
+
+def check_watermarks(high_watermark: Any, low_watermark: Any) -> None:
+    ok = all(isinstance(w, int | float) and not isinstance(w, bool) for w in (high_watermark, low_watermark))
+    if not ok or not 0 < low_watermark <= high_watermark <= 1:
+        raise OptionValueError(
+            "umbp: watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, got "
+            f"high_watermark={high_watermark!r}, low_watermark={low_watermark!r}; "
+            "e.g. high_watermark=0.95, low_watermark=0.85"
+        )
+
+
+def too_large_error(key: str, nbytes: int, capacity_bytes: int) -> ObjectTooLargeError:
+    return ObjectTooLargeError(
+        f"umbp: object '{key}' is {human_bytes(nbytes)} but the DRAM arena holds {human_bytes(capacity_bytes)}; "
+        "raise capacity_bytes (dram_gb) or store smaller pages"
+    )
+
+
+class DramIndex:
+    """key -> Slot(offset, nbytes) inside a fixed capacity; no bytes. See the module docstring."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        alignment: int = 4096,
+        *,
+        track_evicted: bool = True,
+    ) -> None:
+        check_capacity(capacity_bytes, alignment)
+        check_watermarks(high_watermark, low_watermark)
+        self.alignment = alignment
+        self.npages = capacity_bytes // alignment
+        self.capacity_bytes = self.npages * alignment
+        self.high_watermark = float(high_watermark)
+        self.low_watermark = float(low_watermark)
+        self._high_pages = int(self.npages * high_watermark)
+        self._low_pages = int(self.npages * low_watermark)
+        self._alloc = PageAllocator(self.npages)
+        self._live: dict[str, _Entry] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()  # committed and unpinned only, oldest first
+        self._lru_pages = 0
+        self._reserved: dict[str, _Entry] = {}
+        self._doomed: dict[str, _Entry] = {}  # removed while pinned
+        self._track_evicted = track_evicted
+        self._evicted: list[str] = []
+        self._pinned_entries = 0
+        self._live_bytes = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.reserve_failures = 0
+
+    # ---- queries -------------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str], touch: bool = False) -> list[bool]:
+        """Committed keys only. touch=True also marks hits as recently used."""
+        live = self._live
+        if not touch:
+            return [k in live for k in keys]
+        lru = self._lru
+        out = []
+        for k in keys:
+            hit = k in live
+            if hit and k in lru:
+                lru.move_to_end(k)
+            out.append(hit)
+        return out
+
+    def state(self, key: str) -> str:
+        """'committed', 'pending' (reserved, not yet committed), 'busy' (removed but still pinned or
+        being written: cannot be stored again until released) or 'absent'."""
+        if key in self._live:
+            return COMMITTED
+        entry = self._reserved.get(key)
+        if entry is not None:
+            return BUSY if entry.doomed else PENDING
+        return BUSY if key in self._doomed else ABSENT
+
+    def slot_of(self, key: str) -> Slot | None:
+        """The committed slot of key without touching LRU order or pins."""
+        entry = self._live.get(key)
+        return entry.slot if entry is not None else None
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._live
+
+    # ---- writes --------------------------------------------------------------------------------------
+
+    def reserve(self, key: str, nbytes: int) -> Slot | None:
+        """A slot for a new object, evicting LRU objects if needed; None if it cannot fit now (everything
+        else pinned or being written) or the key is busy. The key stays invisible until commit()."""
+        if type(nbytes) is not int or nbytes < 0:  # noqa: E721 - exact type: bool is not a size
+            raise BufferSizeError(f"umbp: object '{key}' has invalid size {nbytes!r}; sizes are ints >= 0 bytes")
+        if nbytes > self.capacity_bytes:
+            raise too_large_error(key, nbytes, self.capacity_bytes)
+        state = self.state(key)
+        if state in (COMMITTED, PENDING):
+            raise SlotStateError(
+                f"umbp: reserve('{key}') but the key is already {state}; lookup()/state() first "
+                "(a duplicate put is a no-op)"
+            )
+        npages = -(-nbytes // self.alignment)
+        if state == BUSY or npages > self._alloc.free_pages + self._lru_pages:
+            self.reserve_failures += 1
+            return None
+        start = self._allocate(npages)
+        if start is None:
+            self.reserve_failures += 1
+            return None
+        entry = _Entry(key, Slot(start * self.alignment, nbytes), start, npages)
+        self._reserved[key] = entry
+        return entry.slot
+
+    def _allocate(self, npages: int) -> int | None:
+        used = self.npages - self._alloc.free_pages
+        if used + npages > self._high_pages:
+            target = max(self._low_pages - npages, 0)
+            while self._lru and self.npages - self._alloc.free_pages > target:
+                self._evict_one()
+        start = self._alloc.alloc(npages)
+        while start is None and self._lru:
+            self._evict_one()
+            start = self._alloc.alloc(npages)
+        return start
+
+    def _evict_one(self) -> None:
+        key, _ = self._lru.popitem(last=False)
+        entry = self._live.pop(key)
+        self._lru_pages -= entry.npages
+        self._live_bytes -= entry.slot.nbytes
+        self._alloc.free(entry.start, entry.npages)
+        self.evictions += 1
+        self.evicted_bytes += entry.slot.nbytes
+        if self._track_evicted:
+            self._evicted.append(key)
+
+    def commit(self, key: str, checksum: int | None = None) -> bool:
+        """Make a reserved key visible. False if it was removed/cleared meanwhile (its pages are freed)."""
+        entry = self._reserved.pop(key, None)
+        if entry is None:
+            raise SlotStateError(f"umbp: commit('{key}') without a reservation; call reserve() first")
+        if entry.doomed:
+            self._alloc.free(entry.start, entry.npages)
+            return False
+        if checksum is not None:
+            entry.slot = Slot(entry.slot.offset, entry.slot.nbytes, checksum)
+        self._live[key] = entry
+        self._lru[key] = None
+        self._lru_pages += entry.npages
+        self._live_bytes += entry.slot.nbytes
+        return True
+
+    def abort(self, key: str) -> None:
+        """Give a reservation back (the copy failed or was cancelled)."""
+        entry = self._reserved.pop(key, None)
+        if entry is None:
+            raise SlotStateError(f"umbp: abort('{key}') without a reservation")
+        self._alloc.free(entry.start, entry.npages)
+
+    def pin(self, keys: Sequence[str]) -> list[Slot | None]:
+        """Read-pin committed keys (None for a miss). Pins nest; every pin needs one unpin."""
+        out: list[Slot | None] = []
+        for k in keys:
+            entry = self._live.get(k)
+            if entry is None:
+                out.append(None)
+                continue
+            if entry.pins == 0:
+                del self._lru[k]
+                self._lru_pages -= entry.npages
+                self._pinned_entries += 1
+            entry.pins += 1
+            out.append(entry.slot)
+        return out
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        for k in keys:
+            entry = self._live.get(k)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+                if entry.pins == 0:
+                    self._pinned_entries -= 1
+                    self._lru[k] = None  # a read is a use: most recently used
+                    self._lru_pages += entry.npages
+                continue
+            entry = self._doomed.get(k)
+            if entry is None:
+                raise SlotStateError(f"umbp: unpin('{k}') without a matching pin")
+            entry.pins -= 1
+            if entry.pins == 0:
+                self._pinned_entries -= 1
+                del self._doomed[k]
+                self._alloc.free(entry.start, entry.npages)
+
+    def remove(self, keys: Iterable[str]) -> int:
+        """Make keys absent; returns how many were committed. Pinned/reserved pages are freed later."""
+        removed = 0
+        for k in keys:
+            entry = self._live.pop(k, None)
+            if entry is None:
+                pending = self._reserved.get(k)
+                if pending is not None:
+                    pending.doomed = True
+                continue
+            removed += 1
+            self._live_bytes -= entry.slot.nbytes
+            if entry.pins:
+                entry.doomed = True
+                self._doomed[k] = entry
+            else:
+                del self._lru[k]
+                self._lru_pages -= entry.npages
+                self._alloc.free(entry.start, entry.npages)
+        return removed
+
+    def clear(self) -> int:
+        """Remove every object and cancel every reservation; returns how many objects were removed."""
+        removed = self.remove(list(self._live))
+        for entry in self._reserved.values():
+            entry.doomed = True
+        return removed
+
+    def drain_evicted(self) -> list[str]:
+        """Keys evicted since the last call (empty unless track_evicted), so the owner can tell others."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    # ---- reporting -----------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        align = self.alignment
+        used = (self.npages - self._alloc.free_pages) * align
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": used,
+            "stored_bytes": self._live_bytes,
+            "free_bytes": self.capacity_bytes - used,
+            "largest_free_bytes": self._alloc.largest_free() * align,
+            "evictable_bytes": self._lru_pages * align,
+            "objects": len(self._live),
+            "reserved": len(self._reserved),
+            "pinned": self._pinned_entries,
+            "deferred_frees": len(self._doomed) + sum(e.doomed for e in self._reserved.values()),
+            "evictions": self.evictions,
+            "evicted_bytes": self.evicted_bytes,
+            "reserve_failures": self.reserve_failures,
+            "high_watermark": self.high_watermark,
+            "low_watermark": self.low_watermark,
+            "alignment": align,
+        }
+
+    def allocations(self) -> list[tuple[str, int, int, str]]:
+        """(key, offset, allocated bytes, state) of every entry holding pages; for tests and debugging."""
+        align = self.alignment
+        rows = [(e.key, e.start * align, e.npages * align, "committed") for e in self._live.values()]
+        rows += [(e.key, e.start * align, e.npages * align, "reserved") for e in self._reserved.values()]
+        rows += [(e.key, e.start * align, e.npages * align, "doomed") for e in self._doomed.values()]
+        return rows

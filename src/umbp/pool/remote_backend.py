@@ -1,0 +1,189 @@
+"""Where each key lives on the shared tier: one server, or a Redis Cluster's masters. Layer 2; imports
+redis-py (the `redis` extra).
+
+Redis key layout (documented in docs/remote.md):
+
+* one server: ``<key_prefix>d:<key>`` holds the value (header + bytes), ``<key_prefix>m:<key>`` holds the
+  1-byte marker ``1`` that lookups read (an MGET of markers answers 8,192 keys in one command, where the
+  values themselves would be gigabytes);
+* cluster: ``<key_prefix>{<tag>}d:<key>`` and ``<key_prefix>{<tag>}m:<key>``, tag = the key's last
+  `hash_tag_chars` characters. umbp keys end in the engine's prefix hash (hex), so every rank's and every
+  group's shard at one prefix boundary shares a tag, hence a hash slot and a master: a lookup costs one MGET
+  per tag (at most 16**N) instead of one command per key, value and marker are written in one MULTI, and a
+  master that dies takes whole logical objects with it rather than one shard of many.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from umbp.pool.remote_config import RemoteConfig
+
+MGET_CHUNK = 16_384  # keys per MGET: bounds one request and one reply, costs nothing at 8,192 keys
+
+
+@dataclass(frozen=True)
+class Group:
+    """Keys sharing one Redis key prefix (and so, in a cluster, one slot): indices into the caller's batch."""
+
+    prefix: str
+    indices: range | list[int]
+
+    def keys(self, keys: list[str]) -> list[str]:
+        idx = self.indices
+        if isinstance(idx, range):
+            return keys[idx.start : idx.stop]
+        return [keys[i] for i in idx]
+
+
+def client_kwargs(cfg: RemoteConfig) -> dict[str, Any]:
+    """redis-py connection settings: no retries (a failure is a miss; the tier decides when to reconnect),
+    RESP2, no health-check pings on the hot path."""
+    kw: dict[str, Any] = {
+        "username": cfg.username, "password": cfg.password, "socket_timeout": cfg.timeout_s,
+        "socket_connect_timeout": cfg.connect_timeout_s, "max_connections": cfg.max_connections,
+        "protocol": 2, "retry": Retry(NoBackoff(), 0), "health_check_interval": 0, "client_name": "umbp",
+        "socket_keepalive": True,
+    }
+    if cfg.tls:
+        kw.update(ssl_ca_certs=cfg.tls_ca_file, ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file,
+                  ssl_cert_reqs="required" if cfg.tls_verify else "none",
+                  ssl_check_hostname=cfg.tls_check_hostname)
+    return kw
+
+
+class Standalone:
+    """One server: every key in one group, one connection pool."""
+
+    def __init__(self, cfg: RemoteConfig) -> None:
+        ep = cfg.endpoints[0]
+        kw = client_kwargs(cfg)
+        if cfg.tls:
+            kw["connection_class"] = redis.SSLConnection
+        self.name = ep.name
+        self._prefix = cfg.key_prefix
+        self._pool = redis.ConnectionPool(host=ep.host, port=ep.port, db=ep.db, **kw)
+        self._client = redis.Redis(connection_pool=self._pool)
+
+    def groups(self, keys: list[str]) -> dict[str, list[Group]]:
+        n = len(keys)
+        return {self.name: [Group(self._prefix, range(i, min(i + MGET_CHUNK, n))) for i in range(0, n, MGET_CHUNK)]}
+
+    def pool(self, node: str) -> redis.ConnectionPool:
+        return self._pool
+
+    def client(self) -> redis.Redis:
+        return self._client
+
+    def primaries(self) -> list[redis.Redis]:
+        return [self._client]
+
+    def refresh(self) -> None:
+        """Nothing to rediscover on one server."""
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+
+class Cluster:
+    """Redis Cluster: keys grouped by hash tag, tags mapped to masters through redis-py's slot table.
+
+    The RedisCluster client is made lazily (its constructor talks to the cluster), so a tier built while
+    the cluster is down still starts; until it is up every call is a counted miss."""
+
+    def __init__(self, cfg: RemoteConfig) -> None:
+        self._cfg = cfg
+        self._chars = cfg.hash_tag_chars
+        self._rc: RedisCluster | None = None
+        self._lock = threading.Lock()
+        self._slots: dict[str, int] = {}
+        self._last_refresh = 0.0
+        self.name = "cluster"
+
+    def client(self) -> RedisCluster:
+        rc = self._rc
+        if rc is None:
+            with self._lock:
+                if self._rc is None:
+                    self._rc = self._connect()
+                rc = self._rc
+        return rc
+
+    def _connect(self) -> RedisCluster:
+        cfg = self._cfg
+        nodes = [ClusterNode(ep.host, ep.port) for ep in cfg.endpoints]
+        kw = client_kwargs(cfg)
+        if cfg.tls:
+            kw["ssl"] = True
+        try:
+            return RedisCluster(startup_nodes=nodes, require_full_coverage=False, **kw)
+        except redis.RedisError as exc:
+            raise redis.ConnectionError(f"umbp: cannot reach the cluster: {exc}") from None
+
+    def groups(self, keys: list[str]) -> dict[str, list[Group]]:
+        rc = self.client()
+        chars = self._chars
+        by_tag: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            t = k[-chars:]
+            lst = by_tag.get(t)
+            if lst is None:
+                by_tag[t] = [i]
+            else:
+                lst.append(i)
+        out: dict[str, list[Group]] = {}
+        for tag, idx in _safe_tags(by_tag).items():
+            prefix = f"{self._cfg.key_prefix}{{{tag}}}"
+            node = rc.nodes_manager.get_node_from_slot(self._slot(prefix)).name
+            out.setdefault(node, []).append(Group(prefix, idx))
+        return out
+
+    def _slot(self, prefix: str) -> int:
+        slot = self._slots.get(prefix)
+        if slot is None:
+            slot = self._slots[prefix] = key_slot(prefix.encode())
+        return slot
+
+    def pool(self, node: str) -> redis.ConnectionPool:
+        cn = self.client().get_node(node_name=node)
+        if cn is None or cn.redis_connection is None:
+            raise redis.ConnectionError(f"umbp: cluster node {node} is not in the topology any more")
+        return cn.redis_connection.connection_pool
+
+    def primaries(self) -> list[redis.Redis]:
+        rc = self.client()
+        return [n.redis_connection for n in rc.get_primaries() if n.redis_connection is not None]
+
+    def refresh(self, min_interval_s: float = 0.5) -> None:
+        """Re-read the slot table (after MOVED, or a node failure that may mean a failover); rate-limited."""
+        now = time.monotonic()
+        if self._rc is None or now - self._last_refresh < min_interval_s:
+            return
+        self._last_refresh = now
+        try:
+            self._rc.nodes_manager.initialize()
+        except redis.RedisError:
+            pass  # the next failure tries again; until then keys routed to dead nodes are misses
+
+    def close(self) -> None:
+        if self._rc is not None:
+            self._rc.close()
+
+
+def _safe_tags(by_tag: dict[str, list[int]]) -> dict[str, list[int]]:
+    """A tag must be non-empty and brace-free or Redis would hash a different part of the key than we
+    routed on; such tags (only from unusual keys) are rewritten and their groups merged."""
+    bad = [t for t in by_tag if not t or "{" in t or "}" in t]
+    for t in bad:
+        safe = t.replace("{", "(").replace("}", ")") or "_"
+        by_tag.setdefault(safe, []).extend(by_tag.pop(t))
+    return by_tag

@@ -1,0 +1,231 @@
+"""Just enough RESP2 to run the shared tier's three hot paths (lookup, load, save) on redis-py's own
+connections.
+
+Why not redis-py's command API for these: it builds a Python object per reply element and a bytes
+object per value. An 8,192-key lookup then costs ~30 ms of client CPU instead of ~1 ms, and a 4 MiB load
+is copied twice before it reaches the caller's buffer. Here a lookup is one MGET whose reply is decoded
+with numpy, and a load streams the value straight into the destination (`recv_into`). Everything else —
+connecting, AUTH/ACL, TLS, timeouts, the connection pool, cluster topology, MOVED/ASK on the slow path —
+stays redis-py's.
+
+A `Wire` is made per checkout of a connection and must be drained before the connection goes back to
+the pool; any error (timeout, short read, unexpected reply) means the stream position is unknown, so the
+caller disconnects the connection instead of returning it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+CRLF = b"\r\n"
+_COALESCE = 128 * 1024  # parts below this are copied into one send; larger ones go out as they are
+_DOLLAR, _DASH = ord("$"), ord("-")
+
+
+class ProtocolError(ConnectionError):
+    """The reply did not have the expected shape: the connection must be dropped."""
+
+
+@dataclass(frozen=True)
+class ReplyError:
+    """An error reply ('-MOVED 3999 127.0.0.1:7001', '-CLUSTERDOWN ...'); returned, not raised, so a
+    pipeline's later replies can still be read."""
+
+    message: str
+
+    @property
+    def redirect(self) -> bool:
+        return self.message.startswith(("MOVED ", "ASK "))
+
+
+def command(*args: bytes | str | int) -> bytes:
+    """One command as RESP (small arguments only)."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+def bulk_keys(prefix: str, keys: Sequence[str]) -> bytes:
+    """`$len\\r\\n<prefix><key>\\r\\n` for every key, concatenated. When all keys are ASCII and of one
+    length (one model's keys are), this is a single C-level join instead of a Python loop per key."""
+    if not keys:
+        return b""
+    if len(set(map(len, keys))) == 1 and prefix.isascii():
+        n = len(keys[0]) + len(prefix)
+        body = f"\r\n${n}\r\n{prefix}".join(keys)
+        if body.isascii():  # then characters are bytes and every '$n' is right
+            return f"${n}\r\n{prefix}{body}\r\n".encode()
+    parts = []
+    for k in keys:
+        kb = (prefix + k).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(kb), kb))
+    return b"".join(parts)
+
+
+def multi_key_command(name: bytes, prefix: str, keys: Sequence[str]) -> bytes:
+    """`name <prefix>k1 <prefix>k2 ...` (e.g. MGET over marker keys)."""
+    return b"*%d\r\n$%d\r\n%s\r\n" % (len(keys) + 1, len(name), name) + bulk_keys(prefix, keys)
+
+
+class Wire:
+    """Buffered reads and scatter writes on one connected redis-py connection's socket."""
+
+    def __init__(self, conn: Any, bufsize: int = 256 * 1024) -> None:
+        sock = getattr(conn, "_sock", None)
+        if sock is None:
+            raise ConnectionError("umbp: redis connection is not connected")
+        self.sock = sock
+        self.buf = bytearray(bufsize)
+        self.mv = memoryview(self.buf)
+        self.start = self.end = 0
+
+    # ---- writing ------------------------------------------------------------------------------------
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Send parts in order: small ones coalesced into one syscall, large ones without a copy."""
+        pending: list[bytes | memoryview] = []
+        size = 0
+        for p in parts:
+            if len(p) >= _COALESCE:
+                if pending:
+                    self.sock.sendall(b"".join(pending))
+                    pending, size = [], 0
+                self.sock.sendall(p)
+            else:
+                pending.append(p)
+                size += len(p)
+                if size >= _COALESCE:
+                    self.sock.sendall(b"".join(pending))
+                    pending, size = [], 0
+        if pending:
+            self.sock.sendall(b"".join(pending))
+
+    # ---- reading ------------------------------------------------------------------------------------
+
+    @property
+    def drained(self) -> bool:
+        return self.start == self.end
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            if self.start == 0:  # one reply longer than the buffer: grow it (a new buffer, since
+                grown = bytearray(2 * len(self.buf))  # numpy views of the old one may still exist)
+                grown[: self.end] = self.buf
+                self.buf, self.mv = grown, memoryview(grown)
+            else:
+                n = self.end - self.start
+                self.buf[:n] = self.buf[self.start : self.end]
+                self.start, self.end = 0, n
+        got = self.sock.recv_into(self.mv[self.end :])
+        if not got:
+            raise ConnectionError("umbp: the server closed the connection")
+        self.end += got
+
+    def line(self) -> bytes:
+        while True:
+            i = self.buf.find(CRLF, self.start, self.end)
+            if i >= 0:
+                out = bytes(self.mv[self.start : i])
+                self.start = i + 2
+                return out
+            self._fill()
+
+    def read_into(self, dst: memoryview) -> None:
+        """Fill dst exactly: first from the buffer, then straight from the socket (no extra copy)."""
+        n = len(dst)
+        have = min(n, self.end - self.start)
+        if have:
+            dst[:have] = self.mv[self.start : self.start + have]
+            self.start += have
+        got = have
+        while got < n:
+            k = self.sock.recv_into(dst[got:])
+            if not k:
+                raise ConnectionError("umbp: the server closed the connection")
+            got += k
+
+    def discard(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n:
+            step = min(n, len(scratch))
+            self.read_into(scratch[:step])
+            n -= step
+
+    def expect_crlf(self) -> None:
+        if self.line() != b"":
+            raise ProtocolError("umbp: a bulk reply did not end where its length said")
+
+    def reply(self) -> Any:
+        """One reply: bytes (status/bulk), int, None, list, or ReplyError."""
+        head = self.line()
+        if not head:
+            raise ProtocolError("umbp: empty reply line")
+        kind, rest = head[:1], head[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return ReplyError(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            out = bytearray(n)
+            self.read_into(memoryview(out))
+            self.expect_crlf()
+            return bytes(out)
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self.reply() for _ in range(n)]
+        raise ProtocolError(f"umbp: unexpected reply type {kind!r}")
+
+    def markers(self, n: int) -> np.ndarray | ReplyError:
+        """Decode an MGET reply over n marker keys (values are the 1-byte '1') into a bool array."""
+        head = self.line()
+        if head.startswith(b"-"):
+            return ReplyError(head[1:].decode(errors="replace"))
+        if head != b"*%d" % n:
+            raise ProtocolError(f"umbp: expected an array of {n} markers, got {head[:40]!r}")
+        while True:  # each element is '$-1\r\n' (absent, 5 bytes) or '$1\r\n1\r\n' (present, 7 bytes)
+            a = np.frombuffer(self.mv[self.start : self.end], np.uint8)
+            present, used = _scan_markers(a, n)
+            if present is not None:
+                self.start += used
+                return present
+            self._fill()
+
+
+def _scan_markers(a: np.ndarray, n: int) -> tuple[np.ndarray | None, int]:
+    """(present flags, bytes used) once the buffer holds all n elements, else (None, 0)."""
+    if a.size < 5 * n:
+        return None, 0
+    pos = np.flatnonzero(a == _DOLLAR)
+    if pos.size < n:
+        return None, 0
+    pos = pos[:n]
+    present = a[np.minimum(pos + 1, a.size - 1)] != _DASH
+    ends = pos + np.where(present, 7, 5)
+    if ends[-1] > a.size:
+        return None, 0
+    expect = np.concatenate(([0], ends[:-1]))
+    if not np.array_equal(pos, expect) or not _well_formed(a, pos, present):
+        raise ProtocolError("umbp: a marker key holds something other than umbp's marker")
+    return present, int(ends[-1])
+
+
+def _well_formed(a: np.ndarray, pos: np.ndarray, present: np.ndarray) -> bool:
+    absent = pos[~present]
+    hit = pos[present]
+    ok_absent = all(np.array_equal(a[absent + i], np.full(absent.size, c, np.uint8))
+                    for i, c in enumerate(b"$-1\r\n"))
+    ok_hit = all(np.array_equal(a[hit + i], np.full(hit.size, c, np.uint8)) for i, c in enumerate(b"$1\r\n1\r\n"))
+    return ok_absent and ok_hit

@@ -1,0 +1,1119 @@
+"""SsdTier: the SSD tier. Objects go into append-only segment files (format: umbp.pool.ssd_format,
+docs/ssd.md) written by one background thread per directory; a restarted process serves what is on disk.
+
+Why this shape:
+
+* `put` never waits for the disk: it copies the caller's bytes (and computes their psum64 on the fly)
+  into a bounded staging buffer laid out exactly as the on-disk record, and returns. A full buffer is a
+  skipped save (False, counted as `dropped_backpressure`), not a stall of the engine's step.
+* A queued object is served from the staging buffer, so an object is visible from the moment `put`
+  returns True until it is removed or evicted: a DRAM eviction that demotes here leaves no gap.
+* Space is reclaimed oldest segment first (a log): the least recently used objects are evicted down to a
+  low watermark, the live objects left in the oldest segment are copied to the head, and the segment is
+  deleted. Deleting oldest-first means an older version of a key never outlives a newer one, so a
+  restart never serves stale bytes; tombstones (written by `remove`) need no bookkeeping for the same
+  reason.
+* Several directories (drives) are striped by a stable hash of the key; each has its own lock, writer
+  thread and segments, and all versions of a key live in one directory.
+* Every read verifies the record's header (key, length, checksum) and the payload's psum64. A corrupt,
+  truncated, vanished or unreadable record is a miss (counted), never an exception or wrong bytes.
+
+Thread-safety: one lock guards all metadata; copies and disk I/O run outside it, protected by pins
+(staged items, segments being read) so nothing is freed or closed under a reader.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from umbp.pool.allocator import PageAllocator
+from umbp.pool.base import Pool
+from umbp.pool.buffers import as_u8
+from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, OptionValueError, UmbpError, human_bytes
+from umbp.pool.psum import checksum_u8, copy_with_checksum
+from umbp.pool.ssd_format import (
+    BLOCK,
+    DATA,
+    LOCK_NAME,
+    MAX_KEY_BYTES,
+    SUMMARY,
+    TOMBSTONE,
+    RecordInfo,
+    entry_bytes,
+    pack_header,
+    pack_summary,
+    pack_trailer,
+    parse_header,
+    record_bytes,
+    scan,
+    seal_bytes,
+    segment_name,
+)
+
+log = logging.getLogger("umbp.ssd")
+KiB, MiB = 1 << 10, 1 << 20
+COPYING, QUEUED, WRITING, DONE = range(4)  # a staged put's life
+_PUT, _TOMB, _CLEAR = range(3)
+_OK, _MISS, _BAD, _IOERR = range(4)
+_MAX_BATCH_ITEMS = 512  # below IOV_MAX (1024) for one pwritev
+_FATAL_ERRNOS = (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
+
+# The syscalls the tier's I/O goes through; module attributes so fault tests can replace them.
+_pwritev = os.pwritev
+_preadv = os.preadv
+
+
+class SsdError(UmbpError):
+    """A directory the SSD tier cannot use."""
+
+
+class SsdDirectoryError(SsdError):
+    """The directory is missing and cannot be created, is not a directory, or is read-only."""
+
+
+class SsdLockedError(SsdError):
+    """Another process (or another SsdTier in this one) owns the directory."""
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 buffer (anonymous mmap): O_DIRECT needs aligned memory."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, BLOCK)), np.uint8)[:nbytes]
+
+
+class _Loc(NamedTuple):
+    seg: _Segment
+    offset: int
+    length: int
+    checksum: int
+
+
+@dataclass(eq=False, slots=True)
+class _Segment:
+    number: int
+    path: str
+    fd: int
+    size: int = 0  # bytes of valid records (the append offset)
+    sealed: bool = False
+    entries: list[tuple[str, RecordInfo]] = field(default_factory=list)  # for the summary
+    entry_bytes: int = 0
+    live: dict[str, None] = field(default_factory=dict)  # keys whose current record is here
+    reserved: int = 0  # bytes counted against capacity: size, plus the seal to come if unsealed
+    pins: int = 0
+    dead: bool = False  # deleted; the fd is closed at the last unpin
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    """A queued operation: a put (its record image sits in staging), a tombstone, or a clear."""
+
+    kind: int
+    key: str = ""
+    key_bytes: bytes = b""
+    length: int = 0
+    start: int = -1  # first staging page (puts)
+    npages: int = 0
+    checksum: int = 0
+    state: int = COPYING
+    cancelled: bool = False
+    pins: int = 0
+    done: threading.Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.npages * BLOCK if self.kind == _PUT else BLOCK
+
+
+@dataclass(eq=False)
+class _Shard:
+    """One directory: its lock, segments (oldest first), index, LRU, queue and writer thread."""
+
+    number: int
+    directory: str
+    lock_fd: int
+    capacity: int
+    cv: threading.Condition
+    direct: bool
+    scratch: np.ndarray
+    limit: int = 0  # capacity, lowered while the filesystem has less free space
+    segments: list[_Segment] = field(default_factory=list)
+    active: _Segment | None = None
+    next_seq: int = 1
+    next_segment: int = 1
+    index: dict[str, _Loc] = field(default_factory=dict)
+    lru: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    staged: dict[str, _Item] = field(default_factory=dict)
+    queue: deque[_Item] = field(default_factory=deque)
+    live_bytes: int = 0  # on-disk bytes of the indexed records
+    footprint: int = 0  # sum of segments' reserved bytes
+    busy: bool = False
+    failed: str = ""
+    thread: threading.Thread | None = None
+
+
+def _parse_direct(direct_io: Any) -> bool | str:
+    if direct_io in ("auto", True, False):
+        return direct_io
+    raise OptionValueError(f"umbp: direct_io must be 'auto', True or False, got {direct_io!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise OptionValueError(f"umbp: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _ensure_directory(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise SsdDirectoryError(
+            f"umbp: cannot use SSD directory '{directory}': {exc.strerror}; give an existing, writable "
+            "directory (or one whose parent is writable)"
+        ) from None
+    if not os.path.isdir(directory):
+        raise SsdDirectoryError(f"umbp: SSD directory '{directory}' is not a directory")
+
+
+def _lock_directory(directory: str) -> int:
+    """flock the directory's LOCK file; the holder's pid goes into it for the error message."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise SsdDirectoryError(
+            f"umbp: SSD directory '{directory}' is not writable ({exc.strerror}); the SSD tier needs a "
+            "writable directory (read-only media and read-only mounts cannot hold a cache)"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise SsdLockedError(
+            f"umbp: SSD directory '{directory}' is in use by another SsdTier (pid {holder}); two processes "
+            "must not share one directory: give each process (each TP rank) its own subdirectory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class SsdTier(Pool):
+    """The SSD tier: batched exists/put/get_into over segment files in one or more directories.
+
+    capacity_bytes bounds the bytes of segment files (headers and padding included), split evenly across
+    directories; queue_bytes bounds the staging buffer (the most bytes waiting to be written). See
+    docs/ssd.md for every option and counter."""
+
+    def __init__(
+        self,
+        dirs: Sequence[str] | str,
+        capacity_bytes: int,
+        queue_bytes: int = 256 * MiB,
+        direct_io: bool | str = "auto",
+        *,
+        segment_bytes: int | None = None,
+        low_watermark: float = 0.8,
+        max_io_bytes: int = 8 * MiB,
+        io_threads: int = 4,
+        track_evicted: bool = False,
+        health_interval_s: float = 1.0,
+    ) -> None:
+        dirs = [dirs] if isinstance(dirs, str | os.PathLike) else [os.fspath(d) for d in dirs]
+        if not dirs:
+            raise OptionValueError("umbp: SsdTier needs at least one directory")
+        self._direct_mode = _parse_direct(direct_io)
+        shard_cap = _check_int("capacity_bytes", capacity_bytes, 64 * KiB * len(dirs)) // len(dirs)
+        self._queue_bytes = _check_int("queue_bytes", queue_bytes, BLOCK) // BLOCK * BLOCK
+        self._max_io = _check_int("max_io_bytes", max_io_bytes, 64 * KiB) // BLOCK * BLOCK
+        if segment_bytes is None:
+            segment_bytes = min(256 * MiB, max(256 * KiB, shard_cap // 16))
+        self._segment_bytes = _check_int("segment_bytes", segment_bytes, BLOCK) // BLOCK * BLOCK
+        if self._segment_bytes > shard_cap // 4:
+            raise OptionValueError(
+                f"umbp: segment_bytes={segment_bytes} must be at most a quarter of the capacity per directory "
+                f"({shard_cap // 4}); space is reclaimed a segment at a time"
+            )
+        if not isinstance(low_watermark, int | float) or not 0 < low_watermark <= 1:
+            raise OptionValueError(f"umbp: low_watermark must be in (0, 1], got {low_watermark!r}")
+        self._low = float(low_watermark)
+        self._io_threads = _check_int("io_threads", io_threads, 1)
+        self._health_interval = float(health_interval_s)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._staging = aligned_buffer(self._queue_bytes)
+        self._alloc = PageAllocator(self._queue_bytes // BLOCK)
+        self._local = threading.local()
+        self._executor: ThreadPoolExecutor | None = None
+        self._track_evicted = track_evicted
+        self._evicted: list[str] = []
+        self._stopping = self._closed = False
+        self._counters = dict.fromkeys(
+            ("puts", "put_duplicates", "dropped_backpressure", "dropped_failed", "dropped_write_error",
+             "put_checksum_mismatch", "records_written", "bytes_written", "tombstones", "hits", "hits_staged",
+             "misses", "checksum_failures", "read_errors", "bytes_read", "evictions", "evicted_bytes",
+             "segments_reclaimed", "copied_forward", "copied_forward_bytes", "segments_lost", "write_errors",
+             "enospc", "seal_errors", "foreign_records"),
+            0,
+        )
+        self._shards: list[_Shard] = []
+        try:
+            for i, d in enumerate(dirs):
+                self._shards.append(self._open_shard(i, d, shard_cap))
+        except BaseException:
+            self._release_shards()
+            raise
+        for shard in self._shards:
+            shard.thread = threading.Thread(target=self._writer, args=(shard,), daemon=True,
+                                            name=f"umbp-ssd-writer-{shard.number}")
+            shard.thread.start()
+
+    # ---- opening a directory -------------------------------------------------------------------------
+
+    def _open_shard(self, number: int, directory: str, capacity: int) -> _Shard:
+        _ensure_directory(directory)
+        lock_fd = _lock_directory(directory)
+        shard = _Shard(number, directory, lock_fd, capacity, threading.Condition(self._lock),
+                       direct=self._direct_mode is not False, scratch=aligned_buffer(self._max_io), limit=capacity)
+        try:
+            self._rebuild(shard)
+        except BaseException:
+            self._close_shard_files(shard)
+            raise
+        return shard
+
+    def _rebuild(self, shard: _Shard) -> None:
+        """Adopt what the directory holds: index the winners, seal segments a crash left open."""
+        found = scan(shard.directory)
+        shard.next_seq, shard.next_segment = found.next_seq, found.next_segment
+        for reason in found.discarded:
+            log.warning("umbp: SSD %s: %s", shard.directory, reason)
+        by_number = {}
+        for s in found.segments:
+            seg = _Segment(s.number, s.path, self._open_fd(shard, s.path, create=False), s.size, s.sealed,
+                           list(s.records), sum(entry_bytes(k.encode()) for k, _ in s.records))
+            shard.segments.append(seg)
+            by_number[s.number] = seg
+            if not s.sealed:
+                self._truncate(seg, s.valid_end)
+                self._seal(shard, seg)
+            self._set_reserved(shard, seg)
+        for key, r in sorted(found.records.items(), key=lambda kv: kv[1].seq):  # oldest write = LRU end
+            if self._route(key) is not shard:
+                self._counters["foreign_records"] += 1
+                continue
+            self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum))
+        for seg in [s for s in shard.segments if s.size == 0]:
+            self._delete_segment(shard, seg)
+
+    def _open_fd(self, shard: _Shard, path: str, create: bool) -> int:
+        flags = os.O_RDWR | os.O_CLOEXEC | ((os.O_CREAT | os.O_EXCL) if create else 0)
+        if shard.direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                if self._direct_mode is True:
+                    raise SsdDirectoryError(
+                        f"umbp: the filesystem of '{shard.directory}' does not support O_DIRECT; "
+                        "use direct_io='auto' (falls back to buffered I/O) or False"
+                    ) from None
+                self._go_buffered(shard)
+        return os.open(path, flags, 0o644)
+
+    def _go_buffered(self, shard: _Shard) -> None:
+        """Direct I/O refused here: switch this directory's files to buffered I/O (direct_io='auto')."""
+        log.warning("umbp: SSD %s: O_DIRECT unsupported, using buffered I/O", shard.directory)
+        shard.direct = False
+        for seg in shard.segments:
+            if seg.fd >= 0:
+                fcntl.fcntl(seg.fd, fcntl.F_SETFL, fcntl.fcntl(seg.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+    @staticmethod
+    def _truncate(seg: _Segment, valid_end: int) -> None:
+        if valid_end < seg.size:
+            os.ftruncate(seg.fd, valid_end)
+            seg.size = valid_end
+
+    # ---- routing and bookkeeping (callers hold the lock) ------------------------------------------------
+
+    def _route(self, key: str) -> _Shard:
+        shards = self._shards
+        return shards[0] if len(shards) == 1 else shards[zlib.crc32(key.encode()) % len(shards)]
+
+    def _index(self, shard: _Shard, key: str, loc: _Loc) -> None:
+        shard.index[key] = loc
+        shard.lru[key] = None
+        loc.seg.live[key] = None
+        shard.live_bytes += record_bytes(loc.length)
+
+    def _unindex(self, shard: _Shard, key: str, gone: bool) -> _Loc | None:
+        """Drop key from the index; gone=True means it left without a remove() (reported by drain_evicted)."""
+        loc = shard.index.pop(key, None)
+        if loc is None:
+            return None
+        del shard.lru[key]
+        loc.seg.live.pop(key, None)
+        shard.live_bytes -= record_bytes(loc.length)
+        if gone and self._track_evicted:
+            self._evicted.append(key)
+        return loc
+
+    def _set_reserved(self, shard: _Shard, seg: _Segment) -> None:
+        new = seg.size if seg.sealed else seg.size + seal_bytes(seg.entry_bytes)
+        shard.footprint += new - seg.reserved
+        seg.reserved = new
+
+    def _staging_view(self, it: _Item) -> np.ndarray:
+        return self._staging[it.start * BLOCK : (it.start + it.npages) * BLOCK]
+
+    def _release(self, it: _Item) -> None:
+        """Give a finished put's staging pages back once no reader holds them."""
+        if it.state == DONE and it.pins == 0 and it.start >= 0:
+            self._alloc.free(it.start, it.npages)
+            it.start = -1
+
+    def _finish(self, shard: _Shard, it: _Item) -> None:
+        if shard.staged.get(it.key) is it:
+            del shard.staged[it.key]
+        it.state = DONE
+        self._release(it)
+
+    def _enqueue(self, shard: _Shard, it: _Item) -> None:
+        it.state = QUEUED
+        shard.queue.append(it)
+        shard.cv.notify()
+
+    # ---- Pool API ------------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        out = []
+        with self._lock:
+            for key in keys:
+                shard = self._route(key)
+                it = shard.staged.get(key)
+                out.append(key in shard.index or (it is not None and it.state != COPYING))
+        return out
+
+    def put(self, keys: Sequence[str], buffers: Sequence[Any], checksums: Sequence[int] | None = None) -> list[bool]:
+        """Queue each object for writing; True once it is staged (visible at once), or already present.
+        False: not stored now (staging full, directory failed, or `checksums[i]` given and not equal to
+        the psum64 of the bytes, which lets a demotion verify the DRAM copy end to end)."""
+        srcs = self._prepare("put", keys, buffers, writable=False)
+        blobs = [self._key_bytes(k) for k in keys]
+        for key, kb, src in zip(keys, blobs, srcs, strict=True):
+            self._check_fits(key, kb, src.size)
+        if checksums is not None and len(checksums) != len(keys):
+            raise BufferSizeError(f"umbp: put got {len(keys)} keys but {len(checksums)} checksums")
+        return [self._put_one(key, kb, src, None if checksums is None else checksums[i])
+                for i, (key, kb, src) in enumerate(zip(keys, blobs, srcs, strict=True))]
+
+    def _put_one(self, key: str, kb: bytes, src: np.ndarray, expected: int | None) -> bool:
+        shard = self._route(key)
+        npages = record_bytes(src.size) // BLOCK
+        with self._lock:
+            if self._stopping:
+                raise UmbpError("umbp: this SsdTier is closed")
+            if key in shard.index or key in shard.staged:
+                self._counters["put_duplicates"] += 1
+                return True
+            if shard.failed:
+                self._counters["dropped_failed"] += 1
+                return False
+            start = self._alloc.alloc(npages)
+            if start is None:
+                self._counters["dropped_backpressure"] += 1
+                return False
+            it = _Item(_PUT, key, kb, src.size, start, npages)
+            shard.staged[key] = it
+        region = self._staging_view(it)
+        try:
+            digest = copy_with_checksum(region[BLOCK : BLOCK + src.size], src, to_region=True)
+            region[BLOCK + src.size :] = 0
+        except BaseException:
+            with self._lock:
+                self._finish(shard, it)
+            raise
+        with self._lock:
+            it.checksum = digest
+            if it.cancelled or (expected is not None and digest != expected):
+                if not it.cancelled:
+                    self._counters["put_checksum_mismatch"] += 1
+                self._finish(shard, it)
+                return False
+            self._enqueue(shard, it)
+            self._counters["puts"] += 1
+        return True
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        dsts = self._prepare("get_into", keys, buffers, writable=True)
+        plans: list[_Item | _Loc | None] = []
+        with self._lock:
+            for key in keys:
+                shard = self._route(key)
+                it = shard.staged.get(key)
+                if it is not None and it.state != COPYING:
+                    it.pins += 1
+                    plans.append(it)
+                elif (loc := shard.index.get(key)) is not None:
+                    loc.seg.pins += 1
+                    shard.lru.move_to_end(key)
+                    plans.append(loc)
+                else:
+                    plans.append(None)
+        try:
+            self._check_sizes(keys, plans, dsts)
+            status = self._read(keys, plans, dsts)
+        finally:
+            with self._lock:
+                self._unpin(plans)
+        with self._lock:
+            self._account_get(keys, plans, status)
+        return [s == _OK for s in status]
+
+    def _unpin(self, plans: list[_Item | _Loc | None]) -> None:
+        for p in plans:
+            if isinstance(p, _Item):
+                p.pins -= 1
+                self._release(p)
+            elif p is not None:
+                seg = p.seg
+                seg.pins -= 1
+                if seg.dead and seg.pins == 0 and seg.fd >= 0:
+                    os.close(seg.fd)
+                    seg.fd = -1
+
+    def _account_get(self, keys: Sequence[str], plans: list, status: list[int]) -> None:
+        c = self._counters
+        for key, plan, st in zip(keys, plans, status, strict=True):
+            if st == _OK:
+                c["hits"] += 1
+                c["bytes_read"] += plan.length
+                c["hits_staged"] += isinstance(plan, _Item)
+                continue
+            c["misses"] += 1
+            if st in (_BAD, _IOERR):
+                c["checksum_failures" if st == _BAD else "read_errors"] += 1
+                shard = self._route(key)
+                if isinstance(plan, _Loc) and shard.index.get(key) == plan:
+                    self._unindex(shard, key, gone=True)  # never serve it again
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Make keys absent now; a tombstone keeps them absent after a restart."""
+        removed = 0
+        with self._lock:
+            for key in keys:
+                shard = self._route(key)
+                tomb = self._unindex(shard, key, gone=False) is not None
+                present = tomb
+                it = shard.staged.pop(key, None)
+                if it is not None:
+                    present = present or it.state != COPYING
+                    tomb = tomb or it.state == WRITING  # its record may land on disk
+                    it.cancelled = True
+                if tomb:
+                    self._enqueue(shard, _Item(_TOMB, key, key.encode()))
+                removed += present
+        return removed
+
+    def clear(self) -> None:
+        """Drop everything, on disk too (every segment file is deleted); waits until that is done."""
+        events = []
+        with self._lock:
+            if self._stopping:
+                return
+            for shard in self._shards:
+                for key in list(shard.index):
+                    self._unindex(shard, key, gone=False)
+                for it in shard.staged.values():
+                    it.cancelled = True
+                shard.staged.clear()
+                op = _Item(_CLEAR, done=threading.Event())
+                self._enqueue(shard, op)
+                events.append(op.done)
+        for ev in events:
+            ev.wait()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued is written and synced; False if `timeout` (s) passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while any(s.queue or s.busy for s in self._shards):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+            fds = [s.active.fd for s in self._shards if s.active is not None and s.active.fd >= 0]
+        for fd in fds:
+            try:
+                os.fdatasync(fd)
+            except OSError:
+                pass
+        return True
+
+    def drain_evicted(self) -> list[str]:
+        """Keys that left the tier without a remove() since the last call (LRU eviction, a failed
+        checksum or read, a lost segment, a failed write); empty unless track_evicted=True."""
+        with self._lock:
+            out, self._evicted = self._evicted, []
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            shards = self._shards
+            out.update(
+                capacity_bytes=sum(s.capacity for s in shards),
+                limit_bytes=sum(s.limit for s in shards),
+                used_bytes=sum(s.footprint for s in shards),
+                stored_bytes=sum(loc.length for s in shards for loc in s.index.values()),
+                live_record_bytes=sum(s.live_bytes for s in shards),
+                objects=sum(len(s.index) for s in shards),
+                segments=sum(len(s.segments) for s in shards),
+                queued=sum(len(s.queue) for s in shards),
+                staged=sum(len(s.staged) for s in shards),
+                queue_bytes=self._queue_bytes,
+                queued_bytes=(self._alloc.npages - self._alloc.free_pages) * BLOCK,
+                segment_bytes=self._segment_bytes,
+                dirs=[s.directory for s in shards],
+                direct_io=[s.direct for s in shards],
+                failed_dirs={s.directory: s.failed for s in shards if s.failed},
+            )
+        lookups = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / lookups if lookups else 0.0
+        return out
+
+    def close(self) -> None:
+        """Write everything queued, seal the open segments, release the directories."""
+        with self._lock:
+            if self._closed:
+                return
+            self._stopping = True
+            for s in self._shards:
+                s.cv.notify_all()
+        for s in self._shards:
+            if s.thread is not None:
+                s.thread.join()
+        for s in self._shards:
+            if s.active is not None and not s.failed:
+                self._seal(s, s.active)
+        if self._executor is not None:
+            self._executor.shutdown()
+        self._release_shards()
+        self._closed = True
+
+    def _release_shards(self) -> None:
+        for s in self._shards:
+            self._close_shard_files(s)
+
+    @staticmethod
+    def _close_shard_files(shard: _Shard) -> None:
+        for seg in shard.segments:
+            if seg.fd >= 0:
+                os.close(seg.fd)
+                seg.fd = -1
+        if shard.lock_fd >= 0:
+            os.close(shard.lock_fd)  # releases the flock
+            shard.lock_fd = -1
+
+    # ---- input checks --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _key_bytes(key: Any) -> bytes:
+        if not isinstance(key, str):
+            raise UmbpError(f"umbp: keys are str, got {type(key).__name__} {key!r}")
+        kb = key.encode()
+        if len(kb) > MAX_KEY_BYTES:
+            raise OptionValueError(f"umbp: key '{key[:60]}...' is {len(kb)} bytes; the SSD tier takes keys up "
+                                   f"to {MAX_KEY_BYTES} bytes (utf-8)")
+        return kb
+
+    def _check_fits(self, key: str, kb: bytes, nbytes: int) -> None:
+        rec = record_bytes(nbytes)
+        cap = self._shards[0].capacity
+        if rec > self._queue_bytes:
+            raise ObjectTooLargeError(
+                f"umbp: object '{key}' is {human_bytes(nbytes)} but the SSD staging queue holds "
+                f"{human_bytes(self._queue_bytes)}; raise queue_bytes"
+            )
+        if rec + seal_bytes(entry_bytes(kb)) > cap:
+            raise ObjectTooLargeError(
+                f"umbp: object '{key}' is {human_bytes(nbytes)} but the SSD tier holds {human_bytes(cap)} per "
+                "directory; raise capacity_bytes"
+            )
+
+    @staticmethod
+    def _prepare(op: str, keys: Sequence[str], buffers: Sequence[Any], writable: bool) -> list[np.ndarray]:
+        if len(keys) != len(buffers):
+            raise BufferSizeError(
+                f"umbp: {op} got {len(keys)} keys but {len(buffers)} buffers; pass exactly one buffer per key"
+            )
+        what = "destination buffer" if writable else "source buffer"
+        return [as_u8(b, key=k, what=what, writable=writable) for k, b in zip(keys, buffers, strict=True)]
+
+    @staticmethod
+    def _check_sizes(keys: Sequence[str], plans: list, dsts: list[np.ndarray]) -> None:
+        for key, plan, dst in zip(keys, plans, dsts, strict=True):
+            if plan is not None and dst.size != plan.length:
+                raise BufferSizeError(
+                    f"umbp: get_into buffer for key '{key}' is {dst.size} bytes but the stored object is "
+                    f"{plan.length} bytes; pass a buffer of exactly {plan.length} bytes"
+                )
+
+    # ---- reading ---------------------------------------------------------------------------------------
+
+    def _bounce(self) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = aligned_buffer(self._max_io)
+        return buf
+
+    def _read(self, keys: Sequence[str], plans: list, dsts: list[np.ndarray]) -> list[int]:
+        """Staged objects are copied from staging; records on disk are read in runs of adjacent records
+        (one I/O of up to max_io_bytes each), runs in parallel on io_threads."""
+        status = [_MISS] * len(keys)
+        by_seg: dict[int, list[int]] = {}
+        for i, plan in enumerate(plans):
+            if isinstance(plan, _Item):
+                got = copy_with_checksum(self._staging_view(plan)[BLOCK : BLOCK + plan.length], dsts[i], False)
+                status[i] = _OK if got == plan.checksum else _BAD
+            elif plan is not None:
+                by_seg.setdefault(id(plan.seg), []).append(i)
+        runs = [run for idx in by_seg.values() for run in self._runs(plans, idx)]
+
+        def do(run: list[int]) -> None:
+            self._read_run(run, keys, plans, dsts, status)
+
+        if len(runs) > 1 and self._io_threads > 1:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="umbp-ssd-read")
+            list(self._executor.map(do, runs))
+        else:
+            for run in runs:
+                do(run)
+        return status
+
+    def _runs(self, plans: list, idx: list[int]) -> list[list[int]]:
+        idx = sorted(idx, key=lambda i: plans[i].offset)
+        runs: list[list[int]] = []
+        end = nbytes = -1
+        for i in idx:
+            loc = plans[i]
+            rec = record_bytes(loc.length)
+            if runs and loc.offset == end and nbytes + rec <= self._max_io:
+                runs[-1].append(i)
+                nbytes += rec
+            else:
+                runs.append([i])
+                nbytes = rec
+            end = loc.offset + rec
+        return runs
+
+    def _read_run(self, run: list[int], keys: Sequence[str], plans: list, dsts: list, status: list[int]) -> None:
+        first, last = plans[run[0]], plans[run[-1]]
+        if len(run) == 1 and record_bytes(first.length) > self._max_io:
+            status[run[0]] = self._read_large(keys[run[0]], first, dsts[run[0]])
+            return
+        start = first.offset
+        buf = self._bounce()[: last.offset + record_bytes(last.length) - start]
+        try:
+            got = _preadv(first.seg.fd, [buf], start)
+        except OSError:
+            got = 0
+        for i in run:
+            loc = plans[i]
+            rel = loc.offset - start
+            if rel + record_bytes(loc.length) > got:
+                status[i] = _IOERR  # truncated or unreadable
+            elif not self._header_ok(buf[rel : rel + BLOCK], keys[i], loc):
+                status[i] = _BAD
+            else:
+                digest = copy_with_checksum(buf[rel + BLOCK : rel + BLOCK + loc.length], dsts[i], False)
+                status[i] = _OK if digest == loc.checksum else _BAD
+
+    def _read_large(self, key: str, loc: _Loc, dst: np.ndarray) -> int:
+        """A record larger than the bounce buffer: chunked reads, then one checksum pass over dst."""
+        buf, pos, off, end = self._bounce(), 0, loc.offset, loc.offset + record_bytes(loc.length)
+        while off < end:
+            n = min(self._max_io, end - off)
+            try:
+                if _preadv(loc.seg.fd, [buf[:n]], off) != n:
+                    return _IOERR
+            except OSError:
+                return _IOERR
+            data = buf[:n]
+            if off == loc.offset:
+                if not self._header_ok(buf[:BLOCK], key, loc):
+                    return _BAD
+                data = buf[BLOCK:n]
+            take = min(data.size, loc.length - pos)
+            np.copyto(dst[pos : pos + take], data[:take])
+            pos, off = pos + take, off + n
+        return _OK if checksum_u8(dst) == loc.checksum else _BAD
+
+    @staticmethod
+    def _header_ok(block: np.ndarray, key: str, loc: _Loc) -> bool:
+        h = parse_header(block)
+        return (h is not None and h.flags == DATA and h.key == key and h.length == loc.length
+                and h.checksum == loc.checksum)
+
+    # ---- the writer thread -------------------------------------------------------------------------------
+
+    def _writer(self, shard: _Shard) -> None:
+        next_check = time.monotonic() + self._health_interval
+        while True:
+            with self._lock:
+                while not shard.queue and not self._stopping and time.monotonic() < next_check:
+                    shard.cv.wait(max(next_check - time.monotonic(), 0.001))
+                if not shard.queue and self._stopping:
+                    return
+                batch = self._take_batch(shard)
+                shard.busy = bool(batch)
+            try:
+                if batch:
+                    self._write_batch(shard, batch)
+                if time.monotonic() >= next_check:
+                    self._health_check(shard)
+                    next_check = time.monotonic() + self._health_interval
+            except Exception as exc:  # the writer must never die: fail the directory, keep serving reads
+                log.exception("umbp: SSD writer for %s failed", shard.directory)
+                self._fail(shard, f"writer error: {exc!r}")
+                self._drop(shard, batch, "dropped_write_error")
+            finally:
+                with self._lock:
+                    shard.busy = False
+                    self._idle.notify_all()
+
+    def _take_batch(self, shard: _Shard) -> list[_Item]:
+        """Up to max_io_bytes of consecutive queued items (a clear always goes alone)."""
+        batch: list[_Item] = []
+        total = 0
+        q = shard.queue
+        while q and len(batch) < _MAX_BATCH_ITEMS:
+            it = q[0]
+            if it.kind == _CLEAR:
+                if not batch:
+                    batch.append(q.popleft())
+                break
+            if batch and total + it.nbytes > self._max_io:
+                break
+            q.popleft()
+            if it.kind == _PUT and it.cancelled:  # removed while queued: never written
+                self._finish(shard, it)
+                continue
+            it.state = WRITING
+            batch.append(it)
+            total += it.nbytes
+        return batch
+
+    def _write_batch(self, shard: _Shard, batch: list[_Item]) -> None:
+        if batch[0].kind == _CLEAR:
+            for seg in list(shard.segments):
+                self._delete_segment(shard, seg)
+            batch[0].done.set()
+            return
+        if shard.failed:
+            self._drop(shard, batch, "dropped_failed")
+            return
+        i = 0
+        while i < len(batch):
+            group = self._next_group(shard, batch, i)
+            self._write_group(shard, group)
+            i += len(group)
+
+    def _fits_active(self, shard: _Shard, nbytes: int) -> bool:
+        seg = shard.active
+        return seg is not None and (seg.size == 0 or seg.size + nbytes <= self._segment_bytes)
+
+    def _next_group(self, shard: _Shard, batch: list[_Item], i: int) -> list[_Item]:
+        """The items from i on that go into one segment: the active one if the first fits, else a new one."""
+        seg = shard.active
+        room = self._segment_bytes - seg.size if seg is not None and seg.size else self._segment_bytes
+        if batch[i].nbytes > room:
+            room = max(self._segment_bytes, batch[i].nbytes)
+        j, total = i, 0
+        while j < len(batch) and (j == i or total + batch[j].nbytes <= room):
+            total += batch[j].nbytes
+            j += 1
+        return batch[i:j]
+
+    def _append_cost(self, shard: _Shard, nbytes: int, ebytes: int) -> int:
+        """Capacity an append of nbytes (adding ebytes of summary) takes, seal included."""
+        seg = shard.active
+        if self._fits_active(shard, nbytes):
+            return nbytes + seal_bytes(seg.entry_bytes + ebytes) - seal_bytes(seg.entry_bytes)
+        return nbytes + seal_bytes(ebytes)
+
+    def _segment_for(self, shard: _Shard, nbytes: int) -> _Segment | None:
+        if self._fits_active(shard, nbytes):
+            return shard.active
+        if shard.active is not None:
+            self._seal(shard, shard.active)
+        return self._new_segment(shard)
+
+    def _write_group(self, shard: _Shard, group: list[_Item]) -> None:
+        total = sum(it.nbytes for it in group)
+        ebytes = sum(entry_bytes(it.key_bytes) for it in group)
+        while shard.footprint + self._append_cost(shard, total, ebytes) > shard.limit:
+            if not self._reclaim_oldest(shard, self._append_cost(shard, total, ebytes)):
+                self._drop(shard, group, "dropped_write_error")  # the filesystem has no room at all
+                return
+        seg = self._segment_for(shard, total)
+        if seg is None:
+            self._drop(shard, group, "dropped_failed" if shard.failed else "dropped_write_error")
+            return
+        with self._lock:
+            seqs = list(range(shard.next_seq, shard.next_seq + len(group)))
+            shard.next_seq += len(group)
+        iov, t = [], 0
+        for it, seq in zip(group, seqs, strict=True):
+            if it.kind == _PUT:
+                image = self._staging_view(it)
+                pack_header(image[:BLOCK], it.key_bytes, DATA, seq, it.length, it.checksum)
+            else:
+                image = shard.scratch[t * BLOCK : (t + 1) * BLOCK]
+                t += 1
+                pack_header(image, it.key_bytes, TOMBSTONE, seq, 0, 0)
+            iov.append(image)
+        written = self._pwrite(shard, seg, iov, seg.size)
+        self._commit(shard, seg, group, seqs, written)
+
+    def _pwrite(self, shard: _Shard, seg: _Segment, iov: list[np.ndarray], offset: int) -> int:
+        """Bytes written (a short count on a partial write); 0 after an error, which is counted."""
+        for attempt in (0, 1):
+            try:
+                return _pwritev(seg.fd, iov, offset)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and shard.direct and self._direct_mode == "auto" and not attempt:
+                    self._go_buffered(shard)
+                    continue
+                self._write_failed(shard, exc)
+                return 0
+        return 0
+
+    def _write_failed(self, shard: _Shard, exc: OSError) -> None:
+        with self._lock:
+            self._counters["write_errors"] += 1
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._counters["enospc"] += 1
+                shard.limit = min(shard.limit, shard.footprint)  # reclaim before the next write
+        log.warning("umbp: SSD write in %s failed: %s", shard.directory, exc)
+        if exc.errno in _FATAL_ERRNOS:
+            self._fail(shard, f"write failed: {exc.strerror}")
+
+    def _commit(self, shard: _Shard, seg: _Segment, group: list[_Item], seqs: list[int], written: int) -> None:
+        """Index the records that reached the file; drop the rest (counted)."""
+        c = self._counters
+        with self._lock:
+            base, pos = seg.size, 0
+            for it, seq in zip(group, seqs, strict=True):
+                pos += it.nbytes
+                if pos <= written:
+                    flags = DATA if it.kind == _PUT else TOMBSTONE
+                    info = RecordInfo(seg.number, base + pos - it.nbytes, it.length, it.checksum, seq, flags)
+                    seg.entries.append((it.key, info))
+                    seg.entry_bytes += entry_bytes(it.key_bytes)
+                    seg.size = base + pos
+                    c["records_written"] += 1
+                    c["bytes_written"] += it.nbytes
+                    c["tombstones"] += it.kind == _TOMB
+                    if it.kind == _PUT and not it.cancelled:
+                        self._unindex(shard, it.key, gone=False)
+                        self._index(shard, it.key, _Loc(seg, info.offset, it.length, it.checksum))
+                elif it.kind == _PUT and not it.cancelled:
+                    c["dropped_write_error"] += 1
+                    if self._track_evicted:
+                        self._evicted.append(it.key)
+                if it.kind == _PUT:
+                    self._finish(shard, it)
+            self._set_reserved(shard, seg)
+
+    def _drop(self, shard: _Shard, items: list[_Item], counter: str) -> None:
+        with self._lock:
+            for it in items:
+                if it.kind == _PUT:
+                    if not it.cancelled:
+                        self._counters[counter] += 1
+                        if self._track_evicted:
+                            self._evicted.append(it.key)
+                    self._finish(shard, it)
+                elif it.kind == _CLEAR and it.done is not None:
+                    it.done.set()
+
+    def _fail(self, shard: _Shard, why: str) -> None:
+        with self._lock:
+            if not shard.failed:
+                shard.failed = why
+                log.error("umbp: SSD directory %s disabled: %s (reads of intact records continue)",
+                          shard.directory, why)
+
+    # ---- segments: create, seal, reclaim, delete ----------------------------------------------------------
+
+    def _new_segment(self, shard: _Shard) -> _Segment | None:
+        number = shard.next_segment
+        shard.next_segment += 1
+        path = os.path.join(shard.directory, segment_name(number))
+        try:
+            fd = self._open_fd(shard, path, create=True)
+        except OSError as exc:
+            self._write_failed(shard, exc)
+            return None
+        seg = _Segment(number, path, fd)
+        with self._lock:
+            shard.segments.append(seg)
+            shard.active = seg
+            self._set_reserved(shard, seg)
+        return seg
+
+    def _seal(self, shard: _Shard, seg: _Segment) -> None:
+        """Append the summary record and trailer, sync, and stop appending to the segment."""
+        payload = np.frombuffer(pack_summary(seg.entries), np.uint8)
+        rec = record_bytes(payload.size)
+        buf = aligned_buffer(rec + BLOCK)
+        buf[BLOCK : BLOCK + payload.size] = payload
+        buf[BLOCK + payload.size : rec] = 0
+        pack_header(buf[:BLOCK], b"", SUMMARY, 0, payload.size, checksum_u8(payload))
+        buf[rec:] = np.frombuffer(pack_trailer(seg.size, rec), np.uint8)
+        try:
+            ok = _pwritev(seg.fd, [buf], seg.size) == rec + BLOCK
+            os.fdatasync(seg.fd)
+            if not shard.direct:
+                os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # sealed: keep the page cache free
+        except OSError as exc:
+            ok = False
+            log.warning("umbp: sealing %s failed: %s (it will be walked at restart)", seg.path, exc)
+        with self._lock:
+            self._counters["seal_errors"] += not ok
+            seg.size += (rec + BLOCK) if ok else 0
+            seg.sealed = True
+            if shard.active is seg:
+                shard.active = None
+            self._set_reserved(shard, seg)
+
+    def _reclaim_oldest(self, shard: _Shard, need: int) -> bool:
+        """Free the oldest segment: evict least recently used objects down to the low watermark, copy the
+        live records left in the segment to the head (while they fit), delete it. False if none is left."""
+        if not shard.segments:
+            return False
+        victim = shard.segments[0]
+        if victim is shard.active:
+            self._seal(shard, victim)
+        with self._lock:
+            target = self._low * shard.limit
+            while shard.lru and shard.live_bytes + need > target:
+                self._evict(shard, next(iter(shard.lru)))
+            keys = list(victim.live)
+        for key in keys:
+            with self._lock:
+                loc = shard.index.get(key)
+            if loc is None or loc.seg is not victim:
+                continue
+            rec = record_bytes(loc.length)
+            fits = shard.footprint + self._append_cost(shard, rec, entry_bytes(key.encode())) + need <= shard.limit
+            if not (fits and self._copy_forward(shard, key, loc)):
+                with self._lock:
+                    if shard.index.get(key) is loc:
+                        self._evict(shard, key)
+        self._delete_segment(shard, victim)
+        with self._lock:
+            self._counters["segments_reclaimed"] += 1
+        return True
+
+    def _evict(self, shard: _Shard, key: str) -> None:
+        loc = self._unindex(shard, key, gone=True)
+        self._counters["evictions"] += 1
+        self._counters["evicted_bytes"] += loc.length
+
+    def _copy_forward(self, shard: _Shard, key: str, loc: _Loc) -> bool:
+        """Rewrite a live record at the head with a new seq; the payload is copied as is (its checksum is
+        verified when it is served)."""
+        rec, kb = record_bytes(loc.length), key.encode()
+        seg = self._segment_for(shard, rec)
+        if seg is None:
+            return False
+        with self._lock:
+            seq = shard.next_seq
+            shard.next_seq += 1
+        buf, base = shard.scratch, seg.size
+        pack_header(buf[:BLOCK], kb, DATA, seq, loc.length, loc.checksum)
+        if self._pwrite(shard, seg, [buf[:BLOCK]], base) != BLOCK:
+            return False
+        for pos in range(BLOCK, rec, self._max_io):
+            n = min(self._max_io, rec - pos)
+            try:
+                ok = _preadv(loc.seg.fd, [buf[:n]], loc.offset + pos) == n
+            except OSError:
+                ok = False
+            if not ok or self._pwrite(shard, seg, [buf[:n]], base + pos) != n:
+                return False
+        with self._lock:
+            seg.entries.append((key, RecordInfo(seg.number, base, loc.length, loc.checksum, seq, DATA)))
+            seg.entry_bytes += entry_bytes(kb)
+            seg.size = base + rec
+            self._set_reserved(shard, seg)
+            self._counters["copied_forward"] += 1
+            self._counters["copied_forward_bytes"] += rec
+            if shard.index.get(key) is not loc:
+                return True  # removed meanwhile: the copy is dead (a tombstone follows it)
+            position = list(shard.lru).index(key)  # keep its recency
+            self._unindex(shard, key, gone=False)
+            self._index(shard, key, _Loc(seg, base, loc.length, loc.checksum))
+            for k in list(shard.lru)[position:-1]:
+                shard.lru.move_to_end(k)
+        return True
+
+    def _delete_segment(self, shard: _Shard, seg: _Segment) -> None:
+        with self._lock:
+            for key in list(seg.live):
+                self._unindex(shard, key, gone=True)
+            shard.segments.remove(seg)
+            if shard.active is seg:
+                shard.active = None
+            shard.footprint -= seg.reserved
+            seg.reserved = 0
+            seg.dead = True
+            close = seg.pins == 0 and seg.fd >= 0
+            fd = seg.fd
+            if close:
+                seg.fd = -1
+        try:
+            os.unlink(seg.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("umbp: cannot delete %s: %s", seg.path, exc)
+        if close:
+            os.close(fd)
+
+    def _health_check(self, shard: _Shard) -> None:
+        """Notice segments deleted under us (their objects become misses), a vanished directory, and how
+        much room the filesystem really has (capacity is lowered while it has less)."""
+        with self._lock:
+            segs = list(shard.segments)
+        lost = [s for s in segs if s.fd >= 0 and os.fstat(s.fd).st_nlink == 0]
+        for seg in lost:
+            log.error("umbp: SSD segment %s was deleted by someone else; its objects are now misses", seg.path)
+            self._delete_segment(shard, seg)
+        try:
+            st = os.statvfs(shard.directory)
+        except OSError as exc:
+            self._fail(shard, f"directory unusable: {exc.strerror}")
+            return
+        with self._lock:
+            self._counters["segments_lost"] += len(lost)
+            shard.limit = min(shard.capacity, shard.footprint + st.f_bavail * st.f_frsize)

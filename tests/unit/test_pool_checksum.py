@@ -1,0 +1,111 @@
+"""psum64: detection guarantees, agreement between the one-shot and the fused copy paths, buffer types."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from umbp.pool import Arena, checksum
+from umbp.pool.psum import CHUNK_BYTES, ROW_BYTES, copy_many, copy_with_checksum
+
+RNG = np.random.default_rng(1234)
+
+
+def _data(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_every_single_bit_flip_is_detected():
+    data = _data(ROW_BYTES + 13)  # a full row, whole tail words and a partial last word
+    base = checksum(data)
+    bits = RNG.integers(0, 8, data.size)
+    # every byte position with one random bit; every bit of the first 8 words, the tail words and the
+    # partial last word
+    flips = [(pos, int(bits[pos])) for pos in range(data.size)]
+    edges = [*range(64), *range(ROW_BYTES - 8, data.size)]
+    flips += [(pos, bit) for pos in edges for bit in range(8)]
+    for pos, bit in flips:
+        data[pos] ^= 1 << bit
+        assert checksum(data) != base, (pos, bit)
+        data[pos] ^= 1 << bit
+    assert checksum(data) == base
+
+
+def test_every_changed_byte_is_detected():
+    data = _data(3 * ROW_BYTES + 5, seed=1)
+    base = checksum(data)
+    deltas = RNG.integers(1, 256, data.size)
+    for pos, delta in enumerate(deltas):
+        old = data[pos]
+        data[pos] = (int(old) + int(delta)) % 256
+        assert checksum(data) != base, pos
+        data[pos] = old
+
+
+def test_position_and_length_matter():
+    data = _data(4 * ROW_BYTES, seed=2)
+    swapped = data.copy()
+    swapped[:ROW_BYTES], swapped[ROW_BYTES : 2 * ROW_BYTES] = data[ROW_BYTES : 2 * ROW_BYTES], data[:ROW_BYTES]
+    assert checksum(swapped) != checksum(data)  # two pages swapped
+    assert checksum(b"a") != checksum(b"a\0")  # zero padding is not ambiguous
+    assert checksum(b"") != checksum(b"\0")
+    assert checksum(bytes(ROW_BYTES)) != checksum(bytes(2 * ROW_BYTES))
+
+
+def test_random_corruption_is_detected():
+    data = _data(64 * 1024, seed=3)
+    base = checksum(data)
+    for i in range(200):
+        bad = data.copy()
+        start = int(RNG.integers(0, data.size - 64))
+        bad[start : start + 64] = _data(64, seed=100 + i)
+        if not np.array_equal(bad, data):
+            assert checksum(bad) != base
+
+
+def test_buffer_types_agree():
+    data = _data(10_000, seed=4)
+    ref = checksum(data)
+    assert checksum(data.tobytes()) == ref
+    assert checksum(bytearray(data.tobytes())) == ref
+    assert checksum(memoryview(data.tobytes())) == ref
+    assert checksum(data.view(np.uint16).reshape(100, 50)) == ref
+    torch = pytest.importorskip("torch")
+    assert checksum(torch.from_numpy(data.copy())) == ref
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(n=st.integers(0, 2 * CHUNK_BYTES + 3 * ROW_BYTES + 17), seed=st.integers(0, 2**16))
+def test_fused_copy_paths_equal_one_shot(n, seed):
+    data = _data(n, seed)
+    arena = np.zeros(n + 64, np.uint8)
+    region = arena[8 : 8 + n]
+    assert copy_with_checksum(region, data, to_region=True) == checksum(data)
+    assert np.array_equal(region, data)
+    out = np.empty(n, np.uint8)
+    assert copy_with_checksum(region, out, to_region=False) == checksum(data)
+    assert np.array_equal(out, data)
+
+
+def test_large_object_grows_weight_table():
+    data = _data(17 << 20, seed=5)  # more rows than the initial weight table holds
+    arena = Arena(18 << 20, pinned=False)
+    assert arena.write(4096, data) == checksum(data) == arena.checksum(4096, data.size)
+    assert arena.verify(4096, data.size, checksum(data))
+
+
+def test_threaded_batch_copy_matches_one_shot():
+    sizes = [0, 5, ROW_BYTES, 3 * CHUNK_BYTES + 4099, CHUNK_BYTES, 1 << 20, 77]
+    srcs = [_data(n, seed=n) for n in sizes]
+    arena = np.zeros(sum(sizes) + 8 * len(sizes), np.uint8)
+    regions, off = [], 0
+    for n in sizes:
+        regions.append(arena[off : off + n])
+        off += -(-n // 8) * 8
+    with ThreadPoolExecutor(3) as pool:
+        assert copy_many(list(zip(regions, srcs, strict=True)), True, pool, threads=4) == [checksum(s) for s in srcs]
+        outs = [np.empty(n, np.uint8) for n in sizes]
+        assert copy_many(list(zip(regions, outs, strict=True)), False, pool, 4) == [checksum(s) for s in srcs]
+    assert all(np.array_equal(o, s) for o, s in zip(outs, srcs, strict=True))
