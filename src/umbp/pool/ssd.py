@@ -158,6 +158,7 @@ class _Shard:
     staged: dict[str, _Item] = field(default_factory=dict)
     queue: deque[_Item] = field(default_factory=deque)
     live_bytes: int = 0  # on-disk bytes of the indexed records
+    stored_bytes: int = 0  # their payload bytes
     footprint: int = 0  # sum of segments' reserved bytes
     busy: bool = False
     failed: str = ""
@@ -264,12 +265,14 @@ class SsdTier(Pool):
         self._stopping = self._closed = False
         self._counters = dict.fromkeys(
             ("puts", "put_duplicates", "dropped_backpressure", "dropped_failed", "dropped_write_error",
+             "dropped_no_space",
              "put_checksum_mismatch", "records_written", "bytes_written", "tombstones", "hits", "hits_staged",
              "misses", "checksum_failures", "read_errors", "bytes_read", "evictions", "evicted_bytes",
              "segments_reclaimed", "copied_forward", "copied_forward_bytes", "segments_lost", "write_errors",
              "enospc", "seal_errors", "foreign_records"),
             0,
         )
+        self._ndirs = len(dirs)
         self._shards: list[_Shard] = []
         try:
             for i, d in enumerate(dirs):
@@ -291,6 +294,7 @@ class SsdTier(Pool):
                        direct=self._direct_mode is not False, scratch=aligned_buffer(self._max_io), limit=capacity)
         try:
             self._rebuild(shard)
+            self._refresh_limit(shard)
         except BaseException:
             self._close_shard_files(shard)
             raise
@@ -304,6 +308,9 @@ class SsdTier(Pool):
             log.warning("umbp: SSD %s: %s", shard.directory, reason)
         by_number = {}
         for s in found.segments:
+            if not s.records:  # nothing valid in it (e.g. created just before a crash)
+                os.unlink(s.path)
+                continue
             seg = _Segment(s.number, s.path, self._open_fd(shard, s.path, create=False), s.size, s.sealed,
                            list(s.records), sum(entry_bytes(k.encode()) for k, _ in s.records))
             shard.segments.append(seg)
@@ -313,12 +320,10 @@ class SsdTier(Pool):
                 self._seal(shard, seg)
             self._set_reserved(shard, seg)
         for key, r in sorted(found.records.items(), key=lambda kv: kv[1].seq):  # oldest write = LRU end
-            if self._route(key) is not shard:
+            if self._shard_number(key) != shard.number:  # written when the directory list was different
                 self._counters["foreign_records"] += 1
                 continue
             self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum))
-        for seg in [s for s in shard.segments if s.size == 0]:
-            self._delete_segment(shard, seg)
 
     def _open_fd(self, shard: _Shard, path: str, create: bool) -> int:
         flags = os.O_RDWR | os.O_CLOEXEC | ((os.O_CREAT | os.O_EXCL) if create else 0)
@@ -352,15 +357,20 @@ class SsdTier(Pool):
 
     # ---- routing and bookkeeping (callers hold the lock) ------------------------------------------------
 
+    def _shard_number(self, key: str) -> int:
+        """A stable hash (crc32, not Python's salted hash()): the same key maps to the same directory in
+        every process and after every restart."""
+        return 0 if self._ndirs == 1 else zlib.crc32(key.encode()) % self._ndirs
+
     def _route(self, key: str) -> _Shard:
-        shards = self._shards
-        return shards[0] if len(shards) == 1 else shards[zlib.crc32(key.encode()) % len(shards)]
+        return self._shards[self._shard_number(key)]
 
     def _index(self, shard: _Shard, key: str, loc: _Loc) -> None:
         shard.index[key] = loc
         shard.lru[key] = None
         loc.seg.live[key] = None
         shard.live_bytes += record_bytes(loc.length)
+        shard.stored_bytes += loc.length
 
     def _unindex(self, shard: _Shard, key: str, gone: bool) -> _Loc | None:
         """Drop key from the index; gone=True means it left without a remove() (reported by drain_evicted)."""
@@ -370,6 +380,7 @@ class SsdTier(Pool):
         del shard.lru[key]
         loc.seg.live.pop(key, None)
         shard.live_bytes -= record_bytes(loc.length)
+        shard.stored_bytes -= loc.length
         if gone and self._track_evicted:
             self._evicted.append(key)
         return loc
@@ -464,6 +475,8 @@ class SsdTier(Pool):
         dsts = self._prepare("get_into", keys, buffers, writable=True)
         plans: list[_Item | _Loc | None] = []
         with self._lock:
+            if self._closed:
+                raise UmbpError("umbp: this SsdTier is closed")
             for key in keys:
                 shard = self._route(key)
                 it = shard.staged.get(key)
@@ -581,7 +594,7 @@ class SsdTier(Pool):
                 capacity_bytes=sum(s.capacity for s in shards),
                 limit_bytes=sum(s.limit for s in shards),
                 used_bytes=sum(s.footprint for s in shards),
-                stored_bytes=sum(loc.length for s in shards for loc in s.index.values()),
+                stored_bytes=sum(s.stored_bytes for s in shards),
                 live_record_bytes=sum(s.live_bytes for s in shards),
                 objects=sum(len(s.index) for s in shards),
                 segments=sum(len(s.segments) for s in shards),
@@ -715,7 +728,7 @@ class SsdTier(Pool):
         for i in idx:
             loc = plans[i]
             rec = record_bytes(loc.length)
-            if runs and loc.offset == end and nbytes + rec <= self._max_io:
+            if runs and loc.offset == end and nbytes + rec <= self._max_io and len(runs[-1]) < 256:
                 runs[-1].append(i)
                 nbytes += rec
             else:
@@ -726,6 +739,9 @@ class SsdTier(Pool):
 
     def _read_run(self, run: list[int], keys: Sequence[str], plans: list, dsts: list, status: list[int]) -> None:
         first, last = plans[run[0]], plans[run[-1]]
+        if all(self._zero_copy_ok(keys[i], dsts[i]) for i in run):
+            self._read_zero_copy(run, keys, plans, dsts, status)
+            return
         if len(run) == 1 and record_bytes(first.length) > self._max_io:
             status[run[0]] = self._read_large(keys[run[0]], first, dsts[run[0]])
             return
@@ -745,6 +761,46 @@ class SsdTier(Pool):
             else:
                 digest = copy_with_checksum(buf[rel + BLOCK : rel + BLOCK + loc.length], dsts[i], False)
                 status[i] = _OK if digest == loc.checksum else _BAD
+
+    def _zero_copy_ok(self, key: str, dst: np.ndarray) -> bool:
+        """O_DIRECT can read straight into dst only if dst is 4 KiB-aligned; buffered I/O always can."""
+        return not self._route(key).direct or dst.ctypes.data % BLOCK == 0
+
+    def _blocks(self, n: int) -> np.ndarray:
+        """A per-thread aligned scratch of n blocks (headers and partial last blocks of zero-copy reads)."""
+        buf = getattr(self._local, "blocks", None)
+        if buf is None or buf.size < n * BLOCK:
+            buf = self._local.blocks = aligned_buffer(max(n, 64) * BLOCK)
+        return buf
+
+    def _read_zero_copy(self, run: list[int], keys: Sequence[str], plans: list, dsts: list,
+                        status: list[int]) -> None:
+        """One preadv for the run: each header into scratch, each payload straight into its destination
+        (its partial last block into scratch, copied after). Saves the bounce copy."""
+        scratch = self._blocks(2 * len(run))
+        iov, start = [], plans[run[0]].offset
+        for j, i in enumerate(run):
+            full = plans[i].length // BLOCK * BLOCK
+            iov.append(scratch[2 * j * BLOCK : (2 * j + 1) * BLOCK])
+            if full:
+                iov.append(dsts[i][:full])
+            if plans[i].length > full:
+                iov.append(scratch[(2 * j + 1) * BLOCK : (2 * j + 2) * BLOCK])
+        try:
+            got = _preadv(plans[run[0]].seg.fd, iov, start)
+        except OSError:
+            got = 0
+        for j, i in enumerate(run):
+            loc, dst = plans[i], dsts[i]
+            full = loc.length // BLOCK * BLOCK
+            if loc.offset - start + record_bytes(loc.length) > got:
+                status[i] = _IOERR
+            elif not self._header_ok(scratch[2 * j * BLOCK : (2 * j + 1) * BLOCK], keys[i], loc):
+                status[i] = _BAD
+            else:
+                tail = (2 * j + 1) * BLOCK
+                dst[full:] = scratch[tail : tail + loc.length - full]
+                status[i] = _OK if checksum_u8(dst) == loc.checksum else _BAD
 
     def _read_large(self, key: str, loc: _Loc, dst: np.ndarray) -> int:
         """A record larger than the bounce buffer: chunked reads, then one checksum pass over dst."""
@@ -871,7 +927,7 @@ class SsdTier(Pool):
         ebytes = sum(entry_bytes(it.key_bytes) for it in group)
         while shard.footprint + self._append_cost(shard, total, ebytes) > shard.limit:
             if not self._reclaim_oldest(shard, self._append_cost(shard, total, ebytes)):
-                self._drop(shard, group, "dropped_write_error")  # the filesystem has no room at all
+                self._drop(shard, group, "dropped_no_space")  # the filesystem has no room at all
                 return
         seg = self._segment_for(shard, total)
         if seg is None:
@@ -946,7 +1002,7 @@ class SsdTier(Pool):
     def _drop(self, shard: _Shard, items: list[_Item], counter: str) -> None:
         with self._lock:
             for it in items:
-                if it.kind == _PUT:
+                if it.kind == _PUT and it.state != DONE:
                     if not it.cancelled:
                         self._counters[counter] += 1
                         if self._track_evicted:
@@ -1068,13 +1124,10 @@ class SsdTier(Pool):
             self._set_reserved(shard, seg)
             self._counters["copied_forward"] += 1
             self._counters["copied_forward_bytes"] += rec
-            if shard.index.get(key) is not loc:
-                return True  # removed meanwhile: the copy is dead (a tombstone follows it)
-            position = list(shard.lru).index(key)  # keep its recency
-            self._unindex(shard, key, gone=False)
-            self._index(shard, key, _Loc(seg, base, loc.length, loc.checksum))
-            for k in list(shard.lru)[position:-1]:
-                shard.lru.move_to_end(k)
+            if shard.index.get(key) is loc:  # else removed meanwhile: the copy is dead, a tombstone follows
+                shard.index[key] = _Loc(seg, base, loc.length, loc.checksum)  # same place in the LRU
+                del loc.seg.live[key]
+                seg.live[key] = None
         return True
 
     def _delete_segment(self, shard: _Shard, seg: _Segment) -> None:
@@ -1109,11 +1162,17 @@ class SsdTier(Pool):
         for seg in lost:
             log.error("umbp: SSD segment %s was deleted by someone else; its objects are now misses", seg.path)
             self._delete_segment(shard, seg)
-        try:
-            st = os.statvfs(shard.directory)
-        except OSError as exc:
-            self._fail(shard, f"directory unusable: {exc.strerror}")
-            return
         with self._lock:
             self._counters["segments_lost"] += len(lost)
+        if not os.path.isdir(shard.directory):
+            self._fail(shard, "the directory vanished")
+        else:
+            self._refresh_limit(shard)
+
+    def _refresh_limit(self, shard: _Shard) -> None:
+        try:
+            st = os.statvfs(shard.directory)
+        except OSError:
+            return
+        with self._lock:
             shard.limit = min(shard.capacity, shard.footprint + st.f_bavail * st.f_frsize)

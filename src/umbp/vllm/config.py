@@ -26,11 +26,13 @@ class UMBPConfig:
     pinned: str = "auto"  # page-locked arena: "auto" (when CUDA is present), "on", "off"
     tenant: str = ""  # optional isolation label folded into the key namespace
     checksum: bool = True  # verify every loaded page against the checksum taken when it was saved
+    ssd_dirs: tuple[str, ...] = ()  # SSD tier directories (one per drive); empty = no SSD tier
+    ssd_bytes: int = 64 * GIB  # SSD capacity per worker (per rank)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> UMBPConfig:
         extra = dict(extra or {})
-        known = {f.name for f in fields(cls)} | {"dram_gb"}
+        known = {f.name for f in fields(cls)} | {"dram_gb", "ssd_gb"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
@@ -68,6 +70,16 @@ class UMBPConfig:
             if not isinstance(extra["tenant"], str):
                 raise ConfigError(f"umbp: 'tenant' must be a string, got {extra['tenant']!r}")
             values["tenant"] = extra["tenant"]
+        if "ssd_dirs" in extra:
+            dirs = extra["ssd_dirs"]
+            dirs = [dirs] if isinstance(dirs, str) else dirs
+            if not isinstance(dirs, list | tuple) or not all(isinstance(d, str) and d for d in dirs):
+                raise ConfigError(f"umbp: 'ssd_dirs' must be a directory or a list of directories, got {dirs!r}")
+            values["ssd_dirs"] = tuple(dirs)
+        if "ssd_gb" in extra:
+            values["ssd_bytes"] = int(_number(extra, "ssd_gb") * GIB)
+            if values["ssd_bytes"] <= 0:
+                raise ConfigError(f"umbp: 'ssd_gb' must be positive, got {extra['ssd_gb']!r}")
         cfg = cls(**values)
         if cfg.low_watermark > cfg.high_watermark:
             raise ConfigError(

@@ -135,3 +135,7 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self):
         return self._worker.take_worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

@@ -18,9 +18,11 @@ class PageMove:
     """One object of one group: GPU block <-> arena slot."""
 
     block_id: int
-    offset: int
+    offset: int  # arena offset (-1: not in DRAM)
     nbytes: int
     prefix_hash: bytes
+    source: str = "dram"  # loads: where the object is read from ("dram" | "ssd")
+    promote_offset: int = -1  # loads from SSD: arena slot to copy the object into as well (-1: none)
 
 
 @dataclass
@@ -28,6 +30,7 @@ class SaveJob:
     job_id: int
     group: int
     moves: list[PageMove]
+    ssd: bool = False  # also write through to this rank's SSD tier
 
 
 @dataclass
@@ -52,12 +55,18 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
 
     saved: dict[int, set[str]] = field(default_factory=dict)  # job id -> rank tags that saved it
     failed: dict[int, set[str]] = field(default_factory=dict)  # job id -> rank tags that could not
+    ssd_saved: dict[int, set[str]] = field(default_factory=dict)  # job id -> ranks that queued it to SSD
+    ssd_evicted: set[str] = field(default_factory=set)  # logical keys some rank's SSD tier no longer holds
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPWorkerMetadata:
         assert isinstance(other, UMBPWorkerMetadata)
-        merged = UMBPWorkerMetadata({k: set(v) for k, v in self.saved.items()},
-                                    {k: set(v) for k, v in self.failed.items()})
-        for src, dst in ((other.saved, merged.saved), (other.failed, merged.failed)):
-            for job_id, ranks in src.items():
-                dst.setdefault(job_id, set()).update(ranks)
+        merged = UMBPWorkerMetadata(ssd_evicted=self.ssd_evicted | other.ssd_evicted)
+        for name in ("saved", "failed", "ssd_saved"):
+            dst = getattr(merged, name)
+            for src in (getattr(self, name), getattr(other, name)):
+                for job_id, ranks in src.items():
+                    dst.setdefault(job_id, set()).update(ranks)
         return merged
+
+    def is_empty(self) -> bool:
+        return not (self.saved or self.failed or self.ssd_saved or self.ssd_evicted)

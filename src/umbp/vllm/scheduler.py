@@ -24,15 +24,11 @@ from umbp.vllm.config import UMBPConfig
 from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.stats import UMBPStats
+from umbp.vllm.tiers import logical_key, scan_ssd
 
 logger = logging.getLogger("umbp.vllm")
 
 SAVE_CONFIRM_STEPS = 64  # steps after which an unconfirmed save is given up (its keys never become visible)
-
-
-def logical_key(namespace: str, group: int, prefix_hash: bytes) -> str:
-    """One index entry per logical object; each rank's shard of it sits at the same arena offset."""
-    return f"umbp:v1:{namespace}:all:g{group}:{bytes(prefix_hash).hex()}"
 
 
 @dataclass
@@ -43,6 +39,8 @@ class PendingLoad:
     keys: list[str]
     job: LoadJob
     sent: bool = False
+    promoted: list[str] = field(default_factory=list)  # DRAM reservations filled from SSD by this load
+    all_keys: list[str] = field(default_factory=list)  # every object this load reads
 
 
 @dataclass
@@ -51,6 +49,7 @@ class PendingSave:
     keys: list[str]
     blocks: list[int]  # GPU blocks pinned until every rank confirmed
     confirmed: set[str] = field(default_factory=set)
+    ssd_confirmed: set[str] = field(default_factory=set)
     failed: bool = False
     sent_step: int = -1
 
@@ -76,6 +75,10 @@ class SchedulerSide:
         self.unsent_saves: list[int] = []
         self.in_flight_keys: set[str] = set()
         self.restored: dict[str, int] = {}  # live request -> boundary it was restored at
+        self.ssd_keys: set[str] = set()  # logical objects every rank's SSD tier holds
+        if cfg.ssd_dirs:
+            self.ssd_keys = scan_ssd(cfg.ssd_dirs, layout.namespace, layout.ranks)
+            logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
         self.job_ids = itertools.count(1)
         self.step = 0
         self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
@@ -112,7 +115,8 @@ class SchedulerSide:
         present: list[set[int]] = []
         for g in range(len(self.layout.groups)):
             keys = [logical_key(ns, g, hashes[t // unit - 1]) for t in ends]
-            present.append({t for t, ok in zip(ends, self.index.lookup(keys)) if ok})
+            held = self.index.lookup(keys)
+            present.append({t for t, k, ok in zip(ends, keys, held) if ok or k in self.ssd_keys})
         return present
 
     def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -153,40 +157,59 @@ class SchedulerSide:
             return
         hit, local = tracked.hit, tracked.hit_local
         tracked.hit = None
+        load = PendingLoad(request.request_id, 0, num_external_tokens, [], LoadJob(request.request_id, {}))
+        self.loads[request.request_id] = load
         if hit is None or hit.tokens != local + num_external_tokens:
             # vLLM asked for a load we did not offer; never load a boundary we did not check
-            job = LoadJob(request.request_id, {}, poisoned=True)
-            self.loads[request.request_id] = PendingLoad(request.request_id, 0, num_external_tokens, [], job)
+            load.job.poisoned = True
             return
-        moves, keys, ok = self._load_moves(request, hit, local, block_ids)
-        slots = self.index.pin(keys) if ok else []
-        if not ok or any(s is None for s in slots):
-            self.index.unpin([k for k, s in zip(keys, slots) if s is not None])
-            keys, ok = [], False
-        else:
-            _fill_offsets(moves, slots)
-        job = LoadJob(request.request_id, moves, poisoned=not ok)
-        self.loads[request.request_id] = PendingLoad(request.request_id, hit.tokens, num_external_tokens, keys, job)
+        load.tokens = hit.tokens
+        moves = self._load_moves(request, hit, local, block_ids)
+        if moves is None or not self._place_loads(load, moves):
+            load.job.poisoned = True
+            return
+        for g, move, _ in moves:
+            load.job.moves.setdefault(g, []).append(move)
         self.count("hit_tokens", num_external_tokens)
 
-    def _load_moves(self, request, hit, local: int, block_ids) -> tuple[dict[int, list[PageMove]], list[str], bool]:
-        moves: dict[int, list[PageMove]] = {}
-        keys: list[str] = []
+    def _load_moves(self, request, hit, local: int, block_ids) -> list[tuple[int, PageMove, str]] | None:
+        """(group, move, key) for every object the hit needs beyond the local prefix; None if a needed
+        destination block is missing."""
+        moves = []
         for g, ends in enumerate(hit.loads):
             spec = self.layout.groups[g]
             for end in sorted(ends):
                 idx = (end - 1) // spec.block_size
-                is_state = spec.kind == "recurrent_state"
-                if not is_state and idx * spec.block_size < local:
+                if spec.kind != "recurrent_state" and idx * spec.block_size < local:
                     continue  # this block is already held by the local prefix hit
                 table = block_ids[g]
                 if idx >= len(table) or table[idx] == 0:
-                    return {}, [], False
-                key = self.key(g, request, end)
-                keys.append(key)
+                    return None
                 prefix_hash = request.block_hashes[end // self.layout.unit - 1]
-                moves.setdefault(g, []).append(PageMove(table[idx], -1, self.layout.object_bytes[g], prefix_hash))
-        return moves, keys, True
+                move = PageMove(table[idx], -1, self.layout.object_bytes[g], prefix_hash)
+                moves.append((g, move, self.key(g, request, end)))
+        return moves
+
+    def _place_loads(self, load: PendingLoad, moves) -> bool:
+        """Pin DRAM copies; read the rest from SSD, promoting each into a fresh DRAM slot."""
+        for _, move, key in moves:
+            load.all_keys.append(key)
+            slot = self.index.pin([key])[0]
+            if slot is not None:
+                move.offset = slot.offset
+                load.keys.append(key)
+            elif key in self.ssd_keys:
+                move.source = "ssd"
+                if key not in self.in_flight_keys:
+                    promoted = self.index.reserve(key, move.nbytes)
+                    if promoted is not None:
+                        move.promote_offset = promoted.offset
+                        self.in_flight_keys.add(key)
+                        load.promoted.append(key)
+            else:
+                return False
+        self._count_evictions()
+        return True
 
     # ---------------------------------------------------------------- saves
     def plan_saves(self, scheduler_output) -> None:
@@ -219,7 +242,7 @@ class SchedulerSide:
         by_group: dict[int, tuple[list[PageMove], list[str]]] = {}
         for plan in plans:
             key = self.key(plan.group, request, plan.key_end)
-            if key in self.in_flight_keys or self.index.lookup([key])[0]:
+            if key in self.in_flight_keys or key in self.ssd_keys or self.index.lookup([key])[0]:
                 continue
             nbytes = self.layout.object_bytes[plan.group]
             slot = self.index.reserve(key, nbytes)
@@ -233,7 +256,7 @@ class SchedulerSide:
             keys.append(key)
         self._count_evictions()
         for group, (moves, keys) in sorted(by_group.items()):
-            job = SaveJob(next(self.job_ids), group, moves)
+            job = SaveJob(next(self.job_ids), group, moves, ssd=bool(self.cfg.ssd_dirs))
             blocks = [m.block_id for m in moves]
             self._pin_gpu_blocks(blocks)
             self.saves[job.job_id] = PendingSave(job, keys, blocks)
@@ -278,9 +301,15 @@ class SchedulerSide:
             if load is None:
                 continue
             self.index.unpin(load.keys)
-            if req_id in failed or load.job.poisoned:
-                # a corrupt or vanished object must not be offered again: drop it
-                self.index.remove(load.keys)
+            ok = req_id not in failed and not load.job.poisoned
+            for key in load.promoted:
+                self.in_flight_keys.discard(key)
+                self.index.commit(key) if ok else self.index.abort(key)
+            if req_id in failed:
+                # a corrupt or vanished object must not be offered again: drop it from every tier's view
+                self.index.remove(load.all_keys)
+                self.ssd_keys.difference_update(load.all_keys)
+            if not ok:
                 self.count("load_failures")
                 logger.warning("umbp: load for request %s failed; vLLM recomputes it", req_id)
             else:
@@ -289,6 +318,10 @@ class SchedulerSide:
                 self.count("loaded_objects", len(load.keys))
 
     def _confirm_saves(self, meta: UMBPWorkerMetadata) -> None:
+        self.ssd_keys.difference_update(meta.ssd_evicted)
+        for job_id, ranks in meta.ssd_saved.items():
+            if job_id in self.saves:
+                self.saves[job_id].ssd_confirmed |= ranks
         for job_id, ranks in meta.failed.items():
             if job_id in self.saves:
                 self.saves[job_id].failed = True
@@ -319,6 +352,8 @@ class SchedulerSide:
         if save.failed:
             self.count("save_failures", len(save.keys))
             return
+        if save.job.ssd and save.ssd_confirmed >= self.rank_tags:
+            self.ssd_keys.update(save.keys)
         group = save.job.group
         nbytes = sum(m.nbytes for m in save.job.moves) * len(self.rank_tags)
         self.count("stored_objects", len(save.keys))

@@ -7,6 +7,7 @@ failed load (vLLM recomputes), never wrong bytes in the KV cache.
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections import Counter
 
@@ -19,6 +20,7 @@ from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.pages import GroupPages, group_pages
 from umbp.vllm.stats import UMBPStats
+from umbp.vllm.tiers import logical_of, rank_dir
 
 logger = logging.getLogger("umbp.vllm")
 
@@ -43,6 +45,8 @@ class WorkerSide:
         self.rank = rank if rank is not None else current_rank()
         self.groups: dict[int, GroupPages] = {}
         self.arena: Arena | None = None
+        self.ssd = None  # umbp.pool.SsdTier for this rank, when ssd_dirs is configured
+        self.ssd_saved: dict[int, set[str]] = {}
         self.slots: dict[int, tuple[str, int]] = {}  # arena offset -> (rank-local key, checksum)
         self.saved: dict[int, set[str]] = {}
         self.failed: dict[int, set[str]] = {}
@@ -65,6 +69,12 @@ class WorkerSide:
             self.groups[g] = pages
         pinned = {"auto": "auto", "on": True, "off": False}[self.cfg.pinned]
         self.arena = Arena(self.cfg.dram_bytes, pinned=pinned, prefault=False)
+        if self.cfg.ssd_dirs:
+            from umbp.pool.ssd import SsdTier
+
+            dirs = [rank_dir(d, self.layout.namespace, self.rank) for d in self.cfg.ssd_dirs]
+            self.ssd = SsdTier(dirs, self.cfg.ssd_bytes, track_evicted=True)
+            atexit.register(self.close)  # queued SSD writes must reach the disk even without a clean shutdown
         logger.info(
             "umbp: rank %s arena %.2f GiB, groups %s", self.rank.tag(), self.cfg.dram_bytes / 2**30,
             {g: p.object_bytes for g, p in self.groups.items()},
@@ -95,16 +105,23 @@ class WorkerSide:
         if pages is None:  # this rank holds no layer of the group (pipeline parallel)
             return
         data = pages.gather([m.block_id for m in job.moves]).cpu()
-        for i, move in enumerate(job.moves):
-            self._write(move, job.group, data[i])
+        digests = [self._write(move, job.group, data[i]) for i, move in enumerate(job.moves)]
         self.count("stored_bytes_rank", data.numel())
+        if job.ssd and self.ssd is not None:
+            keys = [self.rank_key(job.group, m.prefix_hash) for m in job.moves]
+            queued = self.ssd.put(keys, [data[i].numpy() for i in range(len(job.moves))], checksums=digests)
+            if all(queued):
+                self.ssd_saved.setdefault(job.job_id, set()).add(self.rank.tag())
+            else:
+                self.count("ssd_saves_dropped", queued.count(False))
 
-    def _write(self, move: PageMove, group: int, page: torch.Tensor) -> None:
+    def _write(self, move: PageMove, group: int, page: torch.Tensor) -> int:
         if page.numel() > move.nbytes:
             raise ValueError(f"umbp: page of {page.numel()} bytes exceeds its slot of {move.nbytes}")
         self.slots.pop(move.offset, None)  # the slot is being rewritten: invalid until done
         digest = self.arena.write(move.offset, page.numpy())  # copy and checksum in one pass
         self.slots[move.offset] = (self.rank_key(group, move.prefix_hash), digest)
+        return digest
 
     # ---------------------------------------------------------------- loads
     def load(self, meta: UMBPConnectorMetadata) -> None:
@@ -138,6 +155,8 @@ class WorkerSide:
         return True
 
     def _read(self, move: PageMove, group: int, nbytes: int, out: torch.Tensor) -> bool:
+        if move.source == "ssd":
+            return self._read_ssd(move, group, out)
         expected = self.rank_key(group, move.prefix_hash)
         held = self.slots.get(move.offset)
         if held is None or held[0] != expected:
@@ -151,6 +170,19 @@ class WorkerSide:
             return False
         return True
 
+    def _read_ssd(self, move: PageMove, group: int, out: torch.Tensor) -> bool:
+        """Read from this rank's SSD tier (it verifies header and checksum) and promote into DRAM."""
+        if self.ssd is None:
+            return False
+        if not self.ssd.get_into([self.rank_key(group, move.prefix_hash)], [out.numpy()])[0]:
+            logger.warning("umbp: SSD tier lost an object it was asked for; treating as a miss")
+            return False
+        self.count("ssd_loaded_bytes", out.numel())
+        if move.promote_offset >= 0:
+            promoted = PageMove(move.block_id, move.promote_offset, move.nbytes, move.prefix_hash)
+            self._write(promoted, group, out)
+        return True
+
     # ---------------------------------------------------------------- reports
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
         finished, failed = self.finished_loads, self.failed_loads
@@ -158,8 +190,13 @@ class WorkerSide:
         return finished, failed
 
     def take_worker_meta(self) -> UMBPWorkerMetadata | None:
-        if not self.saved and not self.failed:
-            return None
-        meta = UMBPWorkerMetadata(self.saved, self.failed)
-        self.saved, self.failed = {}, {}
-        return meta
+        evicted = {logical_of(k) for k in self.ssd.drain_evicted()} if self.ssd is not None else set()
+        meta = UMBPWorkerMetadata(self.saved, self.failed, self.ssd_saved, evicted)
+        self.saved, self.failed, self.ssd_saved = {}, {}, {}
+        return None if meta.is_empty() else meta
+
+    def close(self) -> None:
+        if self.ssd is not None:
+            self.ssd.flush(timeout=30)
+            self.ssd.close()
+            self.ssd = None

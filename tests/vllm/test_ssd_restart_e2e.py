@@ -1,0 +1,34 @@
+"""Engine 1 (one process) computes an 840-token hybrid prompt and exits; engine 2 (a new process, empty
+DRAM) restores 832 tokens from the SSD tier, with identical tokens and logprobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+HERE = Path(__file__).parent
+
+
+def one_turn(arch: str, model_dir: Path, extra: dict) -> dict:
+    proc = subprocess.run([sys.executable, str(HERE / "_one_turn.py"), arch, str(model_dir), json.dumps(extra)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_new_process_restores_832_from_ssd(tiny_model_dir, tmp_path):
+    extra = {"dram_gb": 0.0625, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}
+    first = one_turn("granite", tiny_model_dir("granite"), extra)
+    assert first["cached"] == 0
+    second = one_turn("granite", tiny_model_dir("granite"), extra)
+    assert second["cached"] == 832
+    assert second["totals"]["restored_tokens"] == 832
+    assert second["tokens"] == first["tokens"]
+    assert max(abs(a - b) for a, b in zip(second["logprobs"], first["logprobs"])) <= 1e-5
