@@ -68,9 +68,9 @@ def bulk_keys(prefix: str, keys: Sequence[str]) -> bytes:
     return b"".join(parts)
 
 
-def multi_key_command(name: bytes, prefix: str, keys: Sequence[str]) -> bytes:
-    """`name <prefix>k1 <prefix>k2 ...` (e.g. MGET over marker keys)."""
-    return b"*%d\r\n$%d\r\n%s\r\n" % (len(keys) + 1, len(name), name) + bulk_keys(prefix, keys)
+def multi_key_command(name: bytes, prefix: str, keys: Sequence[str]) -> list[bytes]:
+    """`name <prefix>k1 <prefix>k2 ...` (e.g. MGET over marker keys), as parts for `Wire.send`."""
+    return [b"*%d\r\n$%d\r\n%s\r\n" % (len(keys) + 1, len(name), name), bulk_keys(prefix, keys)]
 
 
 class Wire:

@@ -53,11 +53,14 @@ from umbp.pool.ssd_format import (
     SUMMARY,
     TOMBSTONE,
     RecordInfo,
+    block_rows,
     entry_bytes,
+    header_bytes,
     pack_header,
     pack_summary,
     pack_trailer,
-    parse_header,
+    padded,
+    psum_of_rows,
     record_bytes,
     scan,
     seal_bytes,
@@ -70,6 +73,7 @@ COPYING, QUEUED, WRITING, DONE = range(4)  # a staged put's life
 _PUT, _TOMB, _CLEAR = range(3)
 _OK, _MISS, _BAD, _IOERR = range(4)
 _MAX_BATCH_ITEMS = 512  # below IOV_MAX (1024) for one pwritev
+ZERO_COPY_MIN = 1 * MiB  # below this the per-object psum64 call costs more than the bounce copy it saves
 _FATAL_ERRNOS = (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
 # The syscalls the tier's I/O goes through; module attributes so fault tests can replace them.
@@ -99,6 +103,7 @@ class _Loc(NamedTuple):
     offset: int
     length: int
     checksum: int
+    seq: int
 
 
 @dataclass(eq=False, slots=True)
@@ -241,6 +246,7 @@ class SsdTier(Pool):
         shard_cap = _check_int("capacity_bytes", capacity_bytes, 64 * KiB * len(dirs)) // len(dirs)
         self._queue_bytes = _check_int("queue_bytes", queue_bytes, BLOCK) // BLOCK * BLOCK
         self._max_io = _check_int("max_io_bytes", max_io_bytes, 64 * KiB) // BLOCK * BLOCK
+        self._run_bytes = min(self._max_io, 1 * MiB)
         if segment_bytes is None:
             segment_bytes = min(256 * MiB, max(256 * KiB, shard_cap // 16))
         self._segment_bytes = _check_int("segment_bytes", segment_bytes, BLOCK) // BLOCK * BLOCK
@@ -323,7 +329,7 @@ class SsdTier(Pool):
             if self._shard_number(key) != shard.number:  # written when the directory list was different
                 self._counters["foreign_records"] += 1
                 continue
-            self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum))
+            self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum, r.seq))
 
     def _open_fd(self, shard: _Shard, path: str, create: bool) -> int:
         flags = os.O_RDWR | os.O_CLOEXEC | ((os.O_CREAT | os.O_EXCL) if create else 0)
@@ -722,13 +728,15 @@ class SsdTier(Pool):
         return status
 
     def _runs(self, plans: list, idx: list[int]) -> list[list[int]]:
+        """Adjacent records of one segment, grouped into reads of up to run_bytes (so a batch becomes a few
+        reads that proceed in parallel, one thread verifying while another waits for the disk)."""
         idx = sorted(idx, key=lambda i: plans[i].offset)
         runs: list[list[int]] = []
         end = nbytes = -1
         for i in idx:
             loc = plans[i]
             rec = record_bytes(loc.length)
-            if runs and loc.offset == end and nbytes + rec <= self._max_io and len(runs[-1]) < 256:
+            if runs and loc.offset == end and nbytes + rec <= self._run_bytes and len(runs[-1]) < 256:
                 runs[-1].append(i)
                 nbytes += rec
             else:
@@ -739,18 +747,25 @@ class SsdTier(Pool):
 
     def _read_run(self, run: list[int], keys: Sequence[str], plans: list, dsts: list, status: list[int]) -> None:
         first, last = plans[run[0]], plans[run[-1]]
-        if all(self._zero_copy_ok(keys[i], dsts[i]) for i in run):
+        if first.length >= ZERO_COPY_MIN and all(self._zero_copy_ok(keys[i], dsts[i]) for i in run):
             self._read_zero_copy(run, keys, plans, dsts, status)
-            return
-        if len(run) == 1 and record_bytes(first.length) > self._max_io:
+        elif len(run) == 1 and record_bytes(first.length) > self._max_io:
             status[run[0]] = self._read_large(keys[run[0]], first, dsts[run[0]])
-            return
-        start = first.offset
+        else:
+            self._read_bounced(run, keys, plans, dsts, status)
+
+    def _read_bounced(self, run: list[int], keys: Sequence[str], plans: list, dsts: list,
+                      status: list[int]) -> None:
+        """One read of the run into a bounce buffer, one numpy call for every block's sum, then per object
+        a header compare, a dot product (its psum64) and a copy into the destination."""
+        start = plans[run[0]].offset
+        last = plans[run[-1]]
         buf = self._bounce()[: last.offset + record_bytes(last.length) - start]
         try:
-            got = _preadv(first.seg.fd, [buf], start)
+            got = _preadv(plans[run[0]].seg.fd, [buf], start) // BLOCK * BLOCK
         except OSError:
             got = 0
+        rows = block_rows(buf[:got])
         for i in run:
             loc = plans[i]
             rel = loc.offset - start
@@ -759,8 +774,12 @@ class SsdTier(Pool):
             elif not self._header_ok(buf[rel : rel + BLOCK], keys[i], loc):
                 status[i] = _BAD
             else:
-                digest = copy_with_checksum(buf[rel + BLOCK : rel + BLOCK + loc.length], dsts[i], False)
-                status[i] = _OK if digest == loc.checksum else _BAD
+                r0 = rel // BLOCK + 1
+                if psum_of_rows(rows[r0 : r0 + padded(loc.length) // BLOCK], loc.length) != loc.checksum:
+                    status[i] = _BAD
+                else:
+                    np.copyto(dsts[i], buf[rel + BLOCK : rel + BLOCK + loc.length])
+                    status[i] = _OK
 
     def _zero_copy_ok(self, key: str, dst: np.ndarray) -> bool:
         """O_DIRECT can read straight into dst only if dst is 4 KiB-aligned; buffered I/O always can."""
@@ -775,8 +794,8 @@ class SsdTier(Pool):
 
     def _read_zero_copy(self, run: list[int], keys: Sequence[str], plans: list, dsts: list,
                         status: list[int]) -> None:
-        """One preadv for the run: each header into scratch, each payload straight into its destination
-        (its partial last block into scratch, copied after). Saves the bounce copy."""
+        """Large objects: one preadv for the run, each header into scratch and each payload straight into
+        its destination (its partial last block into scratch, copied after); then psum64 of dst."""
         scratch = self._blocks(2 * len(run))
         iov, start = [], plans[run[0]].offset
         for j, i in enumerate(run):
@@ -803,8 +822,11 @@ class SsdTier(Pool):
                 status[i] = _OK if checksum_u8(dst) == loc.checksum else _BAD
 
     def _read_large(self, key: str, loc: _Loc, dst: np.ndarray) -> int:
-        """A record larger than the bounce buffer: chunked reads, then one checksum pass over dst."""
-        buf, pos, off, end = self._bounce(), 0, loc.offset, loc.offset + record_bytes(loc.length)
+        """A record larger than the bounce buffer (destination not aligned for a direct read): chunked
+        reads, block sums taken per chunk, payload copied out per chunk."""
+        buf, off, end = self._bounce(), loc.offset, loc.offset + record_bytes(loc.length)
+        rows = np.empty((end - off) // BLOCK, np.uint64)
+        pos = 0
         while off < end:
             n = min(self._max_io, end - off)
             try:
@@ -812,21 +834,20 @@ class SsdTier(Pool):
                     return _IOERR
             except OSError:
                 return _IOERR
-            data = buf[:n]
-            if off == loc.offset:
-                if not self._header_ok(buf[:BLOCK], key, loc):
-                    return _BAD
-                data = buf[BLOCK:n]
+            if off == loc.offset and not self._header_ok(buf[:BLOCK], key, loc):
+                return _BAD
+            r0 = (off - loc.offset) // BLOCK
+            rows[r0 : r0 + n // BLOCK] = block_rows(buf[:n])
+            data = buf[BLOCK:n] if off == loc.offset else buf[:n]
             take = min(data.size, loc.length - pos)
             np.copyto(dst[pos : pos + take], data[:take])
             pos, off = pos + take, off + n
-        return _OK if checksum_u8(dst) == loc.checksum else _BAD
+        return _OK if psum_of_rows(rows[1:], loc.length) == loc.checksum else _BAD
 
     @staticmethod
     def _header_ok(block: np.ndarray, key: str, loc: _Loc) -> bool:
-        h = parse_header(block)
-        return (h is not None and h.flags == DATA and h.key == key and h.length == loc.length
-                and h.checksum == loc.checksum)
+        expected = header_bytes(key.encode(), DATA, loc.seq, loc.length, loc.checksum)
+        return block[: len(expected)].tobytes() == expected
 
     # ---- the writer thread -------------------------------------------------------------------------------
 
@@ -990,7 +1011,7 @@ class SsdTier(Pool):
                     c["tombstones"] += it.kind == _TOMB
                     if it.kind == _PUT and not it.cancelled:
                         self._unindex(shard, it.key, gone=False)
-                        self._index(shard, it.key, _Loc(seg, info.offset, it.length, it.checksum))
+                        self._index(shard, it.key, _Loc(seg, info.offset, it.length, it.checksum, seq))
                 elif it.kind == _PUT and not it.cancelled:
                     c["dropped_write_error"] += 1
                     if self._track_evicted:
@@ -1125,7 +1146,7 @@ class SsdTier(Pool):
             self._counters["copied_forward"] += 1
             self._counters["copied_forward_bytes"] += rec
             if shard.index.get(key) is loc:  # else removed meanwhile: the copy is dead, a tombstone follows
-                shard.index[key] = _Loc(seg, base, loc.length, loc.checksum)  # same place in the LRU
+                shard.index[key] = _Loc(seg, base, loc.length, loc.checksum, seq)  # same place in the LRU
                 del loc.seg.live[key]
                 seg.live[key] = None
         return True

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from umbp.pool.psum import checksum_u8
+from umbp.pool.psum import _GOLDEN, _M64, ROW_WORDS, _weights, checksum_u8
 
 BLOCK = 4096
 MAGIC = b"UMBP-REC"
@@ -89,11 +89,17 @@ class Header:
     key: str
 
 
-def pack_header(block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> None:
-    """Write a header into `block` (a writable 4 KiB uint8 view), zeroing the rest of the block."""
+def header_bytes(key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> bytes:
+    """The meaningful prefix of a header block (the rest of the block is zeros). A reader that knows
+    what it expects compares against this instead of parsing (a few times cheaper per object)."""
     head = _HEADER.pack(MAGIC, VERSION, flags, len(key_bytes), 0, seq, length, checksum, 0)
     crc = zlib.crc32(key_bytes, zlib.crc32(head[:_CRC_AT]))
-    raw = head[:_CRC_AT] + struct.pack("<I", crc) + head[_CRC_AT + 4 :] + key_bytes
+    return head[:_CRC_AT] + struct.pack("<I", crc) + head[_CRC_AT + 4 :] + key_bytes
+
+
+def pack_header(block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> None:
+    """Write a header into `block` (a writable 4 KiB uint8 view), zeroing the rest of the block."""
+    raw = header_bytes(key_bytes, flags, seq, length, checksum)
     block[: len(raw)] = np.frombuffer(raw, np.uint8)
     block[len(raw) : BLOCK] = 0
 
@@ -114,6 +120,26 @@ def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
     except UnicodeDecodeError:
         return None
     return Header(flags, seq, length, csum, key)
+
+
+# ---- checksums over whole blocks ------------------------------------------------------------------------
+
+
+def block_rows(buf: np.ndarray) -> np.ndarray:
+    """Sum mod 2**64 of each 4 KiB block of `buf` (a multiple of 4 KiB long) as little-endian words:
+    one numpy call for a whole run of records."""
+    return np.add.reduce(buf.view("<u8").reshape(-1, ROW_WORDS), axis=1)
+
+
+def psum_of_rows(rows: np.ndarray, length: int) -> int:
+    """psum64 of a `length`-byte payload from the block sums of its zero-padded 4 KiB blocks.
+
+    Equal to umbp.pool.psum.checksum of the payload because psum64 sums the bytes after the last full
+    row zero-padded, with the next row's weight, which is exactly a zero-padded block's row sum; records
+    are zero-padded on disk. (tests/unit/test_ssd_format.py checks the equality.)"""
+    n = rows.size
+    h = int(rows.dot(_weights(n + 1)[:n])) if n else 0
+    return (h ^ (length * _GOLDEN)) & _M64
 
 
 # ---- summaries and trailers ----------------------------------------------------------------------------

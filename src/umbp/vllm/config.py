@@ -28,6 +28,16 @@ class UMBPConfig:
     checksum: bool = True  # verify every loaded page against the checksum taken when it was saved
     ssd_dirs: tuple[str, ...] = ()  # SSD tier directories (one per drive); empty = no SSD tier
     ssd_bytes: int = 64 * GIB  # SSD capacity per worker (per rank)
+    remote: tuple[tuple[str, Any], ...] = ()  # shared tier options (umbp.pool.remote.RemoteConfig); empty = off
+    quarantine_s: float = 30.0  # how long an object whose load failed is not offered again
+
+    def remote_tier(self):
+        """A RedisTier for these options (validated by umbp.pool.remote); None when no shared tier is set."""
+        if not self.remote:
+            return None
+        from umbp.pool.remote import RedisTier, RemoteConfig
+
+        return RedisTier(RemoteConfig.from_options(dict(self.remote)))
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> UMBPConfig:
@@ -80,6 +90,18 @@ class UMBPConfig:
             values["ssd_bytes"] = int(_number(extra, "ssd_gb") * GIB)
             if values["ssd_bytes"] <= 0:
                 raise ConfigError(f"umbp: 'ssd_gb' must be positive, got {extra['ssd_gb']!r}")
+        if "remote" in extra:
+            remote = extra["remote"]
+            if isinstance(remote, str):
+                remote = {"url": remote}
+            if not isinstance(remote, dict) or not remote:
+                raise ConfigError(
+                    f"umbp: 'remote' must be a Redis URL or an options dict like {{\"url\": "
+                    f"\"redis://127.0.0.1:6379/0\"}}, got {remote!r}"
+                )
+            values["remote"] = tuple(sorted(remote.items()))
+        if "quarantine_s" in extra:
+            values["quarantine_s"] = _number(extra, "quarantine_s")
         cfg = cls(**values)
         if cfg.low_watermark > cfg.high_watermark:
             raise ConfigError(

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from umbp.hybrid import RequestStorePlanner, StorePlan, explain, longest_hit
+from umbp.identity import object_key
 from umbp.pool import DramIndex
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.layout import Layout
@@ -76,6 +78,8 @@ class SchedulerSide:
         self.in_flight_keys: set[str] = set()
         self.restored: dict[str, int] = {}  # live request -> boundary it was restored at
         self.ssd_keys: set[str] = set()  # logical objects every rank's SSD tier holds
+        self.remote = cfg.remote_tier()  # the shared tier (Redis/Valkey), queried at lookup
+        self.quarantine: dict[str, float] = {}  # logical key -> time until which it is not offered
         if cfg.ssd_dirs:
             self.ssd_keys = scan_ssd(cfg.ssd_dirs, layout.namespace, layout.ranks)
             logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
@@ -117,7 +121,32 @@ class SchedulerSide:
             keys = [logical_key(ns, g, hashes[t // unit - 1]) for t in ends]
             held = self.index.lookup(keys)
             present.append({t for t, k, ok in zip(ends, keys, held) if ok or k in self.ssd_keys})
+        if self.remote is not None:
+            self._add_remote(request, ends, present)
+        if self.quarantine:
+            self._drop_quarantined(request, present)
         return present
+
+    def rank_keys(self, group: int, prefix_hash: bytes) -> list[str]:
+        return [object_key(self.layout.namespace, r, group, prefix_hash) for r in self.layout.ranks]
+
+    def _add_remote(self, request, ends, present: list[set[int]]) -> None:
+        """One pipelined round trip for every (boundary, group) the local tiers miss; all ranks must hold it."""
+        asks = [(g, t) for g in range(len(present)) for t in ends if t not in present[g]]
+        keys = [k for g, t in asks for k in self.rank_keys(g, request.block_hashes[t // self.layout.unit - 1])]
+        if not keys:
+            return
+        found = self.remote.exists(keys)
+        n = len(self.layout.ranks)
+        for i, (g, t) in enumerate(asks):
+            if all(found[i * n : (i + 1) * n]):
+                present[g].add(t)
+
+    def _drop_quarantined(self, request, present: list[set[int]]) -> None:
+        now = time.monotonic()
+        self.quarantine = {k: until for k, until in self.quarantine.items() if until > now}
+        for g, ends in enumerate(present):
+            ends -= {t for t in ends if self.key(g, request, t) in self.quarantine}
 
     def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         tracked = self.track(request)
@@ -198,8 +227,8 @@ class SchedulerSide:
             if slot is not None:
                 move.offset = slot.offset
                 load.keys.append(key)
-            elif key in self.ssd_keys:
-                move.source = "ssd"
+            elif key in self.ssd_keys or self.remote is not None:
+                move.source = "ssd" if key in self.ssd_keys else "remote"
                 if key not in self.in_flight_keys:
                     promoted = self.index.reserve(key, move.nbytes)
                     if promoted is not None:
@@ -306,9 +335,12 @@ class SchedulerSide:
                 self.in_flight_keys.discard(key)
                 self.index.commit(key) if ok else self.index.abort(key)
             if req_id in failed:
-                # a corrupt or vanished object must not be offered again: drop it from every tier's view
+                # a corrupt or vanished object must not be offered again: drop it from every tier's view,
+                # and quarantine it so the shared tier's copy is not retried at once either
                 self.index.remove(load.all_keys)
                 self.ssd_keys.difference_update(load.all_keys)
+                until = time.monotonic() + self.cfg.quarantine_s
+                self.quarantine.update(dict.fromkeys(load.all_keys, until))
             if not ok:
                 self.count("load_failures")
                 logger.warning("umbp: load for request %s failed; vLLM recomputes it", req_id)
@@ -348,6 +380,7 @@ class SchedulerSide:
                 self.index.abort(key)
             else:
                 self.index.commit(key)
+                self.quarantine.pop(key, None)  # freshly written: trustworthy again
         self._unpin_gpu_blocks(save.blocks)
         if save.failed:
             self.count("save_failures", len(save.keys))

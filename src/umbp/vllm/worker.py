@@ -46,6 +46,7 @@ class WorkerSide:
         self.groups: dict[int, GroupPages] = {}
         self.arena: Arena | None = None
         self.ssd = None  # umbp.pool.SsdTier for this rank, when ssd_dirs is configured
+        self.remote = None  # umbp.pool.remote.RedisTier, when a shared tier is configured
         self.ssd_saved: dict[int, set[str]] = {}
         self.slots: dict[int, tuple[str, int]] = {}  # arena offset -> (rank-local key, checksum)
         self.saved: dict[int, set[str]] = {}
@@ -74,7 +75,9 @@ class WorkerSide:
 
             dirs = [rank_dir(d, self.layout.namespace, self.rank) for d in self.cfg.ssd_dirs]
             self.ssd = SsdTier(dirs, self.cfg.ssd_bytes, track_evicted=True)
-            atexit.register(self.close)  # queued SSD writes must reach the disk even without a clean shutdown
+        self.remote = self.cfg.remote_tier()
+        if self.ssd is not None or self.remote is not None:
+            atexit.register(self.close)  # queued writes must reach the disk/server without a clean shutdown
         logger.info(
             "umbp: rank %s arena %.2f GiB, groups %s", self.rank.tag(), self.cfg.dram_bytes / 2**30,
             {g: p.object_bytes for g, p in self.groups.items()},
@@ -114,6 +117,11 @@ class WorkerSide:
                 self.ssd_saved.setdefault(job.job_id, set()).add(self.rank.tag())
             else:
                 self.count("ssd_saves_dropped", queued.count(False))
+        if self.remote is not None:
+            keys = [self.rank_key(job.group, m.prefix_hash) for m in job.moves]
+            sent = self.remote.put_async(keys, [data[i].numpy() for i in range(len(job.moves))])
+            self.count("remote_saves_queued", sent.count(True))
+            self.count("remote_saves_dropped", sent.count(False))
 
     def _write(self, move: PageMove, group: int, page: torch.Tensor) -> int:
         if page.numel() > move.nbytes:
@@ -155,8 +163,8 @@ class WorkerSide:
         return True
 
     def _read(self, move: PageMove, group: int, nbytes: int, out: torch.Tensor) -> bool:
-        if move.source == "ssd":
-            return self._read_ssd(move, group, out)
+        if move.source in ("ssd", "remote"):
+            return self._read_tier(move, group, out)
         expected = self.rank_key(group, move.prefix_hash)
         held = self.slots.get(move.offset)
         if held is None or held[0] != expected:
@@ -170,14 +178,15 @@ class WorkerSide:
             return False
         return True
 
-    def _read_ssd(self, move: PageMove, group: int, out: torch.Tensor) -> bool:
-        """Read from this rank's SSD tier (it verifies header and checksum) and promote into DRAM."""
-        if self.ssd is None:
+    def _read_tier(self, move: PageMove, group: int, out: torch.Tensor) -> bool:
+        """Read from this rank's SSD or shared tier (both verify header and checksum); promote into DRAM."""
+        tier = self.ssd if move.source == "ssd" else self.remote
+        if tier is None:
             return False
-        if not self.ssd.get_into([self.rank_key(group, move.prefix_hash)], [out.numpy()])[0]:
-            logger.warning("umbp: SSD tier lost an object it was asked for; treating as a miss")
+        if not tier.get_into([self.rank_key(group, move.prefix_hash)], [out.numpy()])[0]:
+            logger.warning("umbp: %s tier did not return an object it was asked for; a miss", move.source)
             return False
-        self.count("ssd_loaded_bytes", out.numel())
+        self.count(f"{move.source}_loaded_bytes", out.numel())
         if move.promote_offset >= 0:
             promoted = PageMove(move.block_id, move.promote_offset, move.nbytes, move.prefix_hash)
             self._write(promoted, group, out)
@@ -196,7 +205,9 @@ class WorkerSide:
         return None if meta.is_empty() else meta
 
     def close(self) -> None:
-        if self.ssd is not None:
-            self.ssd.flush(timeout=30)
-            self.ssd.close()
-            self.ssd = None
+        for name in ("ssd", "remote"):
+            tier = getattr(self, name)
+            if tier is not None:
+                tier.flush(timeout=30)
+                tier.close()
+                setattr(self, name, None)
