@@ -159,6 +159,20 @@ class Wire:
             self.read_into(scratch[:step])
             n -= step
 
+    def try_consume(self, expected: bytes) -> bool:
+        """Consume `expected` if the stream continues with exactly it (the common all-OK replies of a
+        batch, matched at once); otherwise consume nothing, for a reply-by-reply parse. Reads more only
+        while what is buffered still matches, so it never waits for bytes that will not come."""
+        n = len(expected)
+        while True:
+            have = min(n, self.end - self.start)
+            if self.buf[self.start : self.start + have] != expected[:have]:
+                return False
+            if have == n:
+                self.start += n
+                return True
+            self._fill()
+
     def expect_crlf(self) -> None:
         if self.line() != b"":
             raise ProtocolError("umbp: a bulk reply did not end where its length said")

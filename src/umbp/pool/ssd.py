@@ -55,12 +55,12 @@ from umbp.pool.ssd_format import (
     RecordInfo,
     block_rows,
     entry_bytes,
-    header_bytes,
     pack_header,
     pack_summary,
     pack_trailer,
     padded,
     psum_of_rows,
+    psums_of_records,
     record_bytes,
     scan,
     seal_bytes,
@@ -235,7 +235,7 @@ class SsdTier(Pool):
         segment_bytes: int | None = None,
         low_watermark: float = 0.8,
         max_io_bytes: int = 8 * MiB,
-        io_threads: int = 4,
+        io_threads: int = 2,
         track_evicted: bool = False,
         health_interval_s: float = 1.0,
     ) -> None:
@@ -246,7 +246,7 @@ class SsdTier(Pool):
         shard_cap = _check_int("capacity_bytes", capacity_bytes, 64 * KiB * len(dirs)) // len(dirs)
         self._queue_bytes = _check_int("queue_bytes", queue_bytes, BLOCK) // BLOCK * BLOCK
         self._max_io = _check_int("max_io_bytes", max_io_bytes, 64 * KiB) // BLOCK * BLOCK
-        self._run_bytes = min(self._max_io, 1 * MiB)
+        self._run_bytes = min(self._max_io, 2 * MiB)
         if segment_bytes is None:
             segment_bytes = min(256 * MiB, max(256 * KiB, shard_cap // 16))
         self._segment_bytes = _check_int("segment_bytes", segment_bytes, BLOCK) // BLOCK * BLOCK
@@ -258,7 +258,7 @@ class SsdTier(Pool):
         if not isinstance(low_watermark, int | float) or not 0 < low_watermark <= 1:
             raise OptionValueError(f"umbp: low_watermark must be in (0, 1], got {low_watermark!r}")
         self._low = float(low_watermark)
-        self._io_threads = _check_int("io_threads", io_threads, 1)
+        self._io_threads = _check_int("io_threads", io_threads, 0)
         self._health_interval = float(health_interval_s)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -703,8 +703,9 @@ class SsdTier(Pool):
         return buf
 
     def _read(self, keys: Sequence[str], plans: list, dsts: list[np.ndarray]) -> list[int]:
-        """Staged objects are copied from staging; records on disk are read in runs of adjacent records
-        (one I/O of up to max_io_bytes each), runs in parallel on io_threads."""
+        """Staged objects are copied from staging. Records on disk are read in runs of adjacent records,
+        pipelined: I/O threads read the next runs while this thread checks and copies the current one, so
+        the per-object CPU work hides behind the disk instead of adding to it."""
         status = [_MISS] * len(keys)
         by_seg: dict[int, list[int]] = {}
         for i, plan in enumerate(plans):
@@ -714,28 +715,63 @@ class SsdTier(Pool):
             elif plan is not None:
                 by_seg.setdefault(id(plan.seg), []).append(i)
         runs = [run for idx in by_seg.values() for run in self._runs(plans, idx)]
-
-        def do(run: list[int]) -> None:
-            self._read_run(run, keys, plans, dsts, status)
-
-        if len(runs) > 1 and self._io_threads > 1:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="umbp-ssd-read")
-            list(self._executor.map(do, runs))
-        else:
+        if len(runs) == 1 or self._io_threads == 0:
             for run in runs:
-                do(run)
+                self._read_run(run, keys, plans, dsts, status, self._bounce())
+        elif runs:
+            self._read_pipelined(runs, keys, plans, dsts, status)
         return status
 
+    def _read_pipelined(self, runs: list[list[int]], keys: Sequence[str], plans: list, dsts: list,
+                        status: list[int]) -> None:
+        if self._executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="umbp-ssd-read")
+        free = list(self._run_buffers())
+        pending: deque = deque()
+        for run in runs:
+            if self._whole_in_thread(run, keys, plans, dsts):  # large objects: read and verify there
+                pending.append((None, self._executor.submit(
+                    self._read_run, run, keys, plans, dsts, status, None)))
+                continue
+            if not free:
+                self._complete(pending.popleft(), keys, plans, dsts, status, free)
+            buf = free.pop()
+            pending.append(((run, buf), self._executor.submit(self._fetch, run, plans, buf)))
+        while pending:
+            self._complete(pending.popleft(), keys, plans, dsts, status, free)
+
+    def _complete(self, job: tuple, keys: Sequence[str], plans: list, dsts: list, status: list[int],
+                  free: list[np.ndarray]) -> None:
+        ctx, fut = job
+        got = fut.result()
+        if ctx is not None:
+            run, buf = ctx
+            self._verify_bounced(run, plans, dsts, status, buf, got)
+            free.append(buf)
+
+    def _run_buffers(self) -> list[np.ndarray]:
+        """This calling thread's bounce buffers for pipelined runs (one per I/O thread, plus one)."""
+        bufs = getattr(self._local, "runs", None)
+        if bufs is None:
+            bufs = self._local.runs = [aligned_buffer(self._run_bytes) for _ in range(self._io_threads + 1)]
+        return bufs
+
+    def _whole_in_thread(self, run: list[int], keys: Sequence[str], plans: list, dsts: list) -> bool:
+        return self._zero_copy(run, keys, plans, dsts) or record_bytes(plans[run[0]].length) > self._run_bytes
+
+    def _zero_copy(self, run: list[int], keys: Sequence[str], plans: list, dsts: list) -> bool:
+        return all(plans[i].length >= ZERO_COPY_MIN and self._zero_copy_ok(keys[i], dsts[i]) for i in run)
+
     def _runs(self, plans: list, idx: list[int]) -> list[list[int]]:
-        """Adjacent records of one segment, grouped into reads of up to run_bytes (so a batch becomes a few
-        reads that proceed in parallel, one thread verifying while another waits for the disk)."""
+        """Adjacent records of one segment, grouped into reads of up to run_bytes."""
         idx = sorted(idx, key=lambda i: plans[i].offset)
         runs: list[list[int]] = []
         end = nbytes = -1
         for i in idx:
             loc = plans[i]
-            rec = record_bytes(loc.length)
+            rec = BLOCK + (loc.length + BLOCK - 1) // BLOCK * BLOCK
             if runs and loc.offset == end and nbytes + rec <= self._run_bytes and len(runs[-1]) < 256:
                 runs[-1].append(i)
                 nbytes += rec
@@ -745,41 +781,56 @@ class SsdTier(Pool):
             end = loc.offset + rec
         return runs
 
-    def _read_run(self, run: list[int], keys: Sequence[str], plans: list, dsts: list, status: list[int]) -> None:
-        first, last = plans[run[0]], plans[run[-1]]
-        if first.length >= ZERO_COPY_MIN and all(self._zero_copy_ok(keys[i], dsts[i]) for i in run):
-            self._read_zero_copy(run, keys, plans, dsts, status)
-        elif len(run) == 1 and record_bytes(first.length) > self._max_io:
-            status[run[0]] = self._read_large(keys[run[0]], first, dsts[run[0]])
+    def _read_run(self, run: list[int], keys: Sequence[str], plans: list, dsts: list, status: list[int],
+                  buf: np.ndarray | None) -> None:
+        """Read and verify one run, whichever way suits it."""
+        first = plans[run[0]]
+        if self._zero_copy(run, keys, plans, dsts):
+            self._read_zero_copy(run, plans, dsts, status)
+        elif record_bytes(first.length) > self._run_bytes:
+            status[run[0]] = self._read_large(first, dsts[run[0]])
         else:
-            self._read_bounced(run, keys, plans, dsts, status)
+            buf = self._bounce() if buf is None else buf
+            self._verify_bounced(run, plans, dsts, status, buf, self._fetch(run, plans, buf))
 
-    def _read_bounced(self, run: list[int], keys: Sequence[str], plans: list, dsts: list,
-                      status: list[int]) -> None:
-        """One read of the run into a bounce buffer, one numpy call for every block's sum, then per object
-        a header compare, a dot product (its psum64) and a copy into the destination."""
-        start = plans[run[0]].offset
-        last = plans[run[-1]]
-        buf = self._bounce()[: last.offset + record_bytes(last.length) - start]
+    @staticmethod
+    def _fetch(run: list[int], plans: list, buf: np.ndarray) -> int:
+        """Read the run's bytes into buf; returns the whole blocks read (0 on an I/O error)."""
+        start, last = plans[run[0]].offset, plans[run[-1]]
         try:
-            got = _preadv(plans[run[0]].seg.fd, [buf], start) // BLOCK * BLOCK
+            got = _preadv(plans[run[0]].seg.fd, [buf[: last.offset + record_bytes(last.length) - start]], start)
         except OSError:
-            got = 0
+            return 0
+        return got // BLOCK * BLOCK
+
+    def _verify_bounced(self, run: list[int], plans: list, dsts: list, status: list[int], buf: np.ndarray,
+                        got: int) -> None:
+        """One numpy call for every block's sum and one for the psum64 of every payload of the run, then
+        a copy per intact object into its destination."""
+        start = plans[run[0]].offset
         rows = block_rows(buf[:got])
-        for i in run:
+        length = plans[run[0]].length
+        if all(plans[i].length == length for i in run):
+            sums = psums_of_records(rows, min(len(run), got // record_bytes(length)), length)
+        else:
+            sums = [self._psum_at(rows, plans[i], start, got) for i in run]
+        for j, i in enumerate(run):
             loc = plans[i]
             rel = loc.offset - start
             if rel + record_bytes(loc.length) > got:
                 status[i] = _IOERR  # truncated or unreadable
-            elif not self._header_ok(buf[rel : rel + BLOCK], keys[i], loc):
+            elif sums[j] != loc.checksum:
                 status[i] = _BAD
             else:
-                r0 = rel // BLOCK + 1
-                if psum_of_rows(rows[r0 : r0 + padded(loc.length) // BLOCK], loc.length) != loc.checksum:
-                    status[i] = _BAD
-                else:
-                    np.copyto(dsts[i], buf[rel + BLOCK : rel + BLOCK + loc.length])
-                    status[i] = _OK
+                np.copyto(dsts[i], buf[rel + BLOCK : rel + BLOCK + loc.length])
+                status[i] = _OK
+
+    @staticmethod
+    def _psum_at(rows: np.ndarray, loc: _Loc, start: int, got: int) -> int | None:
+        r0 = (loc.offset - start) // BLOCK + 1
+        if loc.offset - start + record_bytes(loc.length) > got:
+            return None
+        return psum_of_rows(rows[r0 : r0 + padded(loc.length) // BLOCK], loc.length)
 
     def _zero_copy_ok(self, key: str, dst: np.ndarray) -> bool:
         """O_DIRECT can read straight into dst only if dst is 4 KiB-aligned; buffered I/O always can."""
@@ -792,10 +843,11 @@ class SsdTier(Pool):
             buf = self._local.blocks = aligned_buffer(max(n, 64) * BLOCK)
         return buf
 
-    def _read_zero_copy(self, run: list[int], keys: Sequence[str], plans: list, dsts: list,
-                        status: list[int]) -> None:
+    def _read_zero_copy(self, run: list[int], plans: list, dsts: list, status: list[int]) -> None:
         """Large objects: one preadv for the run, each header into scratch and each payload straight into
-        its destination (its partial last block into scratch, copied after); then psum64 of dst."""
+        its destination (its partial last block into scratch, copied after); then psum64 of dst. Headers
+        are not re-parsed on reads: the payload's psum64, recorded in the index from the header at write
+        or scan time and mixing in the length, already proves the bytes are the object's."""
         scratch = self._blocks(2 * len(run))
         iov, start = [], plans[run[0]].offset
         for j, i in enumerate(run):
@@ -814,16 +866,14 @@ class SsdTier(Pool):
             full = loc.length // BLOCK * BLOCK
             if loc.offset - start + record_bytes(loc.length) > got:
                 status[i] = _IOERR
-            elif not self._header_ok(scratch[2 * j * BLOCK : (2 * j + 1) * BLOCK], keys[i], loc):
-                status[i] = _BAD
             else:
                 tail = (2 * j + 1) * BLOCK
                 dst[full:] = scratch[tail : tail + loc.length - full]
                 status[i] = _OK if checksum_u8(dst) == loc.checksum else _BAD
 
-    def _read_large(self, key: str, loc: _Loc, dst: np.ndarray) -> int:
-        """A record larger than the bounce buffer (destination not aligned for a direct read): chunked
-        reads, block sums taken per chunk, payload copied out per chunk."""
+    def _read_large(self, loc: _Loc, dst: np.ndarray) -> int:
+        """A record larger than a run whose destination cannot take a direct read: chunked reads into the
+        bounce buffer, block sums taken per chunk, payload copied out per chunk."""
         buf, off, end = self._bounce(), loc.offset, loc.offset + record_bytes(loc.length)
         rows = np.empty((end - off) // BLOCK, np.uint64)
         pos = 0
@@ -834,8 +884,6 @@ class SsdTier(Pool):
                     return _IOERR
             except OSError:
                 return _IOERR
-            if off == loc.offset and not self._header_ok(buf[:BLOCK], key, loc):
-                return _BAD
             r0 = (off - loc.offset) // BLOCK
             rows[r0 : r0 + n // BLOCK] = block_rows(buf[:n])
             data = buf[BLOCK:n] if off == loc.offset else buf[:n]
@@ -843,11 +891,6 @@ class SsdTier(Pool):
             np.copyto(dst[pos : pos + take], data[:take])
             pos, off = pos + take, off + n
         return _OK if psum_of_rows(rows[1:], loc.length) == loc.checksum else _BAD
-
-    @staticmethod
-    def _header_ok(block: np.ndarray, key: str, loc: _Loc) -> bool:
-        expected = header_bytes(key.encode(), DATA, loc.seq, loc.length, loc.checksum)
-        return block[: len(expected)].tobytes() == expected
 
     # ---- the writer thread -------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Engine 1 (one process) computes an 840-token hybrid prompt and exits; engine 2 (a new process, empty
-DRAM) restores 832 tokens from the SSD tier, with identical tokens and logprobs."""
+DRAM) restores 832 tokens from the SSD tier, or from the shared Redis tier (the 1P1D pattern: one
+instance computes, another reuses), with identical tokens and logprobs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
 
 
 def one_turn(arch: str, model_dir: Path, extra: dict) -> dict:
@@ -28,6 +30,24 @@ def test_new_process_restores_832_from_ssd(tiny_model_dir, tmp_path):
     first = one_turn("granite", tiny_model_dir("granite"), extra)
     assert first["cached"] == 0
     second = one_turn("granite", tiny_model_dir("granite"), extra)
+    assert second["cached"] == 832
+    assert second["totals"]["restored_tokens"] == 832
+    assert second["tokens"] == first["tokens"]
+    assert max(abs(a - b) for a, b in zip(second["logprobs"], first["logprobs"])) <= 1e-5
+
+
+def test_second_instance_restores_832_from_redis(tiny_model_dir, tmp_path):
+    from redis_servers import require_redis, start_server
+
+    require_redis()
+    server = start_server(tmp_path / "redis")
+    try:
+        extra = {"dram_gb": 0.0625, "remote": {"url": server.url}}
+        first = one_turn("granite", tiny_model_dir("granite"), extra)
+        assert first["cached"] == 0
+        second = one_turn("granite", tiny_model_dir("granite"), extra)
+    finally:
+        server.stop()
     assert second["cached"] == 832
     assert second["totals"]["restored_tokens"] == 832
     assert second["tokens"] == first["tokens"]
