@@ -15,9 +15,10 @@ if os.environ.get("UMBP_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_servers import require_redis, start_server  # noqa: E402
 from sched_harness import GroupDef, build  # noqa: E402
 from test_connector_scheduler import PROMPT, compute_then_drop, restore  # noqa: E402
+
+from redis_servers import require_redis, start_server  # noqa: E402
 
 GROUPS = [GroupDef("fa", 400), GroupDef("mamba", 400)]
 
