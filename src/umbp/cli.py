@@ -18,6 +18,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "ssd"): ("umbp.tools.bench_ssd", "SSD tier write/read throughput vs the disk's sequential bandwidth"),
     ("demo",): ("umbp.tools.demo", "the seed's hybrid restore on real vLLM (tiny random-weight model)"),
     ("explain",): ("umbp.tools.explain", "why did a hybrid restore stop at T?"),
+    ("replay",): ("umbp.tools.replay", "agentic traces on vLLM's real scheduler with umbp vs an oracle (no model)"),
 }
 
 

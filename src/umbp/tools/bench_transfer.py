@@ -1,0 +1,377 @@
+"""`umbp bench transfer` (CUDA): page moves between GPU KV pages and the page-locked arena, as a ratio to a
+plain 1 GiB page-locked copy measured in the same run.
+
+Method: every figure is bytes of page payload over the wall time from the first submit to the last
+completion (host-side planning included), median of `--reps` after warm-up. A direction's payload
+(`--total-mib`) is cut into `--batches` batches submitted back to back, as the connector submits one
+batch per step while earlier ones still run. Blocks are drawn at random from a KV cache twice the
+payload, arena slots at random from an arena twice the payload (scattered both sides). Data is random.
+The baseline is one `copy_` of a 1 GiB page-locked buffer per direction, and one per direction on two
+streams at once. A sample of objects is checked byte-for-byte and by digest on every layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+PAGES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB)
+TARGET_RATIO, TARGET_BOTH = 0.94, 95.0  # per direction for 16-64 KiB pages; GB/s both ways
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small fast run (smoke test; not representative)")
+    parser.add_argument("--out", default="umbp-out/bench_transfer.json", help="JSON path (default: %(default)s)")
+    parser.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 2)")
+    parser.add_argument("--total-mib", type=int, default=None, help="payload per direction (default 1024, quick 64)")
+    parser.add_argument("--batches", type=int, default=4, help="batches the payload is cut into (default 4)")
+    parser.add_argument("--ctas", type=int, default=None, help="kernel grid size (default: one per SM)")
+    parser.add_argument("--sweep-ctas", default="16,33,66,132", help="grid sizes tried at 16 KiB pages")
+    parser.add_argument("--sweep-blocks", default="512x4,1024x4,2048x4,2048x8,4096x8",
+                        help="kernel BLOCKxnum_warps tried at 16 KiB pages")
+    parser.add_argument("--no-staged", action="store_true", help="skip the staged-path comparison rows")
+
+
+# ---- measurement --------------------------------------------------------------------------------------
+
+
+def _wall(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
+    """Median wall seconds of fn() between two device synchronizations."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def baseline(reps: int, nbytes: int = GiB) -> dict[str, float]:
+    """GB/s of plain page-locked copies: D2H, H2D, and both at once on two streams."""
+    import torch
+
+    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256) for _ in range(2)]
+    host[1].copy_(dev[1])
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            host[0].copy_(dev[0], non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev[1].copy_(host[1], non_blocking=True)
+
+    out = {
+        "d2h": nbytes / _wall(lambda: host[0].copy_(dev[0], non_blocking=True), reps) / 1e9,
+        "h2d": nbytes / _wall(lambda: dev[1].copy_(host[1], non_blocking=True), reps) / 1e9,
+        "both": 2 * nbytes / _wall(both, reps) / 1e9,
+    }
+    return out
+
+
+# ---- one layout ---------------------------------------------------------------------------------------
+
+
+class Case:
+    """A layout with two disjoint random (blocks, slots) sets: one saved, one loaded, per run."""
+
+    def __init__(self, name: str, groups: dict, arena: Any, payload: int, batches: int, seed: int):
+        import numpy as np
+
+        self.name, self.groups, self.arena = name, groups, arena
+        rng = np.random.default_rng(seed)
+        sizes = {g: _object_bytes(layers) for g, layers in groups.items()}
+        per_group = max(1, payload // sum(sizes.values()))
+        nblocks = min(t.shape[d] for layers in groups.values() for t, d in layers)
+        blocks = rng.permutation(nblocks)
+        slot = max(sizes.values()) + 4095 & ~4095
+        slots = rng.permutation(arena.capacity_bytes // slot) * slot
+        self.sets: list[list[list[Any]]] = []  # [save|load][batch] -> list of Moves
+        need = 2 * per_group * len(groups)
+        if need > min(blocks.size, slots.size):
+            raise ValueError(f"{name}: needs {need} blocks and slots, has {blocks.size} / {slots.size}")
+        self.payload = per_group * sum(sizes.values())
+        self._cut(blocks[:need], slots[:need], per_group, batches)
+
+    def _cut(self, blocks: Any, slots: Any, per_group: int, batches: int) -> None:
+        from umbp.transfer import Moves
+
+        i = 0
+        for _ in range(2):
+            cur: list[list[Any]] = [[] for _ in range(batches)]
+            for g in self.groups:
+                b, s = blocks[i:i + per_group], slots[i:i + per_group]
+                i += per_group
+                for k, (bb, ss) in enumerate(zip(_split(b, batches), _split(s, batches))):
+                    if len(bb):
+                        cur[k].append(Moves(g, [int(x) for x in bb], [int(x) for x in ss]))
+            self.sets.append([c for c in cur if c])
+
+
+def _split(a: Any, k: int) -> list[Any]:
+    n = len(a)
+    return [a[n * j // k: n * (j + 1) // k] for j in range(k)]
+
+
+def _object_bytes(layers: list) -> int:
+    return sum(t.numel() // t.shape[d] * t.element_size() for t, d in layers)
+
+
+def _with_digests(batches: list[list[Any]], digests: list[list[list[int]]]) -> list[list[Any]]:
+    from umbp.transfer import Moves
+
+    return [[Moves(m.group, m.block_ids, m.offsets, ds) for m, ds in zip(batch, dig)]
+            for batch, dig in zip(batches, digests)]
+
+
+def measure(engine: Any, case: Case, reps: int, modes: tuple[str, ...]) -> dict[str, float]:
+    """GB/s per mode: save, load, load_verified, both (save + load at once)."""
+    saves, loads = case.sets
+    digests = [engine.save(b).result() for b in loads]  # the load set's slots hold real objects
+    verified = _with_digests(loads, digests)
+
+    def run(*sets: list[list[Any]]) -> Callable[[], None]:
+        def go() -> None:
+            handles = []
+            for k in range(max(len(s) for s in sets)):
+                handles += [(engine.save if s is saves else engine.load)(s[k]) for s in sets if k < len(s)]
+            for h in handles:
+                h.wait()
+        return go
+
+    fns = {"save": run(saves), "load": run(loads), "load_verified": run(verified), "both": run(saves, loads)}
+    out = {}
+    for mode in modes:
+        nbytes = case.payload * (2 if mode == "both" else 1)
+        out[mode] = nbytes / _wall(fns[mode], reps) / 1e9
+    out["sample_ok"] = float(check_sample(engine, case, verified))
+    return out
+
+
+def check_sample(engine: Any, case: Case, verified: list[list[Any]]) -> bool:
+    """Every byte and digest of up to 8 objects per group, after the timed runs (slots hold the saves)."""
+    import numpy as np
+    import torch
+
+    from umbp.pool.psum import checksum_u8
+
+    ok = True
+    for m in (m for batch in verified for m in batch):
+        layers = case.groups[m.group]
+        for b, o, d in list(zip(m.block_ids, m.offsets, m.digests))[:8]:
+            ref = np.concatenate([t.select(dim, b).contiguous().view(-1).view(torch.uint8).cpu().numpy()
+                                  for t, dim in layers])
+            ok &= bool(np.array_equal(case.arena.view(o, ref.size), ref)) and checksum_u8(ref) == d
+    return ok
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": tv, "python": platform.python_version(),
+            "host": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _layouts(page: int, nblocks: int, device: str) -> dict:
+    from umbp.transfer import layouts as L
+
+    return {0: L.attention(4, nblocks, page // 1024, 4, 64, device=device)}  # Granite attention: 1 KiB/token
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch
+    except ImportError:
+        print("umbp bench transfer: needs torch with CUDA", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("umbp bench transfer: needs a CUDA device (run it on the GPU machine)", file=sys.stderr)
+        return 2
+    from umbp.pool import Arena
+
+    reps = args.reps or (2 if args.quick else 7)
+    payload = (args.total_mib or (64 if args.quick else 1024)) * MiB
+    torch.manual_seed(int(time.time()))
+    res: dict[str, Any] = {"command": "umbp " + " ".join(sys.argv[1:]), "argv0": sys.argv[0],
+                           "env": _env(), "payload_bytes": payload, "batches": args.batches, "reps": reps}
+    res["baseline"] = baseline(reps)
+    arena = Arena(2 * payload + 64 * MiB, pinned=True, prefault=False)
+    res["rows"] = rows = []
+    for page in PAGES:
+        rows += _page_rows(args, arena, page, payload, reps)
+        torch.cuda.empty_cache()
+    rows += _granite_rows(args, arena, payload, reps)
+    res["ctas_sweep"] = _sweep(args, arena, payload, reps)
+    _write(args, res)
+    print_table(res)
+    return 0
+
+
+PATHS = {  # row label -> (backend, save path, load path); "both" of the mixed rows pairs the two paths
+    "zero-copy": ("kernel", "zero-copy", "zero-copy"),
+    "dma": ("kernel", "dma", "dma"),
+    "save zero-copy + load dma": ("kernel", "zero-copy", "dma"),
+    "save dma + load zero-copy": ("kernel", "dma", "zero-copy"),
+    "staged": ("staged", None, None),
+}
+MODES = {"zero-copy": ("save", "load", "load_verified", "both"), "dma": ("save", "load", "load_verified", "both"),
+         "save zero-copy + load dma": ("both",), "save dma + load zero-copy": ("both",),
+         "staged": ("save", "load_verified")}
+
+
+def _engine(arena: Any, groups: dict, path: str, ctas: int | None, **options: Any) -> Any:
+    from umbp.transfer import make_engine
+
+    backend, save_path, load_path = PATHS[path]
+    if backend == "staged":
+        return make_engine(arena, groups, backend="staged")
+    opts = dict(save_path=save_path, load_path=load_path, **options)
+    if ctas:
+        opts["ctas"] = ctas
+    return make_engine(arena, groups, backend="kernel", **opts)
+
+
+def _rows_for(args: argparse.Namespace, case: Case, page: int, reps: int, paths: list[str]) -> list[dict]:
+    obj = max(_object_bytes(layers) for layers in case.groups.values())
+    rows = []
+    for path in paths:
+        r = reps if path != "staged" else max(1, reps // 3)
+        rows.append(dict(layout=case.name, page=page, object_bytes=obj, path=path,
+                         **measure(_engine(case.arena, case.groups, path, args.ctas), case, r, MODES[path])))
+    return rows
+
+
+def _page_rows(args: argparse.Namespace, arena: Any, page: int, payload: int, reps: int) -> list[dict]:
+    nobj = max(1, payload // (4 * page))
+    groups = _layouts(page, 2 * nobj + 8, "cuda")
+    case = Case(f"attention kv-first {page // KiB} KiB", groups, arena, payload, args.batches, seed=page)
+    paths = [p for p in PATHS if p != "staged" or (not args.no_staged and page in (16 * KiB, 1 * MiB))]
+    return _rows_for(args, case, page, reps, paths)
+
+
+def _granite_rows(args: argparse.Namespace, arena: Any, payload: int, reps: int) -> list[dict]:
+    from umbp.transfer import layouts as L
+
+    s = L.granite_sizes()
+    nobj = max(1, payload // (s["page_bytes"] * s["attention_layers"]))
+    groups, _ = L.granite_hybrid(2 * nobj + 16, device="cuda")
+    case = Case("granite-4.0-h-350m hybrid, 8 groups", groups, arena, payload, args.batches, seed=7)
+    return _rows_for(args, case, s["page_bytes"], reps, [p for p in PATHS if p != "staged"])
+
+
+def _sweep(args: argparse.Namespace, arena: Any, payload: int, reps: int) -> list[dict]:
+    """Throughput against grid size at 16 KiB pages: how many SMs the copy needs (the rest run the model)."""
+    page = 16 * KiB
+    nobj = max(1, payload // (4 * page))
+    groups = _layouts(page, 2 * nobj + 8, "cuda")
+    case = Case("sweep", groups, arena, payload, args.batches, seed=1)
+    out = []
+    for ctas in (int(c) for c in args.sweep_ctas.split(",") if c):
+        r = measure(_engine(arena, groups, "zero-copy", ctas), case, max(2, reps // 2), ("save", "load", "both"))
+        out.append(dict(ctas=ctas, block=1024, num_warps=4, **r))
+    for cfg in (c for c in args.sweep_blocks.split(",") if c):
+        block, warps = (int(v) for v in cfg.split("x"))
+        eng = _engine(arena, groups, "zero-copy", args.ctas, block=block, num_warps=warps)
+        out.append(dict(ctas=args.ctas or 0, block=block, num_warps=warps,
+                        **measure(eng, case, max(2, reps // 2), ("save", "load", "both"))))
+    return out
+
+
+# ---- output -------------------------------------------------------------------------------------------
+
+
+def _write(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    png = Path(args.png) if args.png else out.with_suffix(".png")
+    try:
+        plot(res, png)
+        res["png"] = str(png)
+    except ImportError as exc:
+        print(f"(no plot: {exc})", file=sys.stderr)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = res["baseline"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, color in (("zero-copy", "C0"), ("dma", "C1")):
+        kern = [r for r in res["rows"] if r["path"] == name and r["layout"].startswith("attention")]
+        x = [r["page"] // KiB for r in kern]
+        for mode, style in (("save", "o-"), ("load", "s--"), ("both", "D-.")):
+            ax.plot(x, [r[mode] for r in kern], style, color=color, label=f"{name} {mode}")
+    for key, ls in (("d2h", "--"), ("h2d", ":"), ("both", "-.")):
+        ax.axhline(base[key], color="gray", ls=ls, lw=1, label=f"1 GiB pinned copy {key}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("page size per layer (KiB), FlashAttention layout, 4 layers per object")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"{res['env']['gpu']}: scattered pages <-> page-locked arena")
+    ax.legend(fontsize=7)
+    sw = [r for r in res["ctas_sweep"] if r["block"] == 1024 and r["num_warps"] == 4 and r["ctas"]]
+    ax2.plot([r["ctas"] for r in sw], [r["save"] for r in sw], "o-", label="save (D2H)")
+    ax2.plot([r["ctas"] for r in sw], [r["load"] for r in sw], "s-", label="load (H2D)")
+    ax2.axhline(base["d2h"], color="gray", ls="--", lw=1)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("kernel grid (CTAs), 16 KiB pages")
+    ax2.set_title("throughput vs SMs used")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_table(res: dict[str, Any]) -> None:
+    base = res["baseline"]
+    print(f"\n{res['env']['gpu']}  torch {res['env']['torch']}  triton {res['env']['triton']}  "
+          f"payload {res['payload_bytes'] // MiB} MiB/direction in {res['batches']} batches, median of {res['reps']}")
+    print(f"baseline 1 GiB pinned copy: D2H {base['d2h']:.1f}  H2D {base['h2d']:.1f}  both {base['both']:.1f} GB/s")
+    print("zero-copy kernel sweep at 16 KiB (ctas/BLOCKxwarps: save/load/both GB/s): " + "  ".join(
+        f"{r['ctas'] or 'SMs'}/{r['block']}x{r['num_warps']}: {r['save']:.1f}/{r['load']:.1f}/{r['both']:.1f}"
+        for r in res["ctas_sweep"]))
+    hdr = (f"{'layout':<36} {'object':>8} {'path':<26} {'save D2H':>13} {'load H2D':>13} {'load+verify':>13} "
+           f"{'both':>13} ok")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in res["rows"]:
+        cells = [_cell(r.get("save"), base["d2h"]), _cell(r.get("load"), base["h2d"]),
+                 _cell(r.get("load_verified"), base["h2d"]), _cell(r.get("both"), base["both"])]
+        print(f"{r['layout']:<36} {_size(r['object_bytes']):>8} {r['path']:<26} " + " ".join(f"{c:>13}" for c in cells)
+              + f" {'yes' if r.get('sample_ok') else 'NO'}")
+    print("cells: GB/s (ratio to the pinned copy of the same direction; 'both' to both-at-once). "
+          f"Targets: >= {TARGET_RATIO} per direction at 16-64 KiB, >= {TARGET_BOTH:.0f} GB/s both.")
+
+
+def _size(n: int) -> str:
+    return f"{n / MiB:.2f}M" if n >= MiB else f"{n // KiB}K"
+
+
+def _cell(v: float | None, ref: float) -> str:
+    return "-" if v is None else f"{v:4.1f} ({v / ref:.2f})"

@@ -1,0 +1,144 @@
+"""The transfer engine's API, shared by the CUDA kernel path and the simple staged (CPU) path.
+
+A batch is a list of `Moves`: for one KV-cache group, which blocks go to / come from which arena slots.
+`save` gathers every layer's page of each block into its slot and returns each object's psum64 (the
+arena's checksum, so a later load can verify the slot); `load` copies slots back into blocks, and when
+expected digests are given it writes only the objects whose bytes match (a mismatch is reported, never
+written into the KV cache). Both return a handle at once; on CUDA the work runs on the engine's own
+streams (one per direction, so saves and loads overlap each other and the forward), ordered after the
+work already queued on the caller's current stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from umbp.pool import Arena
+from umbp.transfer.geometry import PIECE_BYTES, GroupGeometry
+
+
+@dataclass(frozen=True)
+class Moves:
+    """One group's share of a batch: object i is block `block_ids[i]` <-> arena slot `offsets[i]`.
+    `digests` (loads only): the psum64 recorded at save time, one per object; None loads unchecked."""
+
+    group: int
+    block_ids: Sequence[int]
+    offsets: Sequence[int]
+    digests: Sequence[int] | None = None
+
+
+class Handle:
+    """An in-flight save or load. `result()` waits and returns, per Moves of the batch, the objects'
+    digests (save) or whether each object was written (load)."""
+
+    def __init__(self, sizes: list[int], values: list[Any] | None = None):
+        self._sizes = sizes
+        self._values = values
+
+    def done(self) -> bool:
+        """Non-blocking: has the device finished? (True at once for the staged path.)"""
+        return True
+
+    def wait(self) -> None:
+        """Block until the device has finished."""
+
+    def _flat(self) -> list[Any]:
+        assert self._values is not None
+        return self._values
+
+    def result(self) -> list[list[Any]]:
+        self.wait()
+        flat, out, i = self._flat(), [], 0
+        for n in self._sizes:
+            out.append(flat[i : i + n])
+            i += n
+        return out
+
+
+class TransferEngine:
+    """Moves pages between registered KV-cache groups and an `Arena`. Subclasses implement `_save`/`_load`."""
+
+    backend = "?"
+
+    def __init__(self, arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
+                 piece_bytes: int = PIECE_BYTES):
+        self.arena = arena
+        self.arena_tensor = arena.tensor_view(0, arena.capacity_bytes)
+        self.groups = {g: GroupGeometry(list(layers), piece_bytes) for g, layers in groups.items()}
+        devices = {geom.device for geom in self.groups.values()}
+        if len(devices) > 1:
+            raise ValueError(f"umbp: all groups must live on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+
+    def object_bytes(self, group: int) -> int:
+        return self.groups[group].object_bytes
+
+    def save(self, batch: Sequence[Moves]) -> Handle:
+        """Start copying each block's pages into its slot; the handle's result is the digests."""
+        checked = self._checked(batch, load=False)
+        if not any(ids.size for _g, _m, ids, _o in checked):
+            return Handle([0] * len(checked), [])
+        return self._save(checked)
+
+    def load(self, batch: Sequence[Moves]) -> Handle:
+        """Start copying each slot into its block's pages; the handle's result says which were written."""
+        checked = self._checked(batch, load=True)
+        if not any(ids.size for _g, _m, ids, _o in checked):
+            return Handle([0] * len(checked), [])
+        return self._load(checked)
+
+    def synchronize(self) -> None:
+        """Wait for every transfer this engine started."""
+
+    def _save(self, batch: list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]) -> Handle:
+        raise NotImplementedError
+
+    def _load(self, batch: list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]) -> Handle:
+        raise NotImplementedError
+
+    def _checked(self, batch: Sequence[Moves], load: bool) -> list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]:
+        """Validate a batch before anything touches memory: a bad id or offset in a kernel is corruption."""
+        out, starts, ends = [], [], []
+        for m in batch:
+            geom = self.groups.get(m.group)
+            if geom is None:
+                raise KeyError(f"umbp: group {m.group} is not registered with the transfer engine")
+            ids = np.asarray(m.block_ids, dtype=np.int64).reshape(-1)
+            offs = np.asarray(m.offsets, dtype=np.int64).reshape(-1)
+            if ids.size != offs.size or (m.digests is not None and len(m.digests) != ids.size):
+                raise ValueError("umbp: block_ids, offsets (and digests) of a Moves must have one entry per object")
+            geom.check_blocks(ids)
+            if offs.size and (offs.min() < 0 or offs.max() + geom.object_bytes > self.arena.capacity_bytes
+                              or np.any(offs % 8)):
+                raise ValueError("umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch")
+            if load and np.unique(ids).size != ids.size:
+                raise ValueError(f"umbp: a load writes block ids of group {m.group} twice")
+            starts.append(offs)
+            ends.append(offs + geom.object_bytes)
+            out.append((geom, m, ids, offs))
+        _check_disjoint(np.concatenate(starts) if starts else np.zeros(0, np.int64),
+                        np.concatenate(ends) if ends else np.zeros(0, np.int64), load)
+        return out
+
+
+def _check_disjoint(starts: np.ndarray, ends: np.ndarray, load: bool) -> None:
+    """Slots written by one save must not overlap (two writers of one byte race); loads may share."""
+    if load or starts.size < 2:
+        return
+    order = np.argsort(starts, kind="stable")
+    if np.any(starts[order][1:] < ends[order][:-1]):
+        raise ValueError("umbp: a save batch writes overlapping arena slots")
+
+
+def digest_mix(nbytes: int) -> int:
+    """The length term psum64 xors in (see umbp.pool.psum), as a signed int64 for device tensors."""
+    from umbp.pool.psum import _GOLDEN
+
+    v = (nbytes * _GOLDEN) & ((1 << 64) - 1)
+    return v - (1 << 64) if v >= 1 << 63 else v

@@ -1,0 +1,289 @@
+"""The kernel path: one Triton launch per direction moves a whole batch between GPU pages and the
+page-locked arena (see kernels.py for why), on the engine's own CUDA streams.
+
+save:  KV pages --kernel--> arena slots (+ per-piece checksums) -> per-object digests -> host (async)
+load:  arena slots --kernel--> KV pages                                       (no digests given)
+       arena slots --kernel--> device staging (+ checksums) -> compare on the GPU
+                   --kernel--> KV pages of the objects that matched            (digests given)
+
+Two ways to cross PCIe (`save_path` / `load_path`): "zero-copy" (the kernel reads/writes the mapped arena
+directly; any object size) and "dma" (kernel between KV pages and contiguous device staging, then one
+copy-engine copy per run of adjacent arena slots; good for large objects or slots in runs). Defaults,
+from the H200 measurements in docs/transfer.md: saves zero-copy, loads "auto" (DMA from 1 MiB objects).
+
+Nothing waits on the host until the caller asks (`Handle.done()` polls an event). Verified loads stage
+through device memory (at most `max_staging_bytes` per round) so that a slot whose bytes do not match its
+digest is never written into the KV cache; the extra device-to-device pass runs at HBM speed. A batch
+touching a group whose pieces are not 8-byte aligned runs on the staged path instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import numpy as np
+import torch
+
+from umbp.pool import Arena
+from umbp.pool.psum import ROW_BYTES, _weights
+from umbp.transfer.api import Handle, Moves, TransferEngine, digest_mix
+from umbp.transfer.geometry import PIECE_BYTES
+from umbp.transfer.staged import Batch, staged_load, staged_save
+
+Side = np.ndarray | None  # per object: base address of its flat bytes, or None for "the KV pages"
+SAVE, LOAD = 0, 1  # stream index per direction
+
+
+class DeviceHandle(Handle):
+    """Completes when its CUDA event does; values come from a small page-locked tensor."""
+
+    def __init__(self, sizes: list[int], event: torch.cuda.Event | None, host: torch.Tensor,
+                 keep: list[torch.Tensor], as_bool: bool):
+        super().__init__(sizes)
+        self._event, self._host, self._keep, self._as_bool = event, host, keep, as_bool
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        self._keep = []
+
+    def _flat(self) -> list:
+        vals = self._host.numpy()
+        if self._as_bool:
+            return [bool(v) for v in vals]
+        return [int(v) for v in vals.view(np.uint64)]
+
+
+def _signed(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+class KernelEngine(TransferEngine):
+    backend = "kernel"
+
+    def __init__(self, arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
+                 piece_bytes: int = PIECE_BYTES, ctas: int | None = None, block: int = 1024,
+                 num_warps: int = 4, max_staging_bytes: int = 256 << 20, save_path: str = "zero-copy",
+                 load_path: str = "auto", dma_min_object_bytes: int = 1 << 20):
+        super().__init__(arena, groups, piece_bytes)
+        cuda = self.device.type == "cuda"
+        if cuda and not arena.pinned:
+            raise ValueError("umbp: the kernel path needs a page-locked arena (Arena(pinned=True))")
+        from umbp.transfer import kernels  # imports Triton
+
+        if not cuda and not kernels.interpreting():
+            raise ValueError("umbp: the kernel path on CPU tensors runs only under TRITON_INTERPRET=1 (tests); "
+                             "use backend='staged' on CPU")
+        self.kernel = kernels.copy_pieces
+        self.block, self.num_warps, self.max_staging_bytes = block, num_warps, max_staging_bytes
+        for p in (save_path, load_path):
+            if p not in ("auto", "zero-copy", "dma"):
+                raise ValueError(f"umbp: transfer path must be 'auto', 'zero-copy' or 'dma', got {p!r}")
+        self.save_path, self.load_path, self.dma_min_object_bytes = save_path, load_path, dma_min_object_bytes
+        self.ctas = ctas or (torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4)
+        self.arena_base = self.arena_tensor.data_ptr()
+        self.align = {g: geom.alignment() for g, geom in self.groups.items()}
+        rows = max((geom.object_bytes for geom in self.groups.values()), default=0) // ROW_BYTES + 2
+        self.wtab = torch.from_numpy(_weights(rows)[:rows].view(np.int64).copy()).to(self.device)
+        self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
+        self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def synchronize(self) -> None:
+        for s in self.streams or ():
+            s.synchronize()
+
+    # ------------------------------------------------------------------ save / load
+    def _save(self, batch: Batch) -> Handle:
+        if not self._fast(batch):
+            self.synchronize()
+            return staged_save(self.arena, self.device, batch)
+        keep: list[torch.Tensor] = []
+        with self._on(SAVE):
+            if self._path(batch, self.save_path) == "zero-copy":
+                digests = self._save_zero_copy(batch, keep)
+            else:
+                digests = torch.cat([self._save_dma(r, keep) for r in self._rounds(batch)])
+            return self._finish(batch, digests, keep, as_bool=False)
+
+    def _save_zero_copy(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
+        arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
+        desc, n, nobj = self._desc(batch, None, arena)
+        partial = torch.empty(n, dtype=torch.int64, device=self.device)
+        self._launch(desc, n, self._align16(batch, arena), partial=partial)
+        keep += [desc, partial]
+        return self._digests(desc, partial, batch, nobj)
+
+    def _save_dma(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
+        """KV pages -> device staging (kernel, HBM speed, checksums) -> arena (copy engine, one copy per
+        run of adjacent slots)."""
+        stg, rows, runs = self._staging(batch)
+        desc, n, nobj = self._desc(batch, None, rows)
+        partial = torch.empty(n, dtype=torch.int64, device=self.device)
+        self._launch(desc, n, self._align16(batch, rows), partial=partial)
+        for a, s, size in runs:
+            self.arena_tensor[a:a + size].copy_(stg[s:s + size], non_blocking=True)
+        keep += [stg, desc, partial]
+        return self._digests(desc, partial, batch, nobj)
+
+    def _load(self, batch: Batch) -> Handle:
+        if not self._fast(batch):
+            self.synchronize()
+            return staged_load(self.arena, self.device, batch)
+        keep: list[torch.Tensor] = []
+        dma = self._path(batch, self.load_path) == "dma"
+        with self._on(LOAD):
+            if not dma and all(m.digests is None for _g, m, _i, _o in batch):
+                oks = [self._load_direct(batch, keep)]
+            else:
+                oks = [self._load_staged(r, keep, dma) for r in self._rounds(batch)]
+            return self._finish(batch, torch.cat(oks), keep, as_bool=True)
+
+    def _load_direct(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
+        arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
+        desc, n, nobj = self._desc(batch, arena, None)
+        self._launch(desc, n, self._align16(batch, arena))
+        keep.append(desc)
+        return torch.ones(nobj, dtype=torch.int8, device=self.device)
+
+    def _load_staged(self, batch: Batch, keep: list[torch.Tensor], dma: bool) -> torch.Tensor:
+        """arena -> device staging (copy engine, or the kernel with checksums), checksums compared on the
+        GPU, then staging -> KV pages for the objects that matched (all, when no digests were given)."""
+        stg, rows, runs = self._staging(batch)
+        arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
+        verified = any(m.digests is not None for _g, m, _i, _o in batch)
+        ok = None
+        if dma:
+            for a, s, size in runs:
+                stg[s:s + size].copy_(self.arena_tensor[a:a + size], non_blocking=True)
+        if verified or not dma:
+            d1, n1, nobj = self._desc(batch, rows if dma else arena, rows)
+            partial = torch.empty(n1, dtype=torch.int64, device=self.device)
+            self._launch(d1, n1, self._align16(batch, arena + rows), partial=partial, store=not dma)
+            ok = self._verify(batch, self._digests(d1, partial, batch, nobj))
+            keep += [d1, partial]
+        d2, n2, nobj = self._desc(batch, rows, None)
+        self._launch(d2, n2, self._align16(batch, rows), ok=ok)
+        keep += [stg, d2]
+        return ok if ok is not None else torch.ones(nobj, dtype=torch.int8, device=self.device)
+
+    def _verify(self, batch: Batch, got: torch.Tensor) -> torch.Tensor:
+        expect = np.array([_signed(int(e)) for _g, m, ids, _o in batch
+                           for e in (m.digests if m.digests is not None else [0] * ids.size)], dtype=np.int64)
+        unchecked = np.concatenate([np.full(ids.size, m.digests is None) for _g, m, ids, _o in batch])
+        return ((got == self._upload(expect)) | self._upload(unchecked)).to(torch.int8)
+
+    def _staging(self, batch: Batch) -> tuple[torch.Tensor, list[np.ndarray], list[tuple[int, int, int]]]:
+        """A device staging buffer with one row per object, rows ordered by arena offset so that adjacent
+        slots become one copy. Returns (16-byte aligned uint8 buffer, per-Moves row addresses, copy runs
+        as (arena offset, staging offset, bytes))."""
+        sizes = np.concatenate([np.full(ids.size, g.object_bytes, np.int64) for g, _m, ids, _o in batch])
+        offs = np.concatenate([o for _g, _m, _i, o in batch])
+        order = np.argsort(offs, kind="stable")
+        ends = np.cumsum(sizes[order])
+        pos = np.empty_like(sizes)
+        pos[order] = ends - sizes[order]
+        raw = torch.empty(int(ends[-1]) + 16, dtype=torch.uint8, device=self.device)
+        stg = raw[(-raw.data_ptr()) % 16:]
+        so, ss = offs[order], sizes[order]
+        cut = np.flatnonzero(so[1:] != so[:-1] + ss[:-1]) + 1
+        first, last = np.concatenate([[0], cut]), np.concatenate([cut, [so.size]])
+        runs = [(int(so[f]), int(ends[f] - ss[f]), int(ends[e - 1] - ends[f] + ss[f])) for f, e in zip(first, last)]
+        rows = np.split(stg.data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
+        return stg, list(rows), runs
+
+    def _path(self, batch: Batch, choice: str) -> str:
+        """'auto': the copy engines when objects average >= dma_min_object_bytes (one DMA per object costs
+        ~10 us, so below ~1 MiB it is launch-bound: 8.8 GB/s at 64 KiB objects on the H200), else zero-copy.
+        Saves default to zero-copy: it beat DMA at every object size measured (docs/transfer.md)."""
+        if choice != "auto":
+            return choice
+        nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
+        nobj = sum(ids.size for _g, _m, ids, _o in batch)
+        return "dma" if nbytes >= self.dma_min_object_bytes * nobj else "zero-copy"
+
+    def _rounds(self, batch: Batch) -> list[Batch]:
+        """Cut the batch, in order, into rounds whose staging fits max_staging_bytes."""
+        rounds: list[Batch] = [[]]
+        used = 0
+        for geom, m, ids, offs in batch:
+            per = max(1, self.max_staging_bytes // geom.object_bytes)
+            for s in range(0, ids.size, per):
+                digests = None if m.digests is None else list(m.digests)[s:s + per]
+                part = (geom, Moves(m.group, ids[s:s + per], offs[s:s + per], digests), ids[s:s + per], offs[s:s + per])
+                size = part[2].size * geom.object_bytes
+                if rounds[-1] and used + size > self.max_staging_bytes:
+                    rounds.append([])
+                    used = 0
+                rounds[-1].append(part)
+                used += size
+        return [r for r in rounds if r]
+
+    # ------------------------------------------------------------------ helpers
+    def _fast(self, batch: Batch) -> bool:
+        return all(self.align[m.group] >= 8 for _g, m, _i, _o in batch)
+
+    def _align16(self, batch: Batch, sides: list[np.ndarray]) -> bool:
+        if any(self.align[m.group] < 16 for _g, m, _i, _o in batch):
+            return False
+        return all(int(np.bitwise_or.reduce(s)) % 16 == 0 for s in sides if s.size)
+
+    def _desc(self, batch: Batch, src: list[Side] | None, dst: list[Side] | None) -> tuple[torch.Tensor, int, int]:
+        """Piece table (see kernels.py) on the device; a side of None means the KV pages."""
+        cols, first = [], 0
+        for k, (geom, _m, ids, _o) in enumerate(batch):
+            t = geom.template
+            shape = (ids.size, t.obj.size)
+            kv = t.src[None, :] + ids[:, None] * t.stride[None, :]
+            s = kv if src is None else src[k][:, None] + t.obj[None, :]
+            d = kv if dst is None else dst[k][:, None] + t.obj[None, :]
+            obj = first + np.arange(ids.size, dtype=np.int64)[:, None]
+            cols.append(np.stack([s, d, np.broadcast_to(t.nbytes // 8, shape), np.broadcast_to(t.obj // 8, shape),
+                                  np.broadcast_to(obj, shape)]).reshape(5, -1))
+            first += ids.size
+        desc = np.ascontiguousarray(np.concatenate(cols, axis=1)) if cols else np.zeros((5, 0), np.int64)
+        return self._upload(desc), desc.shape[1], first
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _launch(self, desc: torch.Tensor, n: int, align16: bool, partial: torch.Tensor | None = None,
+                ok: torch.Tensor | None = None, store: bool = True) -> None:
+        if n == 0:
+            return
+        self.kernel[(min(n, self.ctas),)](
+            desc, n, self.wtab, self._dummy if partial is None else partial, self._dummy if ok is None else ok,
+            BLOCK=self.block, CHECKSUM=partial is not None, GUARD=ok is not None, ALIGN16=align16, STORE=store,
+            num_warps=self.num_warps,
+        )
+
+    def _digests(self, desc: torch.Tensor, partial: torch.Tensor, batch: Batch, nobj: int) -> torch.Tensor:
+        """psum64 per object: the pieces' weighted sums added mod 2**64, xor the length term."""
+        sums = torch.zeros(nobj, dtype=torch.int64, device=self.device).index_add_(0, desc[4], partial)
+        mix = np.concatenate([np.full(ids.size, digest_mix(g.object_bytes), np.int64) for g, _m, ids, _o in batch])
+        return sums ^ self._upload(mix)
+
+    def _on(self, direction: int) -> AbstractContextManager:
+        """Run on this direction's stream, after the work already queued on the caller's stream."""
+        if self.streams is None:
+            return nullcontext()
+        s = self.streams[direction]
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(s)
+
+    def _finish(self, batch: Batch, values: torch.Tensor, keep: list[torch.Tensor], as_bool: bool) -> Handle:
+        sizes = [ids.size for _g, _m, ids, _o in batch]
+        if self.streams is None:
+            return DeviceHandle(sizes, None, values.clone(), keep, as_bool)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return DeviceHandle(sizes, event, host, keep, as_bool)

@@ -1,0 +1,109 @@
+"""Page geometry (segments, piece templates, alignment) and the engine's batch validation, on CPU."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from umbp.pool import Arena
+from umbp.transfer import Moves, layer_geometry, make_engine
+from umbp.transfer import layouts as L
+from umbp.transfer.geometry import GroupGeometry
+
+
+def _reference(layers: list[tuple[torch.Tensor, int]], b: int) -> bytes:
+    return b"".join(t.select(d, b).contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t, d in layers)
+
+
+def _from_template(geom: GroupGeometry, b: int) -> bytes:
+    """Read one object straight from memory at the template's addresses (what the kernel does)."""
+    t = geom.template
+    out = bytearray(geom.object_bytes)
+    for src, stride, obj, n in zip(t.src, t.stride, t.obj, t.nbytes):
+        out[obj:obj + n] = ctypes.string_at(int(src + b * stride), int(n))
+    return bytes(out)
+
+
+CASES = {
+    "kv-first": (lambda: L.attention(2, 6, 16, 2, 8), 2, 16),
+    "blocks-first": (lambda: L.attention(2, 6, 16, 2, 8, kv_first=False), 1, 16),
+    "kernel-split": (lambda: L.kernel_split(1, 5, 8, 2, 2, 4), 2, 16),
+    "padded-state": (lambda: L.hybrid(2, 5, 4, 2, 8, [200])[0][1], 1, 8),
+    "odd-state": (lambda: L.hybrid(1, 5, 4, 2, 8, [201])[0][1], 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("piece", [16, 40, 4096])
+def test_template_addresses_read_the_reference_object(name: str, piece: int) -> None:
+    make, nseg, align = CASES[name]
+    layers = make()
+    geom = GroupGeometry(layers, piece_bytes=piece)
+    assert [layer.seg_offsets.size for layer in geom.layers] == [nseg] * len(layers)
+    assert geom.alignment() == (min(align, 8) if piece == 40 else align)
+    assert int(geom.template.nbytes.max()) <= piece
+    for b in range(geom.num_blocks):
+        assert _from_template(geom, b) == _reference(layers, b)
+
+
+def test_padded_state_page_excludes_the_pad() -> None:
+    groups, raws = L.hybrid(1, 4, 4, 2, 8, [200])
+    geom = layer_geometry(*groups[1][0])
+    assert geom.page_bytes == 200 and geom.block_stride == raws[0].shape[1] == 2 * 4 * 2 * 8 * 2
+
+
+def test_granite_sizes_match_vllm_rule() -> None:
+    s = L.granite_sizes()
+    assert s["state_bytes"] == (1792 * 3 + 48 * 32 * 128) * 2 == 403968
+    assert s["block_size"] == 400 and s["page_bytes"] == 409600
+    assert (s["attention_layers"], s["mamba_layers"]) == (4, 28)
+
+
+def test_rejects_overlapping_views() -> None:
+    t = torch.zeros(4, 1, 8).expand(4, 3, 8)
+    with pytest.raises(ValueError, match="stride"):
+        layer_geometry(t, 0)
+
+
+@pytest.fixture
+def engine():
+    groups = {0: L.attention(2, 8, 4, 2, 8), 1: L.hybrid(1, 8, 4, 2, 8, [200])[0][1]}
+    return make_engine(Arena(1 << 16, pinned=False), groups)
+
+
+def test_auto_picks_staged_on_cpu(engine) -> None:
+    assert engine.backend == "staged" and engine.object_bytes(0) == 2 * 2 * 4 * 2 * 8 * 2
+
+
+@pytest.mark.parametrize("moves,match", [
+    (Moves(5, [0], [0]), "not registered"),
+    (Moves(0, [8], [0]), "block id"),
+    (Moves(0, [-1], [0]), "block id"),
+    (Moves(0, [0], [1 << 16]), "arena offset"),
+    (Moves(0, [0], [4]), "arena offset"),
+    (Moves(0, [0, 1], [0]), "one entry per object"),
+    (Moves(0, [0], [0], [1, 2]), "one entry per object"),
+])
+def test_bad_batches_are_rejected_before_any_copy(engine, moves, match) -> None:
+    with pytest.raises((ValueError, KeyError), match=match):
+        engine.save([moves])
+
+
+def test_overlapping_save_slots_and_double_loads_are_rejected(engine) -> None:
+    with pytest.raises(ValueError, match="overlapping"):
+        engine.save([Moves(0, [0, 1], [0, 256])])
+    with pytest.raises(ValueError, match="twice"):
+        engine.load([Moves(0, [3, 3], [0, 4096])])
+    assert engine.save([Moves(0, [], [])]).result() == [[]]
+
+
+def test_digests_are_unsigned_psum64(engine) -> None:
+    from umbp.pool.psum import checksum_u8
+
+    geom = engine.groups[1]
+    d = engine.save([Moves(1, [2], [4096])]).result()[0][0]
+    ref = np.frombuffer(_reference(list(zip(geom.tensors, geom.block_dims)), 2), np.uint8)
+    assert 0 <= d < 1 << 64 and d == checksum_u8(ref)

@@ -1,0 +1,215 @@
+"""Randomized round trips through the transfer engine for every layout, on every backend available here.
+
+Each run draws fresh random data (the seed is printed in every assertion message), poisons the arena
+before each save and the KV tensors before each load, and checks every byte: the slot bytes and digests
+after a save, and after a load the loaded pages *and* every other byte of the backing buffers (other
+blocks, the pad of padded state pages, the other groups' views). Backends: the staged path on CPU, the
+kernel path under Triton's interpreter on CPU, and both on CUDA when a GPU is present (run on the H200:
+see docs/transfer.md).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from umbp.pool import Arena
+from umbp.pool.psum import checksum_u8
+from umbp.transfer import Moves, make_engine, triton_available
+from umbp.transfer import layouts as L
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+SLOT = 4096
+
+
+def _layouts(device: str) -> dict[str, L.Groups]:
+    hyb, _ = L.hybrid(3, 12, 16, 2, 32, [3000, 4088], device=device)
+    odd, _ = L.hybrid(2, 8, 16, 2, 32, [1001], device=device)
+    out = {
+        "attn-kv-first-bf16": {0: L.attention(2, 24, 16, 2, 64, device=device)},
+        "attn-blocks-first-fp32": {0: L.attention(3, 20, 8, 2, 32, torch.float32, device=device, kv_first=False)},
+        "kernel-split-fp16": {0: L.kernel_split(2, 10, 32, 2, 2, 16, device=device)},
+        "hybrid-padded-states": hyb,
+        "hybrid-unaligned-state": odd,
+    }
+    if device == "cuda":
+        out["granite-4.0-h-350m"] = L.granite_hybrid(24, device=device)[0]
+        out["attn-kv-first-64k-pages"] = {0: L.attention(4, 40, 64, 4, 64, device=device)}
+    return out
+
+
+DMA = {"save_path": "dma", "load_path": "dma"}
+ZERO = {"save_path": "zero-copy", "load_path": "zero-copy"}
+_interp = pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=1 subprocess")
+_cuda = pytest.mark.skipif(not CUDA or INTERPRET, reason="no CUDA")
+ENGINES = [
+    pytest.param("staged", "cpu", {}, id="staged-cpu"),
+    pytest.param("kernel", "cpu", ZERO, id="kernel-interpret", marks=_interp),
+    pytest.param("kernel", "cpu", DMA, id="kernel-dma-interpret", marks=_interp),
+    pytest.param("staged", "cuda", {}, id="staged-cuda", marks=_cuda),
+    pytest.param("kernel", "cuda", ZERO, id="kernel-cuda", marks=_cuda),
+    pytest.param("kernel", "cuda", DMA, id="kernel-dma-cuda", marks=_cuda),
+]
+LAYOUTS = ["attn-kv-first-bf16", "attn-blocks-first-fp32", "kernel-split-fp16", "hybrid-padded-states",
+           "hybrid-unaligned-state", "granite-4.0-h-350m", "attn-kv-first-64k-pages"]
+
+
+def _storages(groups: L.Groups) -> list[torch.Tensor]:
+    """Every backing buffer once, as a flat uint8 tensor."""
+    seen: dict[int, torch.Tensor] = {}
+    for layers in groups.values():
+        for t, _ in layers:
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen[st.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+    return list(seen.values())
+
+
+def _page(t: torch.Tensor, d: int, b: int) -> torch.Tensor:
+    """One layer's page of block b as bytes: the independent reference (select, not index_select)."""
+    return t.select(d, b).contiguous().view(-1).view(torch.uint8)
+
+
+def _object(layers: list[tuple[torch.Tensor, int]], b: int) -> np.ndarray:
+    return torch.cat([_page(t, d, b) for t, d in layers]).cpu().numpy()
+
+
+def _same_view(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """t's view, laid over another flat uint8 copy of its storage."""
+    return torch.as_strided(flat.view(t.dtype), t.shape, t.stride(), t.storage_offset())
+
+
+def _plan(groups: L.Groups, rng: np.random.Generator, arena_bytes: int) -> list[Moves]:
+    """Random blocks (distinct across groups too: hybrid groups share the backing pages, and vLLM never
+    gives one block to two groups) and random, scattered, non-overlapping arena slots."""
+    sizes = {g: sum(_page(t, d, 0).numel() for t, d in layers) for g, layers in groups.items()}
+    nslots = arena_bytes // SLOT
+    free = list(rng.permutation(nslots))
+    if rng.random() < 0.5:  # slots in one run, as a fresh allocator hands them out (one DMA per run)
+        span = max(-(-n // SLOT) for n in sizes.values())
+        free = list(range(0, nslots - span, span))[::-1]
+    nblocks = min(t.shape[d] for layers in groups.values() for t, d in layers)
+    pool = list(rng.permutation(nblocks))
+    batch = []
+    for g in groups:
+        n = int(rng.integers(1, max(2, 2 * len(pool) // len(groups))))
+        ids, pool = pool[:n], pool[n:]
+        if not ids:
+            continue
+        span = -(-sizes[g] // SLOT)
+        offs = []
+        for _ in range(n):
+            while True:
+                s = int(free.pop())
+                if s + span <= nslots:
+                    break
+            offs.append(s * SLOT)
+        batch.append(Moves(g, [int(i) for i in ids], offs))
+    return _drop_overlaps(batch, sizes)
+
+
+def _drop_overlaps(batch: list[Moves], sizes: dict[int, int]) -> list[Moves]:
+    """Keep a slot only if it does not overlap an earlier one (objects can span several SLOTs)."""
+    taken: list[tuple[int, int]] = []
+    out = []
+    for m in batch:
+        ids, offs = [], []
+        for b, o in zip(m.block_ids, m.offsets):
+            if all(o + sizes[m.group] <= a or o >= e for a, e in taken):
+                taken.append((o, o + sizes[m.group]))
+                ids.append(b)
+                offs.append(o)
+        if ids:
+            out.append(Moves(m.group, ids, offs))
+    return out
+
+
+def _arena(device: str, nbytes: int) -> Arena:
+    return Arena(nbytes, pinned=device == "cuda", prefault=False)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend,device,options", ENGINES)
+def test_round_trip(backend: str, device: str, options: dict, layout: str) -> None:
+    seed = int.from_bytes(os.urandom(4), "little")
+    why = f"seed={seed} layout={layout} backend={backend}/{device} {options}"
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    layouts = _layouts(device)
+    if layout not in layouts:
+        pytest.skip(f"{layout} is a GPU-sized layout")
+    groups = layouts[layout]
+    arena = _arena(device, 64 << 20 if device == "cuda" else 4 << 20)
+    opts = dict(options, max_staging_bytes=int(rng.choice([1 << 14, 64 << 20]))) if options else {}
+    engine = make_engine(arena, groups, backend=backend, piece_bytes=int(rng.choice([1024, 4096, 64 << 10])), **opts)
+    batch = _plan(groups, rng, arena.capacity_bytes)
+    refs = {(m.group, b): _object(groups[m.group], b) for m in batch for b in m.block_ids}
+
+    # save: poisoned arena, then every slot byte, every digest, and nothing outside the slots
+    arena.view(0, arena.capacity_bytes)[:] = rng.integers(0, 256, arena.capacity_bytes, dtype=np.uint8)
+    before = arena.view(0, arena.capacity_bytes).copy()
+    digests = engine.save(batch).result()
+    after = arena.view(0, arena.capacity_bytes)
+    for m, ds in zip(batch, digests):
+        for b, o, d in zip(m.block_ids, m.offsets, ds):
+            ref = refs[(m.group, b)]
+            assert np.array_equal(after[o:o + ref.size], ref), f"slot bytes differ: {why} group={m.group} block={b}"
+            assert d == checksum_u8(ref), f"digest differs: {why} group={m.group} block={b}"
+            before[o:o + ref.size] = ref
+    assert np.array_equal(after, before), f"bytes outside the slots changed: {why}"
+
+    # loads: unverified, then verified with one corrupted slot
+    for verified in (False, True):
+        _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, why)
+
+
+def _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, why) -> None:
+    storages = _storages(groups)
+    for st in storages:
+        st.random_(0, 256)  # poison every byte of the KV cache
+    snap = [st.clone() for st in storages]
+    bad = None
+    moves = [Moves(m.group, m.block_ids, m.offsets, ds if verified else None) for m, ds in zip(batch, digests)]
+    if verified:
+        k = int(rng.integers(len(moves)))
+        j = int(rng.integers(len(moves[k].block_ids)))
+        bad = (k, j)
+        o = moves[k].offsets[j] + int(rng.integers(refs[(moves[k].group, moves[k].block_ids[j])].size))
+        whole = arena.view(0, arena.capacity_bytes)
+        whole[o] ^= 1 << int(rng.integers(8))
+    ok = engine.load(moves).result()
+    for k, m in enumerate(moves):
+        for j, b in enumerate(m.block_ids):
+            expect_ok = bad != (k, j)
+            assert ok[k][j] == expect_ok, f"load status {ok[k][j]} for object {k}/{j}: {why} verified={verified}"
+            got = _object(groups[m.group], b)
+            if expect_ok:
+                assert np.array_equal(got, refs[(m.group, b)]), f"loaded bytes differ: {why} group={m.group} block={b}"
+            # put the poison back through the same views, so the whole buffer must equal the snapshot
+            for t, d in groups[m.group]:
+                flat = next(s for s, live in zip(snap, storages) if live.data_ptr() == t.untyped_storage().data_ptr())
+                t.select(d, b).copy_(_same_view(t, flat).select(d, b))
+    for live, s in zip(storages, snap):
+        assert torch.equal(live, s), f"a load wrote bytes outside its pages (or a rejected object): {why}"
+
+
+@pytest.mark.skipif(INTERPRET or not triton_available(), reason="Triton not installed (or already interpreting)")
+def test_kernel_path_under_triton_interpreter() -> None:
+    """The kernel path's tables, checksums and guards, on CPU: Triton's interpreter must be chosen before
+    Triton is first imported, and pytest (or vLLM) may have imported it already, so run in a subprocess.
+    (Triton 3.6's interpreter cannot run it: it rejects the int-to-pointer casts; 3.9's can.)"""
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run the kernel (needs >= 3.9)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "interpret"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
