@@ -9,8 +9,9 @@ Redis key layout (documented in docs/remote.md):
 * cluster: ``<key_prefix>{<tag>}d:<key>`` and ``<key_prefix>{<tag>}m:<key>``, tag = the key's last
   `hash_tag_chars` characters. umbp keys end in the engine's prefix hash (hex), so every rank's and every
   group's shard at one prefix boundary shares a tag, hence a hash slot and a master: a lookup costs one MGET
-  per tag (at most 16**N) instead of one command per key, value and marker are written in one MULTI, and a
-  master that dies takes whole logical objects with it rather than one shard of many.
+  per tag (at most 16**N) instead of one command per key, value and marker live on one master (written in
+  order on one connection), and a master that dies takes whole logical objects with it rather than one
+  shard of many.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from redis.retry import Retry
 
 from umbp.pool.remote_config import RemoteConfig
 
-MGET_CHUNK = 4096  # keys per MGET: the server parses one while the client packs the next
+MGET_CHUNK = 768  # keys per MGET: small enough that packing stays off mmap-sized allocations
 
 
 @dataclass(frozen=True)

@@ -33,18 +33,24 @@ def pack_header(key: str, nbytes: int, checksum: int) -> bytes:
     return HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, nbytes, checksum, key_crc(key))
 
 
+def inspect_header(header: bytes | memoryview, key: str, nbytes: int) -> tuple[str | None, int]:
+    """(None, stored checksum) when the header fits `key` and an object of `nbytes`; else (why not, for
+    the counters, and the checksum field)."""
+    magic, version, size, length, checksum, crc = HEADER.unpack(header)
+    if magic != MAGIC or size != HEADER_SIZE:
+        return "header_failures", checksum
+    if version != FORMAT_VERSION:
+        return "version_mismatches", checksum
+    if length != nbytes:
+        return "size_mismatches", checksum
+    if crc != key_crc(key):
+        return "key_mismatches", checksum
+    return None, checksum
+
+
 def header_problem(header: bytes | memoryview, key: str, nbytes: int) -> str | None:
     """None when the header fits `key` and an object of `nbytes`; else why not (for counters)."""
-    magic, version, size, length, _, crc = HEADER.unpack(header)
-    if magic != MAGIC or size != HEADER_SIZE:
-        return "header_failures"
-    if version != FORMAT_VERSION:
-        return "version_mismatches"
-    if length != nbytes:
-        return "size_mismatches"
-    if crc != key_crc(key):
-        return "key_mismatches"
-    return None
+    return inspect_header(header, key, nbytes)[0]
 
 
 def stored_checksum(header: bytes | memoryview) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from umbp.identity import RankCoord, object_key
 from umbp.pool import Arena
+from umbp.transfer import Moves, make_engine
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
@@ -70,6 +71,8 @@ class WorkerSide:
             self.groups[g] = pages
         pinned = {"auto": "auto", "on": True, "off": False}[self.cfg.pinned]
         self.arena = Arena(self.cfg.dram_bytes, pinned=pinned, prefault=False)
+        layers = {g: [(layer.tensor, layer.block_dim) for layer in p.layers] for g, p in self.groups.items()}
+        self.engine = make_engine(self.arena, layers)  # Triton kernels on CUDA, staged copies on CPU
         if self.cfg.ssd_dirs:
             from umbp.pool.ssd import SsdTier
 
@@ -107,19 +110,26 @@ class WorkerSide:
         pages = self.groups.get(job.group)
         if pages is None:  # this rank holds no layer of the group (pipeline parallel)
             return
-        data = pages.gather([m.block_id for m in job.moves]).cpu()
-        digests = [self._write(move, job.group, data[i]) for i, move in enumerate(job.moves)]
-        self.count("stored_bytes_rank", data.numel())
+        nbytes = pages.object_bytes
+        if nbytes > min(m.nbytes for m in job.moves):
+            raise ValueError(f"umbp: page of {nbytes} bytes exceeds its slot of {job.moves[0].nbytes}")
+        for move in job.moves:
+            self.slots.pop(move.offset, None)  # being rewritten: invalid until the copy is done
+        moves = Moves(job.group, [m.block_id for m in job.moves], [m.offset for m in job.moves])
+        digests = self.engine.save([moves]).result()[0]  # one bulk gather + copy, checksummed
+        keys = [self.rank_key(job.group, m.prefix_hash) for m in job.moves]
+        for move, key, digest in zip(job.moves, keys, digests):
+            self.slots[move.offset] = (key, int(digest))
+        self.count("stored_bytes_rank", nbytes * len(job.moves))
+        views = [self.arena.view(m.offset, nbytes) for m in job.moves]
         if job.ssd and self.ssd is not None:
-            keys = [self.rank_key(job.group, m.prefix_hash) for m in job.moves]
-            queued = self.ssd.put(keys, [data[i].numpy() for i in range(len(job.moves))], checksums=digests)
+            queued = self.ssd.put(keys, views, checksums=[int(d) for d in digests])
             if all(queued):
                 self.ssd_saved.setdefault(job.job_id, set()).add(self.rank.tag())
             else:
                 self.count("ssd_saves_dropped", queued.count(False))
         if self.remote is not None:
-            keys = [self.rank_key(job.group, m.prefix_hash) for m in job.moves]
-            sent = self.remote.put_async(keys, [data[i].numpy() for i in range(len(job.moves))])
+            sent = self.remote.put_async(keys, views)
             self.count("remote_saves_queued", sent.count(True))
             self.count("remote_saves_dropped", sent.count(False))
 
@@ -147,35 +157,61 @@ class WorkerSide:
                 self.count("load_failures_rank")
 
     def _load_job(self, job: LoadJob) -> bool:
-        staged: list[tuple[GroupPages, list[int], torch.Tensor]] = []
+        """Verify every object before anything reaches the KV cache; then one bulk load per batch."""
+        batch: list[Moves] = []
+        unslotted: list[tuple[GroupPages, list[int], torch.Tensor]] = []  # tier reads with no DRAM slot
         for group, moves in sorted(job.moves.items()):
             pages = self.groups.get(group)
             if pages is None:
                 continue
-            data = torch.empty((len(moves), pages.object_bytes), dtype=torch.uint8)
-            for i, move in enumerate(moves):
-                if not self._read(move, group, pages.object_bytes, data[i]):
-                    return False  # nothing was written to the KV cache yet
-            staged.append((pages, [m.block_id for m in moves], data))
-        for pages, block_ids, data in staged:
+            ids, offsets, digests, rows = [], [], [], []
+            for move in moves:
+                found = self._locate(move, group, pages.object_bytes)
+                if found is None:
+                    return False
+                if isinstance(found, torch.Tensor):
+                    rows.append((move.block_id, found))
+                else:
+                    ids.append(move.block_id)
+                    offsets.append(move.offset if move.source == "dram" else move.promote_offset)
+                    digests.append(found)
+            if ids:
+                batch.append(Moves(group, ids, offsets, digests if self.cfg.checksum else None))
+            if rows:
+                unslotted.append((pages, [b for b, _ in rows], torch.stack([r for _, r in rows])))
+        if batch and not self._bulk_load(batch):
+            return False
+        for pages, block_ids, data in unslotted:
             pages.scatter(block_ids, data)
             self.count("loaded_bytes", data.numel())
         return True
 
-    def _read(self, move: PageMove, group: int, nbytes: int, out: torch.Tensor) -> bool:
+    def _locate(self, move: PageMove, group: int, nbytes: int) -> int | torch.Tensor | None:
+        """The checksum of the arena slot holding the object, or its bytes when it was read from a tier
+        without a DRAM slot to promote into; None when it cannot be had (a miss)."""
         if move.source in ("ssd", "remote"):
-            return self._read_tier(move, group, out)
+            out = torch.empty(nbytes, dtype=torch.uint8)
+            if not self._read_tier(move, group, out):
+                return None
+            return self.slots[move.promote_offset][1] if move.promote_offset >= 0 else out
         expected = self.rank_key(group, move.prefix_hash)
         held = self.slots.get(move.offset)
         if held is None or held[0] != expected:
             logger.warning("umbp: slot %d does not hold %s; treating as a miss", move.offset, expected)
+            return None
+        return held[1]
+
+    def _bulk_load(self, batch: list[Moves]) -> bool:
+        results = self.engine.load(batch).result()
+        for moves, written in zip(batch, results):
+            for offset, ok in zip(moves.offsets, written):
+                if not ok:
+                    logger.warning("umbp: checksum mismatch in slot %d; treating as a miss", offset)
+                    self.slots.pop(offset, None)
+                    self.count("checksum_failures")
+        if not all(all(w) for w in results):
             return False
-        digest = self.arena.read_into(move.offset, nbytes, out.numpy())
-        if self.cfg.checksum and digest != held[1]:
-            logger.warning("umbp: checksum mismatch for %s; treating as a miss", expected)
-            self.slots.pop(move.offset, None)
-            self.count("checksum_failures")
-            return False
+        self.count("loaded_bytes", sum(len(m.block_ids) * self.groups[m.group].object_bytes for m in batch))
         return True
 
     def _read_tier(self, move: PageMove, group: int, out: torch.Tensor) -> bool:

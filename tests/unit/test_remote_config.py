@@ -1,0 +1,103 @@
+"""RemoteConfig validation, the value header and the RESP helpers: no server needed."""
+
+import pytest
+
+pytest.importorskip("redis")
+
+from umbp.pool.errors import OptionValueError, UnknownOptionError  # noqa: E402
+from umbp.pool.remote_config import RemoteConfig, parse_url, redact_url  # noqa: E402
+from umbp.pool.remote_format import HEADER_SIZE, header_problem, pack_header, stored_checksum  # noqa: E402
+from umbp.pool.resp import ProtocolError, bulk_keys, multi_key_command, scan_markers  # noqa: E402
+
+
+def test_defaults_and_round_trip_of_options():
+    cfg = RemoteConfig.from_options({"url": "redis://10.1.2.3:7000/2", "ttl_s": 60, "quarantine_s": "5",
+                                     "timeout_s": 0.25, "max_connections": 4, "key_prefix": "umbp:t1:"})
+    assert cfg.urls == ("redis://10.1.2.3:7000/2",) and cfg.ttl_s == 60 and cfg.quarantine_s == 5.0
+    assert cfg.endpoints[0].name == "10.1.2.3:7000" and cfg.endpoints[0].db == 2
+    assert cfg.max_connections == 4 and cfg.key_prefix == "umbp:t1:" and not cfg.cluster and not cfg.tls
+
+
+def test_unknown_keys_are_named_with_a_hint():
+    with pytest.raises(UnknownOptionError) as e:
+        RemoteConfig.from_options({"url": "redis://h:1", "quarantine_sec": 3, "bogus": 1})
+    msg = str(e.value)
+    assert "'bogus'" in msg and "'quarantine_sec'" in msg and "did you mean 'quarantine_s'" in msg
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"url": "http://h:1"}, "must start with redis://"),
+    ({"url": "redis://h:99999"}, "bad port"),
+    ({"url": "redis://h:1/x"}, "database number"),
+    ({"url": ""}, "non-empty string"),
+    ({"urls": []}, "non-empty list"),
+    ({"url": "redis://a:1", "urls": ["redis://b:1"]}, "not both"),
+    ({"urls": ["redis://a:1", "redis://b:1"]}, "cluster is false"),
+    ({"urls": ["redis://a:1/3"], "cluster": True}, "only database 0"),
+    ({"timeout_s": 0}, "timeout_s must be a number >= 0.001"),
+    ({"timeout_s": "fast"}, "timeout_s"),
+    ({"max_connections": 2.5}, "an integer"),
+    ({"quarantine_s": -1}, "quarantine_s"),
+    ({"cluster": "maybe"}, "true or false"),
+    ({"ttl_s": True}, "ttl_s"),
+    ({"hash_tag_chars": 5}, "1, 2, 3 or 4"),
+    ({"key_prefix": "umbp:{x}"}, "free of '{' and '}'"),
+    ({"tls_cert_file": "/c.pem"}, "go together"),
+    ({"password_env": "UMBP_TEST_SURELY_UNSET_VAR"}, "not set"),
+])
+def test_bad_values_have_clear_errors(options, fragment):
+    with pytest.raises(OptionValueError, match=None) as e:
+        RemoteConfig.from_options(options)
+    assert fragment in str(e.value)
+
+
+def test_password_never_shown(monkeypatch):
+    monkeypatch.setenv("UMBP_TEST_PW", "hunter2")
+    cfg = RemoteConfig.from_options({"url": "redis://alice:s3cr3t@h:1/0"})
+    assert cfg.username == "alice" and cfg.password == "s3cr3t"
+    for text in (repr(cfg), str(cfg.summary())):
+        assert "s3cr3t" not in text
+    assert RemoteConfig.from_options({"url": "redis://h:1", "password_env": "UMBP_TEST_PW"}).password == "hunter2"
+    with pytest.raises(OptionValueError) as e:
+        RemoteConfig.from_options({"url": "redis://h:1", "password": 123})
+    assert "123" not in str(e.value)
+    assert redact_url("rediss://u:pw@h:6380/0") == "rediss://u:***@h:6380/0"
+
+
+def test_tls_implied_by_rediss_and_hostname_check_follows_verify():
+    cfg = RemoteConfig.from_options({"url": "rediss://h:6380"})
+    assert cfg.tls and cfg.tls_verify and cfg.tls_check_hostname
+    cfg = RemoteConfig.from_options({"url": "rediss://h:6380", "tls_verify": False})
+    assert not cfg.tls_check_hostname
+    assert parse_url("redis://[::1]:7/0").host == "::1"
+
+
+def test_header_checks():
+    h = pack_header("k", 100, 0xDEADBEEF)
+    assert len(h) == HEADER_SIZE == 32 and h[:4] == b"UMBP"
+    assert header_problem(h, "k", 100) is None and stored_checksum(h) == 0xDEADBEEF
+    assert header_problem(h, "k", 99) == "size_mismatches"
+    assert header_problem(h, "other", 100) == "key_mismatches"
+    assert header_problem(b"X" + h[1:], "k", 100) == "header_failures"
+    assert header_problem(h[:4] + b"\x02\x00" + h[6:], "k", 100) == "version_mismatches"
+
+
+def test_bulk_keys_fast_and_general_paths_agree():
+    same = ["aa", "bb", "cc"]
+    assert bulk_keys("p:", same) == b"$4\r\np:aa\r\n$4\r\np:bb\r\n$4\r\np:cc\r\n"
+    mixed = ["a", "bbb", "é"]  # different lengths, and a non-ASCII key (2 bytes in UTF-8)
+    assert bulk_keys("p:", mixed) == b"$3\r\np:a\r\n$5\r\np:bbb\r\n$4\r\np:\xc3\xa9\r\n"
+    assert bulk_keys("p:", ["é", "ü"]) == b"$4\r\np:\xc3\xa9\r\n$4\r\np:\xc3\xbc\r\n"
+    assert b"".join(multi_key_command(b"MGET", "", ["x"])) == b"*2\r\n$4\r\nMGET\r\n$1\r\nx\r\n"
+
+
+def test_marker_scan_needs_whole_reply_and_rejects_foreign_values():
+    reply = b"$1\r\n1\r\n$-1\r\n$1\r\n1\r\n"
+    flags, used = scan_markers(reply + b"*2\r\n$-1", 3)  # the next reply of a pipeline may follow
+    assert flags.tolist() == [True, False, True] and used == len(reply)
+    for cut in range(1, 8):
+        assert scan_markers(reply[:-cut], 3) == (None, 0)  # incomplete: wait for more bytes
+    with pytest.raises(ProtocolError):
+        scan_markers(b"$1\r\nX\r\n$-1\r\n", 2)
+    with pytest.raises(ProtocolError):
+        scan_markers(b"$-1\r\n$7\r\n$1\r\n1\r\n\r\n", 2)

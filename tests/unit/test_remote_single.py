@@ -1,0 +1,351 @@
+"""RedisTier against one real redis-server on 127.0.0.1 (started and stopped here): round trips, lookups,
+the value format, corruption, quarantine, TTL, namespace-scoped clear, put_async, auth, ACL users, TLS."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from redis_servers import make_tls_files, require_redis, start_server  # noqa: E402
+
+require_redis()
+
+from umbp.pool import Pool  # noqa: E402
+from umbp.pool.errors import BufferSizeError, BufferTypeError  # noqa: E402
+from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
+from umbp.pool.remote_format import HEADER_SIZE  # noqa: E402
+
+NS = "0123456789abcdef0123456789abcdef"
+
+
+def okey(i: int, ns: str = NS, tp: int = 0, group: int = 0) -> str:
+    """A key in umbp's object-key format (docs/keys.md)."""
+    return f"umbp:v1:{ns}:tp{tp}:pcp0:dcp0:pp0:g{group}:{i:064x}"
+
+
+def blob(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("redis"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def tier(server):
+    t = RedisTier(RemoteConfig.from_options({"url": server.url, "quarantine_s": 0.3, "timeout_s": 2}))
+    t.clear()
+    yield t
+    t.clear()
+    t.close()
+
+
+@pytest.fixture
+def raw(server):
+    c = server.client()
+    yield c
+    c.close()
+
+
+def test_is_a_pool_and_values_are_headed_binary(tier, raw):
+    assert isinstance(tier, Pool)
+    assert tier.put(["k"], [b"hello"]) == [True]
+    value = raw.get("umbp:d:k")
+    assert value[:4] == b"UMBP" and value[HEADER_SIZE:] == b"hello" and len(value) == HEADER_SIZE + 5
+    assert raw.get("umbp:m:k") == b"1"
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 4095, 4096, 4097, 300_003, (1 << 20) + 3])
+def test_round_trip_sizes(tier, n):
+    data = blob(n, n)
+    assert tier.put(["k"], [data]) == [True]
+    out = np.full(n, 7, np.uint8)
+    assert tier.get_into(["k"], [out]) == [True]
+    assert np.array_equal(out, data)
+
+
+def test_round_trip_buffer_kinds(tier):
+    data = np.arange(3000, dtype=np.float32)
+    assert tier.put(["np", "mv", "ba"], [data, memoryview(data.tobytes()), bytearray(data.tobytes())]) == [True] * 3
+    out_np, out_u8, out_mv = np.empty(3000, np.float32), np.empty((100, 120), np.uint8), memoryview(bytearray(12000))
+    assert tier.get_into(["np", "mv", "ba"], [out_np, out_u8, out_mv]) == [True] * 3
+    assert np.array_equal(out_np, data) and out_u8.tobytes() == data.tobytes() == bytes(out_mv)
+    torch = pytest.importorskip("torch")
+    src = torch.arange(2048, dtype=torch.bfloat16).reshape(32, 64)
+    assert tier.put(["t"], [src]) == [True]
+    dst = torch.empty_like(src)
+    assert tier.get_into(["t"], [dst]) == [True] and torch.equal(src, dst)
+
+
+def test_bad_input_raises_before_any_io(tier):
+    with pytest.raises(BufferSizeError):
+        tier.put(["a", "b"], [b"x"])
+    with pytest.raises(BufferTypeError):
+        tier.get_into(["a"], [b"read-only"])
+    with pytest.raises(BufferTypeError):
+        tier.put(["a"], [np.arange(10)[::2]])
+
+
+def test_exists_8192_keys_one_call(tier):
+    keys = [okey(i) for i in range(8192)]
+    stored = keys[::3]
+    assert all(tier.put(stored, [b"v"] * len(stored)))
+    want = [i % 3 == 0 for i in range(8192)]
+    assert tier.exists(keys) == want
+    assert tier.stats()["exists_present"] == len(stored)
+
+
+def test_exists_mixed_key_shapes(tier):
+    keys = ["a", "bbbbb", "é-ключ", okey(1), okey(2, tp=11), "x" * 1000]
+    assert all(tier.put(keys[::2], [b"1"] * 3))
+    assert tier.exists(keys) == [True, False, True, False, True, False]
+    assert tier.exists([]) == []
+
+
+def test_duplicate_put_is_a_no_op(tier, raw):
+    assert tier.put(["k"], [b"first"]) == [True]
+    assert tier.put(["k"], [b"other"]) == [True]  # True: already present; the value is not rewritten
+    out = bytearray(5)
+    assert tier.get_into(["k"], [out]) == [True] and bytes(out) == b"first"
+    s = tier.stats()
+    assert s["puts"] == 1 and s["put_duplicates"] == 1
+
+
+def test_absent_load_is_quarantined_then_retried(tier):
+    k = okey(5)
+    assert tier.get_into([k], [bytearray(4)]) == [False]
+    s = tier.stats()
+    assert s["misses_absent"] == 1 and s["quarantined"] == 1 and s["quarantine_size"] == 1
+    other = RedisTier(tier.config)  # another instance stores it meanwhile
+    assert other.put([k], [b"abcd"]) == [True]
+    other.close()
+    assert tier.exists([k]) == [False]  # still quarantined here
+    assert tier.get_into([k], [bytearray(4)]) == [False]
+    assert tier.stats()["quarantine_skips"] >= 2
+    time.sleep(0.35)
+    out = bytearray(4)
+    assert tier.exists([k]) == [True] and tier.get_into([k], [out]) == [True] and out == b"abcd"
+
+
+def test_quarantine_can_be_set_from_outside_and_put_lifts_it(tier):
+    assert tier.put(["k"], [b"v"]) == [True]
+    tier.quarantine(["k"])
+    assert tier.exists(["k"]) == [False]
+    tier.remove(["k"])
+    assert tier.put(["k"], [b"v"]) == [True]
+    assert tier.exists(["k"]) == [True]
+
+
+def test_corrupt_value_is_a_counted_miss_and_removed(tier, raw):
+    data = blob(10_000, 1)
+    assert tier.put(["k"], [data]) == [True]
+    raw.setrange("umbp:d:k", HEADER_SIZE + 5000, b"\x00\xff")  # flip bytes in the payload
+    out = np.empty(10_000, np.uint8)
+    assert tier.get_into(["k"], [out]) == [False]
+    s = tier.stats()
+    assert s["checksum_failures"] == 1 and s["corrupt_removed"] == 1
+    assert raw.exists("umbp:d:k", "umbp:m:k") == 0
+
+
+def test_foreign_wrong_size_and_moved_values_are_misses(tier, raw):
+    raw.set("umbp:d:foreign", b"x" * 40)  # not umbp's format
+    raw.set("umbp:m:foreign", b"1")
+    assert tier.get_into(["foreign"], [bytearray(8)]) == [False]
+    assert tier.put(["a"], [b"12345678"]) == [True]
+    assert tier.get_into(["a"], [bytearray(9)]) == [False]  # the caller expects another size: a miss
+    raw.copy("umbp:d:a", "umbp:d:b")  # a value under the wrong key
+    raw.set("umbp:m:b", b"1")
+    assert tier.get_into(["b"], [bytearray(8)]) == [False]
+    s = tier.stats()
+    assert s["header_failures"] == 1 and s["size_mismatches"] == 1 and s["key_mismatches"] == 1
+    assert s["hits"] == 0
+
+
+def test_marker_without_value_heals(tier, raw):
+    assert tier.put(["k"], [b"v"]) == [True]
+    raw.delete("umbp:d:k")  # as if evicted apart from its marker
+    assert tier.get_into(["k"], [bytearray(1)]) == [False]
+    assert tier.stats()["stale_markers_removed"] == 1 and raw.exists("umbp:m:k") == 0
+
+
+def test_ttl(server, raw):
+    t = RedisTier(RemoteConfig.from_options({"url": server.url, "ttl_s": 0.3}))
+    assert t.put(["k"], [b"v"]) == [True]
+    assert 0 < raw.pttl("umbp:d:k") <= 300 and 0 < raw.pttl("umbp:m:k") <= 300
+    time.sleep(0.45)
+    assert t.exists(["k"]) == [False]
+    t.close()
+
+
+def test_clear_is_scoped(server, raw):
+    a = RedisTier(RemoteConfig.from_options({"url": server.url, "key_prefix": "umbp:tenantA:"}))
+    b = RedisTier(RemoteConfig.from_options({"url": server.url, "key_prefix": "umbp:tenantB:"}))
+    raw.set("user:data", b"keep me")
+    ns2 = "f" * 32
+    assert all(a.put([okey(1), okey(2), okey(1, ns2)], [b"1", b"2", b"3"]))
+    assert b.put([okey(1)], [b"b"]) == [True]
+    a.clear(startswith=f"umbp:v1:{ns2}:")  # one model's namespace only
+    assert a.exists([okey(1), okey(2), okey(1, ns2)]) == [True, True, False]
+    a.clear()
+    assert a.exists([okey(1), okey(2)]) == [False, False]
+    assert b.exists([okey(1)]) == [True] and raw.get("user:data") == b"keep me"
+    b.clear()
+    assert raw.get("user:data") == b"keep me"
+    raw.delete("user:data")
+    a.close()
+    b.close()
+
+
+def test_remove(tier):
+    assert all(tier.put(["a", "b"], [b"1", b"2"]))
+    assert tier.remove(["a", "b", "c"]) == 2
+    assert tier.exists(["a", "b"]) == [False, False]
+
+
+def test_put_async_copies_and_writes_in_background(tier):
+    data = blob(200_000, 3)
+    keys = [f"async{i}" for i in range(8)]
+    assert tier.put_async(keys, [data] * 8) == [True] * 8
+    data[:] = 0  # the caller may reuse its buffer at once: the tier copied it
+    assert tier.flush(10)
+    out = np.empty(200_000, np.uint8)
+    assert tier.get_into([keys[3]], [out]) == [True] and np.array_equal(out, blob(200_000, 3))
+    s = tier.stats()
+    assert s["async_accepted"] == 8 and s["puts"] == 8 and s["write_queue_bytes"] == 0
+
+
+def test_put_async_full_queue_drops_and_counts(server):
+    t = RedisTier(RemoteConfig.from_options({"url": server.url, "write_queue_bytes": 100_000, "timeout_s": 5}))
+    server.pause(0.5)  # the writer's SETs wait: the queue cannot drain
+    first = t.put_async(["q1"], [bytes(64_000)])
+    second = t.put_async(["q2"], [bytes(64_000)])
+    assert first == [True] and second == [False]
+    assert t.flush(10)
+    s = t.stats()
+    assert s["puts_dropped_queue_full"] == 1 and s["puts_dropped"] == 1 and s["puts"] == 1
+    assert t.exists(["q1", "q2"]) == [True, False]
+    t.clear()
+    t.close()
+
+
+def test_concurrent_threads_never_see_wrong_bytes(tier):
+    import threading
+
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        for i in range(20):
+            k, data = f"w{w}:{i}", blob(5000 + i, w * 100 + i)
+            tier.put([k], [data])
+            out = np.empty(data.size, np.uint8)
+            if tier.get_into([k], [out]) != [True] or not np.array_equal(out, data):
+                errors.append(k)
+            tier.exists([k, f"w{w}:{i + 1}"])
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+
+
+# ---- auth, ACL users, TLS -------------------------------------------------------------------------------
+
+
+def test_password_auth(tmp_path):
+    s = start_server(tmp_path, password="pw-123")
+    try:
+        good = RedisTier(RemoteConfig.from_options({"url": s.url}))
+        assert good.put(["k"], [b"v"]) == [True] and good.exists(["k"]) == [True]
+        good.close()
+        bad = RedisTier(RemoteConfig.from_options({"url": f"redis://127.0.0.1:{s.port}/0", "password": "wrong"}))
+        assert bad.exists(["k"]) == [False] and bad.put(["x"], [b"v"]) == [False]
+        st = bad.stats()
+        assert st["connection_errors"] >= 1 and "wrong" not in str(st) and "pw-123" not in str(st)
+        bad.close()
+    finally:
+        s.stop()
+
+
+def test_acl_user_limited_to_the_prefix(tmp_path, monkeypatch):
+    s = start_server(tmp_path)
+    try:
+        admin = s.client()
+        admin.execute_command("ACL", "SETUSER", "umbp-app", "on", ">app-pw", "~umbp:*", "+@all")
+        admin.close()
+        monkeypatch.setenv("UMBP_TEST_REDIS_PW", "app-pw")
+        t = RedisTier(RemoteConfig.from_options({"url": s.url, "username": "umbp-app",
+                                                 "password_env": "UMBP_TEST_REDIS_PW"}))
+        assert t.put(["k"], [b"v"]) == [True]
+        out = bytearray(1)
+        assert t.exists(["k"]) == [True] and t.get_into(["k"], [out]) == [True] and out == b"v"
+        t.clear()
+        t.close()
+    finally:
+        s.stop()
+
+
+def test_tls(tmp_path):
+    tls = make_tls_files(tmp_path)
+    s = start_server(tmp_path / "srv", tls=tls)
+    try:
+        t = RedisTier(RemoteConfig.from_options({"url": s.url, "tls_ca_file": str(tls.ca)}))
+        data = blob(300_000, 9)
+        assert t.put(["k"], [data]) == [True]
+        out = np.empty(data.size, np.uint8)
+        assert t.get_into(["k"], [out]) == [True] and np.array_equal(out, data)
+        t.close()
+        untrusted = RedisTier(RemoteConfig.from_options({"url": s.url}))  # system CAs: the cert is refused
+        assert untrusted.exists(["k"]) == [False] and untrusted.stats()["connection_errors"] >= 1
+        untrusted.close()
+        plain = RedisTier(RemoteConfig.from_options({"url": f"redis://127.0.0.1:{s.port}/0", "timeout_s": 0.5}))
+        assert plain.exists(["k"]) == [False]  # plain text against a TLS port: a miss, not a hang or crash
+        plain.close()
+    finally:
+        s.stop()
+
+
+def test_matches_a_dict_model(server):
+    """Random put/get/exists/remove sequences agree with a dict (hypothesis, a few dozen runs)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    ops = st.lists(st.tuples(st.sampled_from(["put", "get", "exists", "remove"]), st.integers(0, 5),
+                             st.binary(max_size=3000)), max_size=25)
+    tier = RedisTier(RemoteConfig.from_options({"url": server.url, "key_prefix": "umbp:model:", "quarantine_s": 0}))
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(ops)
+    def run(seq):
+        tier.clear()
+        model: dict[str, bytes] = {}
+        for op, i, data in seq:
+            k = f"key{i}"
+            if op == "put":
+                assert tier.put([k], [data]) == [True]
+                model.setdefault(k, data)  # a duplicate put never overwrites
+            elif op == "get":
+                n = len(model.get(k, data))
+                out = bytearray(n)
+                assert tier.get_into([k], [out]) == [k in model]
+                if k in model:
+                    assert bytes(out) == model[k]
+            elif op == "exists":
+                assert tier.exists([k, "never"]) == [k in model, False]
+            else:
+                assert tier.remove([k]) == int(model.pop(k, None) is not None)
+
+    try:
+        run()
+    finally:
+        tier.clear()
+        tier.close()
