@@ -15,8 +15,12 @@ Why this shape:
   reason.
 * Several directories (drives) are striped by a stable hash of the key; each has its own lock, writer
   thread and segments, and all versions of a key live in one directory.
-* Every read verifies the record's header (key, length, checksum) and the payload's psum64. A corrupt,
-  truncated, vanished or unreadable record is a miss (counted), never an exception or wrong bytes.
+* Every read verifies the payload's psum64 against the checksum the index took from the record's header
+  (written by this process, or checked by the restart scan: magic, version, key, length, crc32); psum64
+  mixes in the length and is position-sensitive, so a match proves these are the object's bytes. A
+  corrupt, truncated, vanished or unreadable record is a miss (counted), never an exception or wrong
+  bytes. Reads of many keys are pipelined: I/O threads fetch the next run of adjacent records while the
+  caller checks and copies the current one.
 
 Thread-safety: one lock guards all metadata; copies and disk I/O run outside it, protected by pins
 (staged items, segments being read) so nothing is freed or closed under a reader.
@@ -73,7 +77,7 @@ COPYING, QUEUED, WRITING, DONE = range(4)  # a staged put's life
 _PUT, _TOMB, _CLEAR = range(3)
 _OK, _MISS, _BAD, _IOERR = range(4)
 _MAX_BATCH_ITEMS = 512  # below IOV_MAX (1024) for one pwritev
-ZERO_COPY_MIN = 1 * MiB  # below this the per-object psum64 call costs more than the bounce copy it saves
+ZERO_COPY_MIN = 128 * KiB  # below this a psum64 call per object costs about what the bounce copy saves
 _FATAL_ERRNOS = (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
 # The syscalls the tier's I/O goes through; module attributes so fault tests can replace them.
@@ -93,17 +97,18 @@ class SsdLockedError(SsdError):
     """Another process (or another SsdTier in this one) owns the directory."""
 
 
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer (anonymous mmap): O_DIRECT needs aligned memory."""
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, BLOCK)), np.uint8)[:nbytes]
+def aligned_buffer(nbytes: int, populate: bool = True) -> np.ndarray:
+    """A page-aligned uint8 buffer (anonymous mmap): O_DIRECT needs aligned memory. populate=True maps
+    every page up front (MAP_POPULATE), so the hot path never pays a page fault (~5 us per 4 KiB)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, BLOCK), flags=flags), np.uint8)[:nbytes]
 
 
 class _Loc(NamedTuple):
     seg: _Segment
     offset: int
     length: int
-    checksum: int
-    seq: int
+    checksum: int  # psum64 of the payload, from the record's header
 
 
 @dataclass(eq=False, slots=True)
@@ -238,8 +243,9 @@ class SsdTier(Pool):
         io_threads: int = 2,
         track_evicted: bool = False,
         health_interval_s: float = 1.0,
+        prefault: bool = True,
     ) -> None:
-        dirs = [dirs] if isinstance(dirs, str | os.PathLike) else [os.fspath(d) for d in dirs]
+        dirs = [os.fspath(dirs)] if isinstance(dirs, str | os.PathLike) else [os.fspath(d) for d in dirs]
         if not dirs:
             raise OptionValueError("umbp: SsdTier needs at least one directory")
         self._direct_mode = _parse_direct(direct_io)
@@ -255,6 +261,9 @@ class SsdTier(Pool):
                 f"umbp: segment_bytes={segment_bytes} must be at most a quarter of the capacity per directory "
                 f"({shard_cap // 4}); space is reclaimed a segment at a time"
             )
+        # Capacity kept free for cleaning: reclaiming the oldest segment copies its still-live objects
+        # forward before deleting it, and those copies (plus the write that needs the room) must fit.
+        self._reserve = 2 * self._segment_bytes
         if not isinstance(low_watermark, int | float) or not 0 < low_watermark <= 1:
             raise OptionValueError(f"umbp: low_watermark must be in (0, 1], got {low_watermark!r}")
         self._low = float(low_watermark)
@@ -262,7 +271,7 @@ class SsdTier(Pool):
         self._health_interval = float(health_interval_s)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._staging = aligned_buffer(self._queue_bytes)
+        self._staging = aligned_buffer(self._queue_bytes, populate=prefault)
         self._alloc = PageAllocator(self._queue_bytes // BLOCK)
         self._local = threading.local()
         self._executor: ThreadPoolExecutor | None = None
@@ -329,7 +338,7 @@ class SsdTier(Pool):
             if self._shard_number(key) != shard.number:  # written when the directory list was different
                 self._counters["foreign_records"] += 1
                 continue
-            self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum, r.seq))
+            self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum))
 
     def _open_fd(self, shard: _Shard, path: str, create: bool) -> int:
         flags = os.O_RDWR | os.O_CLOEXEC | ((os.O_CREAT | os.O_EXCL) if create else 0)
@@ -373,7 +382,8 @@ class SsdTier(Pool):
 
     def _index(self, shard: _Shard, key: str, loc: _Loc) -> None:
         shard.index[key] = loc
-        shard.lru[key] = None
+        if key not in shard.lru:  # a written put keeps the place it took when it was put
+            shard.lru[key] = None
         loc.seg.live[key] = None
         shard.live_bytes += record_bytes(loc.length)
         shard.stored_bytes += loc.length
@@ -383,7 +393,7 @@ class SsdTier(Pool):
         loc = shard.index.pop(key, None)
         if loc is None:
             return None
-        del shard.lru[key]
+        shard.lru.pop(key, None)
         loc.seg.live.pop(key, None)
         shard.live_bytes -= record_bytes(loc.length)
         shard.stored_bytes -= loc.length
@@ -408,6 +418,8 @@ class SsdTier(Pool):
     def _finish(self, shard: _Shard, it: _Item) -> None:
         if shard.staged.get(it.key) is it:
             del shard.staged[it.key]
+        if it.key not in shard.index and it.key not in shard.staged:  # never made it to disk
+            shard.lru.pop(it.key, None)
         it.state = DONE
         self._release(it)
 
@@ -415,6 +427,12 @@ class SsdTier(Pool):
         it.state = QUEUED
         shard.queue.append(it)
         shard.cv.notify()
+
+    @property
+    def max_object_bytes(self) -> int:
+        """The largest payload put() accepts (for any key up to MAX_KEY_BYTES)."""
+        room = min(self._queue_bytes, self._shards[0].capacity - seal_bytes(entry_bytes(bytes(MAX_KEY_BYTES))))
+        return max(room - BLOCK, 0) // BLOCK * BLOCK
 
     # ---- Pool API ------------------------------------------------------------------------------------
 
@@ -437,45 +455,69 @@ class SsdTier(Pool):
             self._check_fits(key, kb, src.size)
         if checksums is not None and len(checksums) != len(keys):
             raise BufferSizeError(f"umbp: put got {len(keys)} keys but {len(checksums)} checksums")
-        return [self._put_one(key, kb, src, None if checksums is None else checksums[i])
-                for i, (key, kb, src) in enumerate(zip(keys, blobs, srcs, strict=True))]
+        out = [False] * len(keys)
+        staged = self._stage(keys, blobs, srcs, out)
+        try:
+            for i, it in staged:  # copy outside the lock; a staged item is invisible until enqueued
+                region, n = self._staging_view(it), srcs[i].size
+                it.checksum = copy_with_checksum(region[BLOCK : BLOCK + n], srcs[i], to_region=True)
+                if n % BLOCK:
+                    region[BLOCK + n :] = 0
+        except BaseException:
+            with self._lock:
+                for _, it in staged:
+                    self._finish(self._route(it.key), it)
+            raise
+        self._enqueue_staged(staged, checksums, out)
+        return out
 
-    def _put_one(self, key: str, kb: bytes, src: np.ndarray, expected: int | None) -> bool:
-        shard = self._route(key)
-        npages = record_bytes(src.size) // BLOCK
+    def _stage(self, keys: Sequence[str], blobs: list[bytes], srcs: list[np.ndarray],
+               out: list[bool]) -> list[tuple[int, _Item]]:
+        """Under one lock: answer duplicates, refuse what cannot be taken now, take staging for the rest."""
+        staged = []
+        c = self._counters
         with self._lock:
             if self._stopping:
                 raise UmbpError("umbp: this SsdTier is closed")
-            if key in shard.index or key in shard.staged:
-                self._counters["put_duplicates"] += 1
-                return True
-            if shard.failed:
-                self._counters["dropped_failed"] += 1
-                return False
-            start = self._alloc.alloc(npages)
-            if start is None:
-                self._counters["dropped_backpressure"] += 1
-                return False
-            it = _Item(_PUT, key, kb, src.size, start, npages)
-            shard.staged[key] = it
-        region = self._staging_view(it)
-        try:
-            digest = copy_with_checksum(region[BLOCK : BLOCK + src.size], src, to_region=True)
-            region[BLOCK + src.size :] = 0
-        except BaseException:
-            with self._lock:
-                self._finish(shard, it)
-            raise
+            for i, (key, kb, src) in enumerate(zip(keys, blobs, srcs, strict=True)):
+                shard = self._route(key)
+                if key in shard.index or key in shard.staged:
+                    c["put_duplicates"] += 1
+                    out[i] = True
+                    continue
+                if shard.failed:
+                    c["dropped_failed"] += 1
+                    continue
+                npages = record_bytes(src.size) // BLOCK
+                start = self._alloc.alloc(npages)
+                if start is None:
+                    c["dropped_backpressure"] += 1
+                    continue
+                it = _Item(_PUT, key, kb, src.size, start, npages)
+                shard.staged[key] = it
+                shard.lru[key] = None  # recency counts from the put, not from when the write lands
+                staged.append((i, it))
+        return staged
+
+    def _enqueue_staged(self, staged: list[tuple[int, _Item]], checksums: Sequence[int] | None,
+                        out: list[bool]) -> None:
+        """Under one lock: queue the copied items, one wake-up per directory. An item removed while it
+        was copied, or whose bytes do not match the caller's checksum, is dropped (False)."""
+        woken = set()
         with self._lock:
-            it.checksum = digest
-            if it.cancelled or (expected is not None and digest != expected):
-                if not it.cancelled:
-                    self._counters["put_checksum_mismatch"] += 1
-                self._finish(shard, it)
-                return False
-            self._enqueue(shard, it)
-            self._counters["puts"] += 1
-        return True
+            for i, it in staged:
+                shard = self._route(it.key)
+                if it.cancelled or (checksums is not None and it.checksum != checksums[i]):
+                    self._counters["put_checksum_mismatch"] += not it.cancelled
+                    self._finish(shard, it)
+                    continue
+                it.state = QUEUED
+                shard.queue.append(it)
+                woken.add(shard.number)
+                self._counters["puts"] += 1
+                out[i] = True
+            for n in woken:
+                self._shards[n].cv.notify()
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
         dsts = self._prepare("get_into", keys, buffers, writable=True)
@@ -488,6 +530,7 @@ class SsdTier(Pool):
                 it = shard.staged.get(key)
                 if it is not None and it.state != COPYING:
                     it.pins += 1
+                    shard.lru.move_to_end(key)
                     plans.append(it)
                 elif (loc := shard.index.get(key)) is not None:
                     loc.seg.pins += 1
@@ -542,6 +585,7 @@ class SsdTier(Pool):
                 present = tomb
                 it = shard.staged.pop(key, None)
                 if it is not None:
+                    shard.lru.pop(key, None)
                     present = present or it.state != COPYING
                     tomb = tomb or it.state == WRITING  # its record may land on disk
                     it.cancelled = True
@@ -562,6 +606,7 @@ class SsdTier(Pool):
                 for it in shard.staged.values():
                     it.cancelled = True
                 shard.staged.clear()
+                shard.lru.clear()
                 op = _Item(_CLEAR, done=threading.Event())
                 self._enqueue(shard, op)
                 events.append(op.done)
@@ -617,17 +662,28 @@ class SsdTier(Pool):
         out["hit_rate"] = out["hits"] / lookups if lookups else 0.0
         return out
 
-    def close(self) -> None:
-        """Write everything queued, seal the open segments, release the directories."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Write everything queued, seal the open segments, release the directories. With a timeout, a
+        wedged disk cannot hang shutdown: what is still queued then is dropped (counted), the files stay
+        open (the writer may still be inside a syscall on them) and False is returned."""
         with self._lock:
             if self._closed:
-                return
+                return True
             self._stopping = True
             for s in self._shards:
                 s.cv.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for s in self._shards:
             if s.thread is not None:
-                s.thread.join()
+                s.thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        if any(s.thread is not None and s.thread.is_alive() for s in self._shards):
+            for s in self._shards:
+                with self._lock:
+                    stuck, s.queue = list(s.queue), deque()
+                self._drop(s, stuck, "dropped_write_error")
+            log.error("umbp: SSD writers did not finish within %ss; queued writes dropped", timeout)
+            self._closed = True
+            return False
         for s in self._shards:
             if s.active is not None and not s.failed:
                 self._seal(s, s.active)
@@ -635,6 +691,7 @@ class SsdTier(Pool):
             self._executor.shutdown()
         self._release_shards()
         self._closed = True
+        return True
 
     def _release_shards(self) -> None:
         for s in self._shards:
@@ -735,7 +792,7 @@ class SsdTier(Pool):
                 pending.append((None, self._executor.submit(
                     self._read_run, run, keys, plans, dsts, status, None)))
                 continue
-            if not free:
+            while not free:  # every buffer in flight: finish the oldest jobs until one comes back
                 self._complete(pending.popleft(), keys, plans, dsts, status, free)
             buf = free.pop()
             pending.append(((run, buf), self._executor.submit(self._fetch, run, plans, buf)))
@@ -989,10 +1046,16 @@ class SsdTier(Pool):
     def _write_group(self, shard: _Shard, group: list[_Item]) -> None:
         total = sum(it.nbytes for it in group)
         ebytes = sum(entry_bytes(it.key_bytes) for it in group)
-        while shard.footprint + self._append_cost(shard, total, ebytes) > shard.limit:
+        # Reclaim until the append leaves the cleaning reserve free (copy-forward writes into it). Each
+        # round deletes one segment; a bound of one pass over the log keeps a pathological case finite.
+        for _ in range(len(shard.segments) + 1):
+            if shard.footprint + self._append_cost(shard, total, ebytes) <= shard.limit - self._reserve:
+                break
             if not self._reclaim_oldest(shard, self._append_cost(shard, total, ebytes)):
-                self._drop(shard, group, "dropped_no_space")  # the filesystem has no room at all
-                return
+                break
+        if shard.footprint + self._append_cost(shard, total, ebytes) > shard.limit:
+            self._drop(shard, group, "dropped_no_space")  # the filesystem has no room at all
+            return
         seg = self._segment_for(shard, total)
         if seg is None:
             self._drop(shard, group, "dropped_failed" if shard.failed else "dropped_write_error")
@@ -1031,8 +1094,9 @@ class SsdTier(Pool):
             self._counters["write_errors"] += 1
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._counters["enospc"] += 1
-                shard.limit = min(shard.limit, shard.footprint)  # reclaim before the next write
         log.warning("umbp: SSD write in %s failed: %s", shard.directory, exc)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._refresh_limit(shard)  # what the filesystem really has left: reclaim down to it
         if exc.errno in _FATAL_ERRNOS:
             self._fail(shard, f"write failed: {exc.strerror}")
 
@@ -1054,7 +1118,7 @@ class SsdTier(Pool):
                     c["tombstones"] += it.kind == _TOMB
                     if it.kind == _PUT and not it.cancelled:
                         self._unindex(shard, it.key, gone=False)
-                        self._index(shard, it.key, _Loc(seg, info.offset, it.length, it.checksum, seq))
+                        self._index(shard, it.key, _Loc(seg, info.offset, it.length, it.checksum))
                 elif it.kind == _PUT and not it.cancelled:
                     c["dropped_write_error"] += 1
                     if self._track_evicted:
@@ -1134,9 +1198,7 @@ class SsdTier(Pool):
         if victim is shard.active:
             self._seal(shard, victim)
         with self._lock:
-            target = self._low * shard.limit
-            while shard.lru and shard.live_bytes + need > target:
-                self._evict(shard, next(iter(shard.lru)))
+            self._evict_lru(shard, need)
             keys = list(victim.live)
         for key in keys:
             with self._lock:
@@ -1153,6 +1215,22 @@ class SsdTier(Pool):
         with self._lock:
             self._counters["segments_reclaimed"] += 1
         return True
+
+    def _evict_lru(self, shard: _Shard, need: int) -> None:
+        """Evict least recently used objects on disk until they and `need` fit under the low watermark
+        (puts still queued are skipped: evicting them frees no disk space)."""
+        target = self._low * (shard.limit - self._reserve)
+        excess = shard.live_bytes + need - target
+        victims = []
+        for key in shard.lru:
+            if excess <= 0:
+                break
+            loc = shard.index.get(key)
+            if loc is not None:
+                victims.append(key)
+                excess -= record_bytes(loc.length)
+        for key in victims:
+            self._evict(shard, key)
 
     def _evict(self, shard: _Shard, key: str) -> None:
         loc = self._unindex(shard, key, gone=True)
@@ -1189,7 +1267,7 @@ class SsdTier(Pool):
             self._counters["copied_forward"] += 1
             self._counters["copied_forward_bytes"] += rec
             if shard.index.get(key) is loc:  # else removed meanwhile: the copy is dead, a tombstone follows
-                shard.index[key] = _Loc(seg, base, loc.length, loc.checksum, seq)  # same place in the LRU
+                shard.index[key] = _Loc(seg, base, loc.length, loc.checksum)  # same place in the LRU
                 del loc.seg.live[key]
                 seg.live[key] = None
         return True
@@ -1238,5 +1316,6 @@ class SsdTier(Pool):
             st = os.statvfs(shard.directory)
         except OSError:
             return
-        with self._lock:
-            shard.limit = min(shard.capacity, shard.footprint + st.f_bavail * st.f_frsize)
+        with self._lock:  # the bytes already in files plus the free space: seals still to come count in
+            on_disk = sum(seg.size for seg in shard.segments)
+            shard.limit = min(shard.capacity, on_disk + st.f_bavail * st.f_frsize)

@@ -6,8 +6,8 @@ blocks, so the owner can write and read it with O_DIRECT::
 
     record  = header block (4 KiB) + payload, zero-padded to a multiple of 4 KiB
     header  = magic "UMBP-REC", version u16, flags u16, key_len u16, 0 u16, seq u64, length u64,
-              checksum u64 (psum64 of the payload), header_crc u32 (crc32 of the 44 bytes before it + key),
-              0 u32, key (utf-8), zeros to 4 KiB                                    (little-endian)
+              checksum u64 (psum64 of the payload), header_crc u32, 0 u32, key (utf-8), zeros to 4 KiB
+              (little-endian; header_crc = crc32 of the other 44 header bytes and the key)
     flags   = 0 data, 1 tombstone (the key was removed; no payload), 2 summary (see below)
 
 A sealed segment ends with a summary record (its payload lists every record of the segment) and a
@@ -93,8 +93,13 @@ def header_bytes(key_bytes: bytes, flags: int, seq: int, length: int, checksum: 
     """The meaningful prefix of a header block (the rest of the block is zeros). A reader that knows
     what it expects compares against this instead of parsing (a few times cheaper per object)."""
     head = _HEADER.pack(MAGIC, VERSION, flags, len(key_bytes), 0, seq, length, checksum, 0)
-    crc = zlib.crc32(key_bytes, zlib.crc32(head[:_CRC_AT]))
+    crc = _header_crc(head, key_bytes)
     return head[:_CRC_AT] + struct.pack("<I", crc) + head[_CRC_AT + 4 :] + key_bytes
+
+
+def _header_crc(head: bytes, key_bytes: bytes) -> int:
+    """crc32 of the header's 48 bytes (the crc field itself excluded) and the key."""
+    return zlib.crc32(key_bytes, zlib.crc32(head[_CRC_AT + 4 : _HEADER.size], zlib.crc32(head[:_CRC_AT])))
 
 
 def pack_header(block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> None:
@@ -113,7 +118,7 @@ def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
     if version != VERSION or key_len > MAX_KEY_BYTES or flags not in (DATA, TOMBSTONE, SUMMARY):
         return None
     key_bytes = raw[_HEADER.size : _HEADER.size + key_len]
-    if len(key_bytes) != key_len or zlib.crc32(key_bytes, zlib.crc32(raw[:_CRC_AT])) != crc:
+    if len(key_bytes) != key_len or _header_crc(raw, key_bytes) != crc:
         return None
     try:
         key = key_bytes.decode()

@@ -77,7 +77,7 @@ class WorkerSide:
             from umbp.pool.ssd import SsdTier
 
             dirs = [rank_dir(d, self.layout.namespace, self.rank) for d in self.cfg.ssd_dirs]
-            self.ssd = SsdTier(dirs, self.cfg.ssd_bytes, track_evicted=True)
+            self.ssd = SsdTier(dirs, self.cfg.ssd_bytes, track_evicted=True, prefault=False)
         self.remote = self.cfg.remote_tier()
         if self.ssd is not None or self.remote is not None:
             atexit.register(self.close)  # queued writes must reach the disk/server without a clean shutdown
@@ -215,7 +215,7 @@ class WorkerSide:
         return True
 
     def _read_tier(self, move: PageMove, group: int, out: torch.Tensor) -> bool:
-        """Read from this rank's SSD or shared tier (both verify header and checksum); promote into DRAM."""
+        """Read from this rank's SSD or shared tier (both verify the checksum); promote into DRAM."""
         tier = self.ssd if move.source == "ssd" else self.remote
         if tier is None:
             return False

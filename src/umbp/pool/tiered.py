@@ -1,0 +1,213 @@
+"""TieredPool: several Pool tiers behind one Pool (DRAM over SSD, later a shared remote tier).
+
+* put goes to the first tier that can hold the object (normally DRAM); a key present in any tier is a
+  no-op, as for every Pool.
+* When DRAM evicts an object, its bytes are handed to the next tier (demotion) before the DRAM pages are
+  reused. For an SsdTier this is a copy into its staging buffer with the DRAM psum64 checked on the way
+  (a DRAM copy that went bad is dropped, never demoted); a full staging buffer drops the object
+  (counted), it never blocks.
+* get_into tries the tiers in order and serves the first intact copy; a hit below the first tier is
+  copied into the first tier (promotion). The SSD copy stays (tiers are inclusive), so evicting the
+  promoted object again costs no second SSD write.
+
+Why a DramIndex subclass: DramIndex frees an evicted object's pages inside reserve(), and the reserving
+put then overwrites them, so the bytes must be taken while the eviction runs. DramIndex has no public
+hook for that yet; `install_evict_hook` swaps the pool's index class for one whose `_evict_one` calls
+back first (the requested hook: `DramIndex(on_evict=callback)`, see docs/ssd.md). The callback runs under
+DramPool's lock, so the demotion copy is paid by the put that caused the eviction.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from umbp.pool.base import Pool
+from umbp.pool.buffers import as_u8
+from umbp.pool.dram import DramPool
+from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, UmbpError, human_bytes
+from umbp.pool.index import DramIndex, Slot
+from umbp.pool.ssd import SsdTier
+
+EvictCallback = Callable[[str, Slot], None]
+
+
+class _DemotingIndex(DramIndex):
+    """A DramIndex that shows each LRU victim to `on_evict` while its bytes are still intact."""
+
+    on_evict: EvictCallback | None = None
+
+    def _evict_one(self) -> None:
+        if self.on_evict is not None and self._lru:
+            key = next(iter(self._lru))
+            slot = self.slot_of(key)
+            if slot is not None:
+                self.on_evict(key, slot)
+        super()._evict_one()
+
+
+def install_evict_hook(dram: DramPool, callback: EvictCallback) -> None:
+    """Call callback(key, slot) for every object `dram` evicts, before its pages are freed."""
+    index = dram.index
+    if not (hasattr(DramIndex, "_evict_one") and hasattr(index, "_lru")):
+        raise UmbpError(
+            "umbp: DramIndex no longer has _evict_one/_lru, which TieredPool hooks to demote evicted objects; "
+            "give DramIndex an on_evict hook (see docs/ssd.md) and use it in umbp.pool.tiered"
+        )
+    if type(index) is DramIndex:
+        index.__class__ = _DemotingIndex  # same layout, one method more; keeps every entry
+    elif not isinstance(index, _DemotingIndex):
+        raise UmbpError(f"umbp: cannot hook evictions of a {type(index).__name__}")
+    index.on_evict = callback
+
+
+def _max_object_bytes(tier: Pool) -> int | None:
+    if isinstance(tier, SsdTier):
+        return tier.max_object_bytes
+    if isinstance(tier, DramPool):
+        return tier.capacity_bytes
+    return None
+
+
+class TieredPool(Pool):
+    """tiers[0] (a DramPool) over tiers[1] (an SsdTier) over ...; see the module docstring."""
+
+    def __init__(self, tiers: Sequence[Pool], *, promote: bool = True, demote: bool = True) -> None:
+        if not tiers:
+            raise UmbpError("umbp: TieredPool needs at least one tier")
+        self.tiers = list(tiers)
+        self._promote = promote
+        self._lock = threading.Lock()  # guards the counters only
+        self._counters = dict.fromkeys(
+            ("demotions", "demotions_dropped", "demotion_errors", "promotions", "promotions_failed"), 0)
+        self._hits = [0] * len(self.tiers)
+        self._misses = 0
+        if demote and len(self.tiers) > 1 and isinstance(self.tiers[0], DramPool):
+            install_evict_hook(self.tiers[0], self._demote)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _demote(self, key: str, slot: Slot) -> None:
+        """Runs inside DramPool's eviction, under its lock: copy the victim down, never raise."""
+        lower = self.tiers[1]
+        try:
+            src = self.tiers[0].arena.view(slot.offset, slot.nbytes)
+            if isinstance(lower, SsdTier) and slot.checksum is not None:
+                ok = lower.put([key], [src], checksums=[slot.checksum])[0]
+            else:
+                ok = lower.put([key], [src])[0]
+        except UmbpError:  # too large for the lower tier, or it is closed
+            self._count("demotion_errors")
+            return
+        self._count("demotions" if ok else "demotions_dropped")
+
+    # ---- Pool API ------------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        out = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, hit in enumerate(out) if not hit]
+            if not todo:
+                break
+            for i, hit in zip(todo, tier.exists([keys[i] for i in todo]), strict=True):
+                out[i] = hit
+        return out
+
+    def put(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        """Each new object goes to the first tier able to hold it (DRAM, or SSD for objects larger than
+        the DRAM arena); if that tier cannot take it now, to the next."""
+        if len(keys) != len(buffers):
+            raise BufferSizeError(
+                f"umbp: put got {len(keys)} keys but {len(buffers)} buffers; pass exactly one buffer per key"
+            )
+        sizes = [as_u8(b, key=k, what="source buffer", writable=False).size for k, b in zip(keys, buffers)]
+        self._check_fits_somewhere(keys, sizes)
+        out = self.exists(keys)
+        todo = [i for i, present in enumerate(out) if not present]
+        for tier in self.tiers:
+            limit = _max_object_bytes(tier)
+            here = [i for i in todo if limit is None or sizes[i] <= limit]
+            if here:
+                for i, ok in zip(here, tier.put([keys[i] for i in here], [buffers[i] for i in here]), strict=True):
+                    out[i] = ok
+            todo = [i for i in todo if not out[i]]
+        return out
+
+    def _check_fits_somewhere(self, keys: Sequence[str], sizes: list[int]) -> None:
+        limits = [_max_object_bytes(t) for t in self.tiers]
+        if None in limits:
+            return
+        largest = max(limits)
+        for key, n in zip(keys, sizes, strict=True):
+            if n > largest:
+                raise ObjectTooLargeError(
+                    f"umbp: object '{key}' is {human_bytes(n)} but the largest tier takes objects up to "
+                    f"{human_bytes(largest)}; raise the SSD tier's capacity_bytes/queue_bytes or the DRAM arena"
+                )
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        out = [False] * len(keys)
+        todo = list(range(len(keys)))
+        promote: list[int] = []
+        for t, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            got = tier.get_into([keys[i] for i in todo], [buffers[i] for i in todo])
+            hits = [i for i, ok in zip(todo, got, strict=True) if ok]
+            for i in hits:
+                out[i] = True
+            if t > 0:
+                promote += hits
+            with self._lock:
+                self._hits[t] += len(hits)
+            todo = [i for i, ok in zip(todo, got, strict=True) if not ok]
+        with self._lock:
+            self._misses += len(todo)
+        if promote and self._promote:
+            self._promote_hits([keys[i] for i in promote], [buffers[i] for i in promote])
+        return out
+
+    def _promote_hits(self, keys: list[str], buffers: list[Any]) -> None:
+        """Copy lower-tier hits (now verified in the caller's buffers) into the first tier."""
+        first = self.tiers[0]
+        limit = _max_object_bytes(first)
+        sizes = [as_u8(b, key=k, what="buffer", writable=False).size for k, b in zip(keys, buffers)]
+        fit = [i for i, n in enumerate(sizes) if limit is None or n <= limit]
+        ok = first.put([keys[i] for i in fit], [buffers[i] for i in fit]) if fit else []
+        self._count("promotions", sum(ok))
+        self._count("promotions_failed", len(keys) - sum(ok))
+
+    def remove(self, keys: Sequence[str]) -> int:
+        present = self.exists(keys)
+        for tier in self.tiers:
+            tier.remove(keys)
+        return sum(present)
+
+    def clear(self) -> None:
+        for tier in self.tiers:
+            tier.clear()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every tier with a write queue (SsdTier) to drain."""
+        return all(t.flush(timeout) for t in self.tiers if isinstance(t, SsdTier))
+
+    def stats(self) -> dict[str, Any]:
+        tiers = [t.stats() for t in self.tiers]
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out["hits_by_tier"] = list(self._hits)
+            out["hits"] = sum(self._hits)
+            out["misses"] = self._misses
+        lookups = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / lookups if lookups else 0.0
+        out["tier_names"] = [type(t).__name__ for t in self.tiers]
+        out["tiers"] = tiers
+        return out
+
+    def close(self) -> None:
+        """Close every tier, first to last (DRAM contents are not demoted on close)."""
+        for tier in self.tiers:
+            tier.close()

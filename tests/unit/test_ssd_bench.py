@@ -1,0 +1,24 @@
+"""Smoke test of `umbp bench ssd --quick`: it runs through the CLI, writes a complete JSON report and
+removes its scratch data. It checks fields, never speed (the benchmark is not a timed test)."""
+
+import json
+
+from umbp.cli import main
+
+
+def test_bench_ssd_quick_writes_json(tmp_path, capsys):
+    out, data = tmp_path / "bench_ssd.json", tmp_path / "scratch"
+    assert main(["bench", "ssd", "--quick", "--out", str(out), "--dir", str(data)]) == 0
+    report = json.loads(out.read_text())
+    cfg = report["config"]
+    assert cfg["quick"] is True and cfg["reps"] == 1 and cfg["working_set_bytes"] > 0
+    assert isinstance(cfg["direct_io_used"], bool)
+    sizes = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    assert [(r["op"], r["size_bytes"]) for r in report["results"]] == [(op, s) for s in sizes for op in ("write", "read")]
+    for r in report["results"]:
+        assert r["tier_mbps"] > 0 and r["disk_mbps"] > 0 and r["ratio"] > 0 and len(r["ratios"]) == 1
+        assert r["verdict"] == ("PASS" if r["ratio"] >= 0.8 else "MISS")
+    assert set(report["checksum_gbps"]) == {"psum64", "zlib.crc32"}
+    assert isinstance(report["all_targets_met"], bool)
+    assert not data.exists()  # scratch files removed
+    assert "ratio = tier / disk" in capsys.readouterr().out

@@ -1,0 +1,298 @@
+"""SSD faults become clear errors or counted misses: never a crash, a hang, or wrong bytes.
+
+Backpressure, disk full (injected and, where this host lets root mount a tmpfs, real), a missing or
+read-only directory, a truncated file, bit flips, a torn tail, a segment or the whole directory deleted
+under the running process."""
+
+import errno
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import umbp.pool.ssd as ssd_mod
+from umbp.pool.ssd import SsdDirectoryError, SsdTier
+from umbp.pool.ssd_format import BLOCK, record_bytes, scan, scan_directory
+
+KiB, MiB = 1024, 1 << 20
+
+
+def _blob(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _tier(path, **kw) -> SsdTier:
+    kw.setdefault("capacity_bytes", 16 * MiB)
+    kw.setdefault("queue_bytes", 4 * MiB)
+    kw.setdefault("health_interval_s", 0.05)
+    return SsdTier(str(path), **kw)
+
+
+def _check(tier: SsdTier, blobs: dict[str, np.ndarray]) -> list[str]:
+    """Keys served; asserts every one served is byte-exact."""
+    served = []
+    for k, v in blobs.items():
+        out = np.empty(v.size, np.uint8)
+        if tier.get_into([k], [out])[0]:
+            assert np.array_equal(out, v), k
+            served.append(k)
+    return served
+
+
+def _segments(path) -> list[str]:
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.startswith("seg-"))
+
+
+def _wait(cond, timeout=5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def blocked_writer(monkeypatch):
+    """The writer thread stalls on its first write until the event is set (a wedged disk)."""
+    gate = threading.Event()
+    real = ssd_mod._pwritev
+    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(), real(*a))[1])
+    yield gate
+    gate.set()
+
+
+def test_backpressure_skips_saves_without_blocking_and_lookups_stay_right(tmp_path, blocked_writer):
+    blobs = {f"k{i}": _blob(100 * KiB, i) for i in range(30)}
+    with _tier(tmp_path, queue_bytes=1 * MiB) as tier:
+        start = time.monotonic()
+        ok = [tier.put([k], [v])[0] for k, v in blobs.items()]
+        assert time.monotonic() - start < 2.0  # the writer is wedged, yet no put waited for it
+        accepted = [k for k, o in zip(blobs, ok) if o]
+        dropped = [k for k, o in zip(blobs, ok) if not o]
+        assert 5 <= len(accepted) <= 10 and tier.stats()["dropped_backpressure"] == len(dropped)
+        assert tier.exists(list(blobs)) == ok  # a skipped save is absent, not "maybe"
+        assert _check(tier, blobs) == accepted  # served from staging, exact
+        blocked_writer.set()
+        assert tier.flush(timeout=30)
+        assert tier.put([dropped[0]], [blobs[dropped[0]]]) == [True]  # room again
+    with _tier(tmp_path) as tier:
+        assert sorted(_check(tier, blobs)) == sorted(accepted + dropped[:1])
+
+
+def test_close_with_a_wedged_disk_returns_instead_of_hanging(tmp_path, blocked_writer):
+    tier = _tier(tmp_path)
+    tier.put(["a", "b"], [b"1", b"2"])
+    time.sleep(0.05)  # the writer is now stuck inside its first write
+    tier.put(["c"], [b"3"])
+    start = time.monotonic()
+    assert tier.close(timeout=0.2) is False and time.monotonic() - start < 2.0
+    assert tier.stats()["dropped_write_error"] >= 1
+
+
+def test_disk_full_injected(tmp_path, monkeypatch):
+    real = ssd_mod._pwritev
+    fail = {"on": True}
+
+    def pwritev(fd, iov, off):
+        if fail["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, iov, off)
+
+    blobs = {f"k{i}": _blob(50 * KiB, i) for i in range(6)}
+    with _tier(tmp_path) as tier:
+        tier.put(["early"], [b"written before the disk filled"])
+        tier.flush()
+        monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+        assert tier.put(list(blobs)[:3], list(blobs.values())[:3]) == [True] * 3  # staged
+        assert tier.flush(timeout=30)
+        s = tier.stats()
+        assert s["enospc"] >= 1 and s["dropped_write_error"] == 3 and tier.exists(list(blobs)[:3]) == [False] * 3
+        fail["on"] = False
+        assert tier.put(list(blobs)[3:], list(blobs.values())[3:]) == [True] * 3
+        assert tier.flush(timeout=30)
+        assert _check(tier, blobs) == list(blobs)[3:]
+        out = bytearray(30)
+        assert tier.get_into(["early"], [out]) in ([True], [False])  # reclaimed to make room, or kept
+        assert out == b"written before the disk filled" or not tier.exists(["early"])[0]
+
+
+def _try_mount_tmpfs(path, size: str) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    os.makedirs(path, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 2 MiB filesystem (tmpfs; needs root and mount rights, else the test is skipped)."""
+    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:8]}"
+    if not _try_mount_tmpfs(mnt, "2m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root with mount rights)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_disk_full_real_filesystem(small_fs):
+    """capacity_bytes says 64 MiB but the filesystem holds 2 MiB: the tier lowers its limit to what the
+    filesystem has, reclaims, and every object it serves is exact."""
+    blobs = {f"k{i}": _blob(200 * KiB, i) for i in range(30)}  # 6 MiB through a 2 MiB disk
+    with _tier(small_fs, capacity_bytes=64 * MiB, segment_bytes=256 * KiB) as tier:
+        for k, v in blobs.items():
+            tier.put([k], [v])
+            tier.flush(timeout=30)
+        s = tier.stats()
+        assert s["limit_bytes"] <= 2 * MiB and s["used_bytes"] <= 2 * MiB
+        served = _check(tier, blobs)
+        assert served and "k29" in served
+        filler = small_fs / "filler"  # another user fills the disk behind our back: real ENOSPC
+        try:
+            with open(filler, "wb") as f:
+                f.write(bytes(4 * MiB))
+        except OSError:
+            pass
+        tier.put(["late"], [_blob(200 * KiB, 99)])
+        tier.flush(timeout=30)
+        assert tier.stats()["enospc"] >= 1 or tier.exists(["late"]) == [True]
+        _check(tier, blobs)
+
+
+def test_missing_or_unusable_directory(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(SsdDirectoryError, match=r"cannot use SSD directory .*afile/sub"):
+        SsdTier(str(afile / "sub"), capacity_bytes=1 * MiB)
+    with pytest.raises(SsdDirectoryError, match="afile"):
+        SsdTier(str(afile), capacity_bytes=1 * MiB)
+    with _tier(tmp_path / "new" / "deep") as tier:  # a missing directory with a writable parent: created
+        assert tier.put(["k"], [b"v"]) == [True]
+
+
+def test_read_only_directory(tmp_path, monkeypatch):
+    """Root ignores permission bits, so read-only is what a read-only mount says: EROFS."""
+    real_open = os.open
+
+    def ro_open(path, flags, *a, **kw):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", ro_open)
+    with pytest.raises(SsdDirectoryError, match="is not writable .Read-only file system.*writable directory"):
+        SsdTier(str(tmp_path), capacity_bytes=1 * MiB)
+
+
+def test_read_only_mount(tmp_path):
+    mnt = tmp_path / "ro"
+    if not _try_mount_tmpfs(mnt, "1m"):
+        pytest.skip("cannot mount a tmpfs here (needs root with mount rights)")
+    try:
+        assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
+        with pytest.raises(SsdDirectoryError, match="Read-only file system"):
+            SsdTier(str(mnt), capacity_bytes=1 * MiB)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_truncated_segment_while_running_and_at_restart(tmp_path):
+    blobs = {f"k{i}": _blob(30 * KiB + i, i) for i in range(8)}
+    with _tier(tmp_path) as tier:
+        tier.put(list(blobs), list(blobs.values()))
+        tier.flush()
+        (seg,) = _segments(tmp_path)
+        os.truncate(seg, 4 * record_bytes(30 * KiB) + BLOCK)  # mid-record 4
+        served = _check(tier, blobs)
+        assert served == [f"k{i}" for i in range(4)] and tier.stats()["read_errors"] == 4
+    with _tier(tmp_path) as tier:  # the sealed summary is gone with the tail: walked, torn record dropped
+        assert _check(tier, blobs) == [f"k{i}" for i in range(4)]
+
+
+def test_bit_flips_are_misses_never_wrong_bytes(tmp_path):
+    blobs = {f"k{i}": _blob(20 * KiB, i) for i in range(6)}
+    with _tier(tmp_path) as tier:
+        tier.put(list(blobs), list(blobs.values()))
+        tier.flush()
+        (seg,) = _segments(tmp_path)
+        loc = scan_directory(str(tmp_path))["k2"]
+        with open(seg, "r+b") as f:  # one bit in k2's payload
+            f.seek(loc.offset + BLOCK + 12_345)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x20]))
+        assert _check(tier, blobs) == ["k0", "k1", "k3", "k4", "k5"]
+        assert tier.stats()["checksum_failures"] == 1 and tier.exists(["k2"]) == [False]
+    with _tier(tmp_path) as tier:  # after a restart the corrupt record is listed again, and caught again
+        assert _check(tier, blobs) == ["k0", "k1", "k3", "k4", "k5"]
+
+
+def _unseal(seg: str) -> None:
+    """Strip the summary and trailer, as if the process had died before sealing."""
+    records = [r for s in scan(os.path.dirname(seg)).segments if s.path == seg for _, r in s.records]
+    os.truncate(seg, max(r.offset + r.nbytes for r in records))
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_torn_tail_and_corrupt_headers_at_restart(tmp_path):
+    blobs = {f"k{i}": _blob(10 * KiB, i) for i in range(6)}
+    with _tier(tmp_path) as tier:
+        tier.put(list(blobs)[:5], list(blobs.values())[:5])
+    (seg1,) = _segments(tmp_path)
+    _unseal(seg1)
+    with open(seg1, "r+b") as f:  # a torn last record: its last block never reached the disk
+        f.seek(os.path.getsize(seg1) - BLOCK)
+        f.write(os.urandom(BLOCK))
+    with _tier(tmp_path) as tier:  # the walk verifies the last record's payload: discarded
+        assert _check(tier, blobs) == ["k0", "k1", "k2", "k3"]
+        tier.put(["k4", "k5"], [blobs["k4"], blobs["k5"]])
+    seg1, seg2 = _segments(tmp_path)
+    with open(seg1, "ab") as f:  # garbage after a sealed segment's trailer: walked instead, same records
+        f.write(os.urandom(3 * BLOCK))
+    _flip(seg2, 20)  # a header bit of k4 in a sealed segment: the summary lists it, its payload is intact
+    with _tier(tmp_path) as tier:
+        assert _check(tier, blobs) == list(blobs)  # served: psum64 proves the bytes
+    _unseal(seg2)  # now the newer segment must be walked: its corrupt first header ends the walk
+    with _tier(tmp_path) as tier:
+        assert _check(tier, blobs) == ["k0", "k1", "k2", "k3"]
+
+
+def test_segment_deleted_under_the_running_process(tmp_path):
+    blobs = {f"k{i}": _blob(40 * KiB, i) for i in range(12)}
+    with _tier(tmp_path, segment_bytes=256 * KiB) as tier:
+        tier.put(list(blobs), list(blobs.values()))
+        tier.flush()
+        segs = _segments(tmp_path)
+        assert len(segs) >= 2
+        os.unlink(segs[0])
+        assert _wait(lambda: tier.stats()["segments_lost"] == 1)
+        served = _check(tier, blobs)
+        assert 0 < len(served) < len(blobs)
+        assert tier.put(["after"], [b"still works"]) == [True] and tier.flush()
+    with _tier(tmp_path) as tier:
+        assert sorted(_check(tier, blobs)) == sorted(served) and tier.exists(["after"]) == [True]
+
+
+def test_directory_deleted_under_the_running_process(tmp_path):
+    d = tmp_path / "ssd"
+    blobs = {f"k{i}": _blob(10 * KiB, i) for i in range(4)}
+    with _tier(d) as tier:
+        tier.put(list(blobs), list(blobs.values()))
+        tier.flush()
+        shutil.rmtree(d)
+        assert _wait(lambda: bool(tier.stats()["failed_dirs"]))
+        assert "vanished" in tier.stats()["failed_dirs"][str(d)]
+        assert tier.exists(list(blobs)) == [False] * 4 and _check(tier, blobs) == []
+        assert tier.put(["new"], [b"x"]) == [False] and tier.stats()["dropped_failed"] == 1

@@ -1,0 +1,82 @@
+"""The SSD on-disk format: headers, block checksums (equal to psum64), summaries, trailers, the scanner."""
+
+import os
+
+import numpy as np
+import pytest
+
+from umbp.pool import checksum
+from umbp.pool.ssd import aligned_buffer
+from umbp.pool.ssd_format import (
+    BLOCK,
+    DATA,
+    TOMBSTONE,
+    RecordInfo,
+    block_rows,
+    pack_header,
+    pack_summary,
+    pack_trailer,
+    parse_header,
+    parse_trailer,
+    psum_of_rows,
+    psums_of_records,
+    record_bytes,
+    scan,
+    scan_directory,
+    segment_name,
+    segment_number,
+    unpack_summary,
+)
+
+
+def _blob(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_header_round_trip_and_every_corrupted_byte_is_rejected():
+    block = np.zeros(BLOCK, np.uint8)
+    key = "ns/tp0/g1/" + "ab" * 90
+    pack_header(block, key.encode(), DATA, seq=77, length=123_456, checksum=2**63 + 5)
+    h = parse_header(block)
+    assert (h.flags, h.seq, h.length, h.checksum, h.key) == (DATA, 77, 123_456, 2**63 + 5, key)
+    for pos in range(48 + len(key)):  # every meaningful byte: magic, fields, crc, key
+        bad = block.copy()
+        bad[pos] ^= 0x04
+        assert parse_header(bad) is None, pos
+    assert parse_header(np.zeros(BLOCK, np.uint8)) is None and parse_header(b"") is None
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 4095, 4096, 4097, 100_003, 3 * 4096])
+def test_block_checksums_equal_psum64(n):
+    """The read path computes psum64 from zero-padded block sums; it must equal umbp.pool.checksum."""
+    data = _blob(n, n)
+    rec = aligned_buffer(record_bytes(n))
+    rec[:] = 0
+    rec[BLOCK : BLOCK + n] = data
+    rows = block_rows(rec)
+    assert psum_of_rows(rows[1:], n) == checksum(data)
+    three = np.concatenate([rec, rec, rec])
+    assert psums_of_records(block_rows(three), 3, n) == [checksum(data)] * 3
+
+
+def test_summary_and_trailer_round_trip():
+    entries = [("a", RecordInfo(3, 0, 10, 99, 1)), ("ключ", RecordInfo(3, 8192, 0, 0, 2, TOMBSTONE))]
+    assert unpack_summary(pack_summary(entries), 3) == entries
+    assert unpack_summary(pack_summary(entries)[:-1], 3) is None
+    trailer = pack_trailer(1 << 20, 8192)
+    assert len(trailer) == BLOCK and parse_trailer(trailer) == (1 << 20, 8192)
+    assert parse_trailer(trailer[:20] + bytes([trailer[20] ^ 1]) + trailer[21:]) is None
+
+
+def test_segment_names():
+    assert segment_name(42) == "seg-000000000042.umbp" and segment_number(segment_name(42)) == 42
+    assert segment_number("LOCK") is None and segment_number("seg-1.umbp") is None
+
+
+def test_scan_of_empty_and_foreign_directories(tmp_path):
+    assert scan_directory(str(tmp_path)) == {}
+    (tmp_path / "notes.txt").write_text("not a segment")
+    (tmp_path / segment_name(1)).write_bytes(os.urandom(3 * BLOCK))  # garbage: no valid header
+    result = scan(str(tmp_path))
+    assert result.records == {} and result.next_segment == 2 and result.next_seq == 1
+    assert "no valid header at offset 0" in result.discarded[0]

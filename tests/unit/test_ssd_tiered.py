@@ -1,0 +1,106 @@
+"""TieredPool (DRAM over SSD): demotion on DRAM eviction (verified, never blocking), promotion of SSD hits,
+objects too large for DRAM, restart from the SSD tier, and the DramIndex hook it relies on."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import umbp.pool.ssd as ssd_mod
+from umbp.pool import DramIndex, DramPool, ObjectTooLargeError, Pool
+from umbp.pool.ssd import SsdTier
+from umbp.pool.tiered import TieredPool, install_evict_hook
+
+KiB, MiB = 1024, 1 << 20
+
+
+def _blob(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _pool(path, dram_kib=64, **ssd_kw) -> TieredPool:
+    ssd_kw.setdefault("capacity_bytes", 16 * MiB)
+    ssd_kw.setdefault("queue_bytes", 4 * MiB)
+    dram = DramPool(capacity_bytes=dram_kib * KiB, pinned=False, high_watermark=1.0, low_watermark=0.75)
+    return TieredPool([dram, SsdTier(str(path), **ssd_kw)])
+
+
+def _get(pool, key: str, n: int) -> np.ndarray | None:
+    out = np.empty(n, np.uint8)
+    return out if pool.get_into([key], [out])[0] else None
+
+
+def test_eviction_demotes_and_ssd_hits_are_promoted(tmp_path):
+    blobs = {f"k{i}": _blob(8 * KiB, i) for i in range(16)}
+    with _pool(tmp_path) as pool:
+        assert isinstance(pool, Pool)
+        for k, v in blobs.items():  # 128 KiB through a 64 KiB DRAM tier
+            assert pool.put([k], [v]) == [True]
+        dram, ssd = pool.tiers
+        s = pool.stats()
+        assert s["demotions"] == s["tiers"][0]["evictions"] > 0 and s["demotions_dropped"] == 0
+        assert all(pool.exists(list(blobs)))
+        assert not dram.exists(["k0"])[0] and ssd.exists(["k0"])[0]
+        assert np.array_equal(_get(pool, "k0", 8 * KiB), blobs["k0"])  # served by the SSD tier ...
+        assert dram.exists(["k0"])[0] and pool.stats()["promotions"] == 1  # ... and promoted
+        assert np.array_equal(_get(pool, "k0", 8 * KiB), blobs["k0"])
+        assert pool.stats()["hits_by_tier"] == [1, 1]
+        assert all(np.array_equal(_get(pool, k, v.size), v) for k, v in blobs.items())
+        assert pool.remove(["k0", "k1", "nope"]) == 2 and pool.exists(["k0", "k1"]) == [False, False]
+
+
+def test_a_corrupt_dram_copy_is_not_demoted(tmp_path):
+    with _pool(tmp_path) as pool:
+        dram, ssd = pool.tiers
+        pool.put(["bad"], [_blob(8 * KiB, 1)])
+        slot = dram.index.slot_of("bad")
+        dram.arena.view(slot.offset, slot.nbytes)[100] ^= 1  # DRAM bit flip while resident
+        for i in range(10):
+            pool.put([f"k{i}"], [_blob(8 * KiB, 10 + i)])  # push "bad" out
+        assert ssd.stats()["put_checksum_mismatch"] == 1 and not pool.exists(["bad"])[0]
+        assert _get(pool, "bad", 8 * KiB) is None
+
+
+def test_demotion_under_backpressure_drops_and_never_blocks(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = ssd_mod._pwritev
+    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(), real(*a))[1])
+    try:
+        with _pool(tmp_path, queue_bytes=40 * KiB) as pool:
+            start = time.monotonic()
+            for i in range(30):
+                assert pool.put([f"k{i}"], [_blob(8 * KiB, i)]) == [True]
+            assert time.monotonic() - start < 2.0  # the SSD writer is wedged; DRAM puts never waited
+            s = pool.stats()
+            assert s["demotions_dropped"] > 0 and s["tiers"][1]["dropped_backpressure"] == s["demotions_dropped"]
+            served = [i for i in range(30) if _get(pool, f"k{i}", 8 * KiB) is not None]
+            assert all(np.array_equal(_get(pool, f"k{i}", 8 * KiB), _blob(8 * KiB, i)) for i in served)
+            gate.set()
+    finally:
+        gate.set()
+
+
+def test_objects_larger_than_dram_go_to_ssd_and_restart_serves_them(tmp_path):
+    big = _blob(200 * KiB, 7)
+    with _pool(tmp_path) as pool:
+        assert pool.put(["big", "small"], [big, b"tiny"]) == [True, True]
+        assert pool.tiers[1].exists(["big"]) == [True] and pool.tiers[0].exists(["small"]) == [True]
+        with pytest.raises(ObjectTooLargeError, match="largest tier"):
+            pool.put(["huge"], [bytes(20 * MiB)])
+        assert pool.flush(timeout=30)
+    with _pool(tmp_path) as pool:  # DRAM starts empty; the SSD tier still has what it held
+        assert np.array_equal(_get(pool, "big", big.size), big) and pool.exists(["small"]) == [False]
+
+
+def test_the_dram_eviction_hook_sees_intact_bytes_before_reuse():
+    """Guards the DramIndex internals TieredPool relies on (see install_evict_hook)."""
+    dram = DramPool(capacity_bytes=32 * KiB, pinned=False, high_watermark=1.0, low_watermark=1.0)
+    seen = []
+    install_evict_hook(dram, lambda key, slot: seen.append((key, dram.arena.view(slot.offset, slot.nbytes).copy())))
+    assert isinstance(dram.index, DramIndex)
+    blobs = [_blob(8 * KiB, i) for i in range(6)]
+    for i, b in enumerate(blobs):
+        dram.put([f"k{i}"], [b])
+    assert [k for k, _ in seen] == ["k0", "k1"]
+    assert all(np.array_equal(data, blobs[int(k[1:])]) for k, data in seen)
