@@ -62,6 +62,7 @@ class TrackedRequest:
     planner: RequestStorePlanner
     hit: object | None = None  # last lookup result (umbp.hybrid Hit), consumed at allocation
     hit_local: int = 0
+    keys: list[list[str]] = field(default_factory=list)  # per group: logical key of each unit boundary
 
 
 class SchedulerSide:
@@ -112,13 +113,24 @@ class SchedulerSide:
         return logical_key(self.layout.namespace, group, prefix_hash)
 
     # ---------------------------------------------------------------- lookup
+    def boundary_keys(self, request) -> list[list[str]]:
+        """Logical keys of every unit boundary, per group; cached per request (hashes only grow)."""
+        tracked = self.track(request)
+        hashes, ns = request.block_hashes, self.layout.namespace
+        if not tracked.keys:
+            tracked.keys = [[] for _ in self.layout.groups]
+        for g, keys in enumerate(tracked.keys):
+            keys.extend(logical_key(ns, g, h) for h in hashes[len(keys):])
+        return tracked.keys
+
     def present_sets(self, request, limit: int) -> list[set[int]]:
-        unit, ns = self.layout.unit, self.layout.namespace
-        hashes = request.block_hashes
-        ends = range(unit, min(limit, len(hashes) * unit) + 1, unit)
+        unit = self.layout.unit
+        all_keys = self.boundary_keys(request)
+        count = min(limit // unit, len(request.block_hashes))
+        ends = range(unit, count * unit + 1, unit)
         present: list[set[int]] = []
         for g in range(len(self.layout.groups)):
-            keys = [logical_key(ns, g, hashes[t // unit - 1]) for t in ends]
+            keys = all_keys[g][:count]
             held = self.index.lookup(keys)
             present.append({t for t, k, ok in zip(ends, keys, held) if ok or k in self.ssd_keys})
         if self.remote is not None:
@@ -248,6 +260,7 @@ class SchedulerSide:
         for req_id in sorted(scheduler_output.preempted_req_ids or ()):
             if req_id in self.requests:
                 self.requests[req_id].planner.reset()
+                self.requests[req_id].keys = []  # a resumed request may carry different hashes
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens or {}
         for req_id in sorted(state.req_ids):
             tracked = self.requests.get(req_id)

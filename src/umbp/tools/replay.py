@@ -1,0 +1,247 @@
+"""`umbp replay`: agentic traces through vLLM 0.32's real Scheduler with umbp, against an oracle.
+
+    umbp replay                                   # the c70 headline: both layouts, page on/off x retention
+    umbp replay --layout kimi-k3 --sessions 20    # smaller
+    umbp replay --trace my.jsonl --layout granite-4.0-h
+    umbp replay --write-trace trace.jsonl --sessions 280 --dry-run
+
+No model runs and no GPU is needed: umbp's scheduler side decides, simulated workers acknowledge its
+transfers after a modelled time. Writes replay.json, per-request JSONL and one PNG per layout to --out.
+See docs/replay.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layout", action="append", default=None, metavar="NAME|JSON",
+                        help="kimi-k3, granite-4.0-h or a layout JSON file (repeatable; default: both built-ins)")
+    parser.add_argument("--trace", help="replay this JSONL trace instead of generating one")
+    parser.add_argument("--write-trace", metavar="PATH", help="write the (generated) trace as JSONL")
+    parser.add_argument("--sessions", type=int, default=280, help="generated sessions (default 280 = 4 per slot)")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed")
+    parser.add_argument("--concurrency", type=int, default=70, help="sessions in flight (default 70)")
+    parser.add_argument("--boundary-page", choices=("both", "on", "off"), default="both",
+                        help="umbp's boundary page on, off (the old behaviour) or both (default)")
+    parser.add_argument("--retention", default="0,layout",
+                        help="prefix_cache_retention_interval values, comma list; 'layout' = the layout's "
+                             "positive value (default 0,layout)")
+    parser.add_argument("--drop", choices=("layout", "on", "off"), default="layout",
+                        help="EAGLE/DSpark-style drop (default: the layout's)")
+    parser.add_argument("--gpu-blocks", type=int, help="override the layout's GPU block pool size")
+    parser.add_argument("--dram-gb", type=float, help="override the layout's umbp DRAM per rank (GB)")
+    parser.add_argument("--think-s", type=float, help="generated traces: mean think time between turns (s)")
+    parser.add_argument("--jobs", type=int, default=1, help="settings run in parallel processes (default 1)")
+    parser.add_argument("--out", default="umbp-out/replay", help="output directory")
+    parser.add_argument("--max-explain", type=int, default=20, help="umbp explain texts kept per setting")
+    parser.add_argument("--require", type=float, metavar="PCT",
+                        help="exit 1 if a boundary-page-on setting restores less than PCT%% of the oracle's "
+                             "restorable tokens")
+    parser.add_argument("--print-layout", action="store_true", help="print the layout(s) as JSON and exit")
+    parser.add_argument("--dry-run", action="store_true", help="build/write the trace and stop")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from umbp.replay.layouts import LayoutError, load_layout
+
+    try:
+        layouts = [_overrides(load_layout(name), args) for name in (args.layout or ["kimi-k3", "granite-4.0-h"])]
+    except LayoutError as exc:
+        print(f"umbp replay: {exc}", file=sys.stderr)
+        return 2
+    if args.print_layout:
+        print(json.dumps([lay.to_dict() for lay in layouts], indent=2))
+        return 0
+    turns = _turns(args)
+    if turns is None:
+        return 2
+    if args.dry_run:
+        print(f"umbp replay: {len(turns):,} turns, {sum(t.prompt_tokens for t in turns) / 1e6:.1f}M prompt tokens")
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    summaries = _run_all(layouts, _settings(args, layouts), turns, args)
+    return _finish(layouts, summaries, args)
+
+
+def _overrides(layout, args):
+    drop = None if args.drop == "layout" else args.drop == "on"
+    return layout.with_overrides(eagle_drop=drop, num_gpu_blocks=args.gpu_blocks, dram_gb_per_rank=args.dram_gb)
+
+
+def _turns(args):
+    from umbp.replay.generate import AgenticProfile, generate
+    from umbp.replay.trace import TraceError, read_trace, write_trace
+
+    if args.trace:
+        try:
+            turns = read_trace(args.trace)
+        except (OSError, TraceError) as exc:
+            print(f"umbp replay: {exc}", file=sys.stderr)
+            return None
+    else:
+        profile = AgenticProfile(sessions=args.sessions, seed=args.seed)
+        turns = generate(profile.scaled(think_s_mean=args.think_s))
+    if args.write_trace:
+        n = write_trace(turns, args.write_trace)
+        print(f"umbp replay: wrote {n:,} turns to {args.write_trace}")
+    return turns
+
+
+def _settings(args, layouts) -> dict[str, list]:
+    from umbp.replay.driver import Setting
+
+    pages = {"both": (True, False), "on": (True,), "off": (False,)}[args.boundary_page]
+    out = {}
+    for lay in layouts:
+        rets = []
+        for item in args.retention.split(","):
+            value = lay.retention if item.strip() == "layout" else int(item)
+            if value not in rets:
+                rets.append(value)
+        out[lay.name] = [Setting(p, r) for r, p in itertools.product(rets, pages)]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def _one(layout, setting, turns, concurrency: int, workdir: str, max_explain: int, progress=None) -> tuple:
+    """Run one setting (in this process or a worker); returns (summary, per-request records as dicts)."""
+    from umbp.replay.driver import replay
+    from umbp.replay.report import summarize
+
+    counter = {"n": 0}
+
+    def tick(_rec) -> None:
+        counter["n"] += 1
+        if progress is not None and counter["n"] % 25 == 0:
+            progress.put(25)
+
+    result = replay(layout, setting, turns, concurrency, Path(workdir), on_finish=tick, max_explain=max_explain)
+    if progress is not None:
+        progress.put(counter["n"] % 25)
+    return summarize(result, max_examples=max_explain), [r.to_json() for r in result.records]
+
+
+def _run_all(layouts, settings, turns, args) -> dict[tuple[str, str], tuple]:
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import Manager, get_context
+
+    jobs = [(lay, s) for lay in layouts for s in settings[lay.name]]
+    workdir = str(Path(args.out) / "work")
+    total = len(jobs) * len(turns)
+    bar = _bar(total, args)
+    results: dict[tuple[str, str], tuple] = {}
+    t0 = time.perf_counter()
+    if args.jobs <= 1:
+        queue = _LocalQueue(bar)
+        for lay, s in jobs:
+            _describe(bar, lay, s)
+            results[(lay.name, s.label)] = _one(lay, s, turns, args.concurrency, workdir, args.max_explain, queue)
+    else:
+        with Manager() as manager, ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+            queue = manager.Queue()
+            futures = {pool.submit(_one, lay, s, turns, args.concurrency, workdir, args.max_explain, queue):
+                       (lay.name, s.label) for lay, s in jobs}
+            while any(not f.done() for f in futures):
+                _drain(queue, bar, timeout=0.5)
+            _drain(queue, bar, timeout=0)
+            results = {key: f.result() for f, key in futures.items()}
+    if bar is not None:
+        bar.close()
+    print(f"umbp replay: {len(jobs)} runs in {time.perf_counter() - t0:.0f} s wall", file=sys.stderr)
+    return results
+
+
+class _LocalQueue:
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def put(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+
+def _drain(queue, bar, timeout: float) -> None:
+    import queue as q
+
+    try:
+        n = queue.get(timeout=timeout) if timeout else queue.get_nowait()
+        while True:
+            if bar is not None:
+                bar.update(n)
+            n = queue.get_nowait()
+    except q.Empty:
+        return
+
+
+def _bar(total: int, args):
+    if args.no_progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="req", desc="umbp replay", file=sys.stderr, dynamic_ncols=True)
+
+
+def _describe(bar, layout, setting) -> None:
+    if bar is not None:
+        bar.set_description(f"{layout.name} {setting.label}")
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def _finish(layouts, results, args) -> int:
+    from umbp.replay.report import header_line, plot, table, verdict, write_json
+
+    out = Path(args.out)
+    payload = {"concurrency": args.concurrency, "trace": args.trace or f"generated, seed {args.seed}",
+               "layouts": {}, "verdict": []}
+    failed = False
+    for lay in layouts:
+        summaries = [results[key][0] for key in results if key[0] == lay.name]
+        for s in summaries:
+            _write_records(out / f"requests-{lay.name}-{_slug(s['label'])}.jsonl", results[(lay.name, s["label"])][1])
+        head = header_line(lay.summary(), summaries[0])
+        print()
+        print(table(summaries, head))
+        lines = verdict(summaries)
+        print("\n".join(lines))
+        payload["verdict"] += lines
+        payload["layouts"][lay.name] = {"layout": lay.to_dict(), "settings": summaries}
+        if not args.no_plots:
+            png = plot(summaries, head, out / f"replay-{lay.name}.png")
+            print(f"plot: {png}" if png else "plot: skipped (matplotlib not installed)")
+        if args.require is not None:
+            failed |= any(s["restored_fraction_of_restorable"] * 100 < args.require
+                          for s in summaries if s["boundary_page"])
+    write_json(out / "replay.json", payload)
+    print(f"\nJSON: {out / 'replay.json'}; per-request records: {out}/requests-*.jsonl")
+    sys.stdout.flush()
+    return 1 if failed else 0
+
+
+def _slug(label: str) -> str:
+    return label.replace(", ", "-").replace(" ", "")
+
+
+def _write_records(path: Path, records: list[dict]) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
