@@ -94,7 +94,7 @@ def test_objects_larger_than_dram_go_to_ssd_and_restart_serves_them(tmp_path):
 
 
 def test_the_dram_eviction_hook_sees_intact_bytes_before_reuse():
-    """Guards the DramIndex internals TieredPool relies on (see install_evict_hook)."""
+    """DramIndex.on_evict sees each victim while its bytes are still intact (TieredPool demotes through it)."""
     dram = DramPool(capacity_bytes=32 * KiB, pinned=False, high_watermark=1.0, low_watermark=1.0)
     seen = []
     install_evict_hook(dram, lambda key, slot: seen.append((key, dram.arena.view(slot.offset, slot.nbytes).copy())))

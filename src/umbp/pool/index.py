@@ -23,7 +23,7 @@ single-threaded), so the hot path pays for no second lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -124,6 +124,8 @@ class DramIndex:
         self._alloc = PageAllocator(self.npages)
         self._live: dict[str, _Entry] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # committed and unpinned only, oldest first
+        # called as on_evict(key, slot) for each LRU victim before its pages are freed (tier demotion)
+        self.on_evict: Callable[[str, Slot], None] | None = None
         self._lru_pages = 0
         self._reserved: dict[str, _Entry] = {}
         self._doomed: dict[str, _Entry] = {}  # removed while pinned
@@ -214,6 +216,8 @@ class DramIndex:
     def _evict_one(self) -> None:
         key, _ = self._lru.popitem(last=False)
         entry = self._live.pop(key)
+        if self.on_evict is not None:  # the bytes are intact until the caller reuses the pages
+            self.on_evict(key, entry.slot)
         self._lru_pages -= entry.npages
         self._live_bytes -= entry.slot.nbytes
         self._alloc.free(entry.start, entry.npages)

@@ -10,11 +10,10 @@
   copied into the first tier (promotion). The SSD copy stays (tiers are inclusive), so evicting the
   promoted object again costs no second SSD write.
 
-Why a DramIndex subclass: DramIndex frees an evicted object's pages inside reserve(), and the reserving
-put then overwrites them, so the bytes must be taken while the eviction runs. DramIndex has no public
-hook for that yet; `install_evict_hook` swaps the pool's index class for one whose `_evict_one` calls
-back first (the requested hook: `DramIndex(on_evict=callback)`, see docs/ssd.md). The callback runs under
-DramPool's lock, so the demotion copy is paid by the put that caused the eviction.
+Why a hook: DramIndex frees an evicted object's pages inside reserve(), and the reserving put then
+overwrites them, so the bytes must be taken while the eviction runs: `DramIndex.on_evict` is called for
+each victim first. The callback runs under DramPool's lock, so the demotion copy is paid by the put that
+caused the eviction.
 """
 
 from __future__ import annotations
@@ -27,39 +26,15 @@ from umbp.pool.base import Pool
 from umbp.pool.buffers import as_u8
 from umbp.pool.dram import DramPool
 from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, UmbpError, human_bytes
-from umbp.pool.index import DramIndex, Slot
+from umbp.pool.index import Slot
 from umbp.pool.ssd import SsdTier
 
 EvictCallback = Callable[[str, Slot], None]
 
 
-class _DemotingIndex(DramIndex):
-    """A DramIndex that shows each LRU victim to `on_evict` while its bytes are still intact."""
-
-    on_evict: EvictCallback | None = None
-
-    def _evict_one(self) -> None:
-        if self.on_evict is not None and self._lru:
-            key = next(iter(self._lru))
-            slot = self.slot_of(key)
-            if slot is not None:
-                self.on_evict(key, slot)
-        super()._evict_one()
-
-
 def install_evict_hook(dram: DramPool, callback: EvictCallback) -> None:
     """Call callback(key, slot) for every object `dram` evicts, before its pages are freed."""
-    index = dram.index
-    if not (hasattr(DramIndex, "_evict_one") and hasattr(index, "_lru")):
-        raise UmbpError(
-            "umbp: DramIndex no longer has _evict_one/_lru, which TieredPool hooks to demote evicted objects; "
-            "give DramIndex an on_evict hook (see docs/ssd.md) and use it in umbp.pool.tiered"
-        )
-    if type(index) is DramIndex:
-        index.__class__ = _DemotingIndex  # same layout, one method more; keeps every entry
-    elif not isinstance(index, _DemotingIndex):
-        raise UmbpError(f"umbp: cannot hook evictions of a {type(index).__name__}")
-    index.on_evict = callback
+    dram.index.on_evict = callback
 
 
 def _max_object_bytes(tier: Pool) -> int | None:
