@@ -4,11 +4,12 @@ copy would lose the data), so layouts that need one are rejected with a clear er
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from umbp.pool.errors import BufferTypeError
+from umbp.pool.errors import BufferSizeError, BufferTypeError
 
 _U8 = np.dtype(np.uint8)
 
@@ -61,3 +62,13 @@ def as_u8(buf: Any, *, key: str, what: str, writable: bool) -> np.ndarray:
             "get_into needs a writable buffer such as bytearray, numpy.empty or torch.empty"
         )
     return out
+
+
+def prepare_buffers(op: str, keys: Sequence[str], buffers: Sequence[Any], writable: bool) -> list[np.ndarray]:
+    """One uint8 view per key for a batched pool call; every tier checks a batch the same way."""
+    if len(keys) != len(buffers):
+        raise BufferSizeError(
+            f"umbp: {op} got {len(keys)} keys but {len(buffers)} buffers; pass exactly one buffer per key"
+        )
+    what = "destination buffer" if writable else "source buffer"
+    return [as_u8(b, key=k, what=what, writable=writable) for k, b in zip(keys, buffers, strict=True)]

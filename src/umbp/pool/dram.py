@@ -17,7 +17,7 @@ import numpy as np
 
 from umbp.pool.arena import Arena
 from umbp.pool.base import Pool
-from umbp.pool.buffers import as_u8
+from umbp.pool.buffers import prepare_buffers
 from umbp.pool.errors import BufferSizeError, CapacityError, OptionValueError, UmbpError, UnknownOptionError
 from umbp.pool.index import COMMITTED, PENDING, DramIndex, Slot, too_large_error
 from umbp.pool.psum import copy_many
@@ -134,7 +134,7 @@ class DramPool(Pool):
     def put(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
         """Reserve the whole batch under one lock, copy outside it, commit under one lock. Reserving first
         also means a batch never evicts its own earlier objects."""
-        srcs = self._prepare("put", keys, buffers, writable=False)
+        srcs = prepare_buffers("put", keys, buffers, writable=False)
         cap = self._index.capacity_bytes
         for key, src in zip(keys, srcs, strict=True):
             if src.size > cap:
@@ -192,7 +192,7 @@ class DramPool(Pool):
                 results[i] = False
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
-        dsts = self._prepare("get_into", keys, buffers, writable=True)
+        dsts = prepare_buffers("get_into", keys, buffers, writable=True)
         arena_u8 = self.arena.view(0, self._index.capacity_bytes)
         with self._lock:
             slots = self._index.pin(keys)
@@ -232,15 +232,6 @@ class DramPool(Pool):
                     f"umbp: get_into buffer for key '{key}' is {dst.size} bytes but the stored object is "
                     f"{slot.nbytes} bytes; pass a buffer of exactly {slot.nbytes} bytes"
                 )
-
-    @staticmethod
-    def _prepare(op: str, keys: Sequence[str], buffers: Sequence[Any], writable: bool) -> list[np.ndarray]:
-        if len(keys) != len(buffers):
-            raise BufferSizeError(
-                f"umbp: {op} got {len(keys)} keys but {len(buffers)} buffers; pass exactly one buffer per key"
-            )
-        what = "destination buffer" if writable else "source buffer"
-        return [as_u8(b, key=k, what=what, writable=writable) for k, b in zip(keys, buffers, strict=True)]
 
     def remove(self, keys: Sequence[str]) -> int:
         with self._lock:

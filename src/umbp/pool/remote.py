@@ -32,8 +32,7 @@ import redis
 
 from umbp.pool import psum
 from umbp.pool.base import Pool
-from umbp.pool.buffers import as_u8
-from umbp.pool.errors import BufferSizeError
+from umbp.pool.buffers import prepare_buffers
 from umbp.pool.psum import checksum_u8, copy_with_checksum
 from umbp.pool.remote_backend import Cluster, Group, Standalone
 from umbp.pool.remote_config import RemoteConfig, redact_url
@@ -438,7 +437,7 @@ class RedisTier(Pool):
         """Values stream straight into the caller's buffers; header, key and checksum are verified. Every
         miss is quarantined (see the module docstring)."""
         keys = list(keys)
-        dsts = _prepare("get_into", keys, buffers, writable=True)
+        dsts = prepare_buffers("get_into", keys, buffers, writable=True)
         res: list[Any] = [None] * len(keys)
         held = set(self._quarantine.held(keys)) if len(self._quarantine) else set()
         live = [i for i in range(len(keys)) if i not in held]
@@ -549,7 +548,7 @@ class RedisTier(Pool):
         """Synchronous: True once stored (or already present); False when the save was dropped (server
         unavailable: counted). The payload is sent from the caller's buffer without a copy."""
         keys = list(keys)
-        srcs = _prepare("put", keys, buffers, writable=False)
+        srcs = prepare_buffers("put", keys, buffers, writable=False)
         items = [_Item(k, pack_header(k, s.size, checksum_u8(s)), s) for k, s in zip(keys, srcs, strict=True)]
         return self._write(items)
 
@@ -557,7 +556,7 @@ class RedisTier(Pool):
         """Copy each buffer (checksummed during the copy) into the write queue and return at once. True:
         accepted (or already queued); False: dropped because the queue is full or the server is down."""
         keys = list(keys)
-        srcs = _prepare("put_async", keys, buffers, writable=False)
+        srcs = prepare_buffers("put_async", keys, buffers, writable=False)
         if isinstance(self._backend, Standalone) and self._is_down(self._backend.name):
             self._count(puts_dropped=len(keys), puts_dropped_unavailable=len(keys))
             return [False] * len(keys)
@@ -742,15 +741,6 @@ class RedisTier(Pool):
         self._closed = True
         self._writer.close(5.0 if timeout is None else timeout)
         self._backend.close()
-
-
-def _prepare(op: str, keys: list[str], buffers: Sequence[Any], writable: bool) -> list[np.ndarray]:
-    if len(keys) != len(buffers):
-        raise BufferSizeError(
-            f"umbp: {op} got {len(keys)} keys but {len(buffers)} buffers; pass exactly one buffer per key"
-        )
-    what = "destination buffer" if writable else "source buffer"
-    return [as_u8(b, key=k, what=what, writable=writable) for k, b in zip(keys, buffers, strict=True)]
 
 
 def _recv_with_checksum(wire: Wire, dst: np.ndarray) -> int:

@@ -46,7 +46,7 @@ import numpy as np
 
 from umbp.pool.allocator import PageAllocator
 from umbp.pool.base import Pool
-from umbp.pool.buffers import as_u8
+from umbp.pool.buffers import prepare_buffers
 from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, OptionValueError, UmbpError, human_bytes
 from umbp.pool.psum import checksum_u8, copy_with_checksum
 from umbp.pool.ssd_format import (
@@ -449,7 +449,7 @@ class SsdTier(Pool):
         """Queue each object for writing; True once it is staged (visible at once), or already present.
         False: not stored now (staging full, directory failed, or `checksums[i]` given and not equal to
         the psum64 of the bytes, which lets a demotion verify the DRAM copy end to end)."""
-        srcs = self._prepare("put", keys, buffers, writable=False)
+        srcs = prepare_buffers("put", keys, buffers, writable=False)
         blobs = [self._key_bytes(k) for k in keys]
         for key, kb, src in zip(keys, blobs, srcs, strict=True):
             self._check_fits(key, kb, src.size)
@@ -520,7 +520,7 @@ class SsdTier(Pool):
                 self._shards[n].cv.notify()
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
-        dsts = self._prepare("get_into", keys, buffers, writable=True)
+        dsts = prepare_buffers("get_into", keys, buffers, writable=True)
         plans: list[_Item | _Loc | None] = []
         with self._lock:
             if self._closed:
@@ -732,15 +732,6 @@ class SsdTier(Pool):
                 f"umbp: object '{key}' is {human_bytes(nbytes)} but the SSD tier holds {human_bytes(cap)} per "
                 "directory; raise capacity_bytes"
             )
-
-    @staticmethod
-    def _prepare(op: str, keys: Sequence[str], buffers: Sequence[Any], writable: bool) -> list[np.ndarray]:
-        if len(keys) != len(buffers):
-            raise BufferSizeError(
-                f"umbp: {op} got {len(keys)} keys but {len(buffers)} buffers; pass exactly one buffer per key"
-            )
-        what = "destination buffer" if writable else "source buffer"
-        return [as_u8(b, key=k, what=what, writable=writable) for k, b in zip(keys, buffers, strict=True)]
 
     @staticmethod
     def _check_sizes(keys: Sequence[str], plans: list, dsts: list[np.ndarray]) -> None:
