@@ -1,7 +1,10 @@
-"""Gather a group's pages out of vLLM's paged KV tensors into one byte matrix, and scatter them back.
+"""A group's layers on this rank, and the scatter of object bytes back into vLLM's paged KV tensors.
+
+Saves and arena loads go through umbp.transfer; `scatter` serves objects read from a tier that had no
+DRAM slot to promote them into.
 
 One object = the concatenation, over the group's layers on this rank, of that layer's page for one block.
-Every layer is moved with one `index_select` / `index_copy_` over all requested blocks (never one copy
+Every layer is written with one `index_copy_` over all requested blocks (never one copy
 per page), whatever the tensor layout: the block dimension is found from the tensor's shape (CPU
 attention and Mamba page views put blocks first; GPU FlashAttention puts K/V first, blocks second).
 """
@@ -51,16 +54,6 @@ class GroupPages:
         for layer in layers:
             self.offsets.append(off)
             off += layer.page_bytes
-
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Return a contiguous [n, object_bytes] uint8 tensor on the KV cache's device."""
-        device = self.layers[0].tensor.device
-        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        parts = []
-        for layer in self.layers:
-            pages = layer.tensor.index_select(layer.block_dim, ids).movedim(layer.block_dim, 0)
-            parts.append(pages.contiguous().view(len(block_ids), -1).view(torch.uint8))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write a [n, object_bytes] uint8 tensor (any device) into the given blocks of every layer."""

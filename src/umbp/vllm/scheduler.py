@@ -136,7 +136,7 @@ class SchedulerSide:
         if self.remote is not None:
             self._add_remote(request, ends, present)
         if self.quarantine:
-            self._drop_quarantined(request, present)
+            self._drop_quarantined(all_keys, present)
         return present
 
     def rank_keys(self, group: int, prefix_hash: bytes) -> list[str]:
@@ -154,11 +154,12 @@ class SchedulerSide:
             if all(found[i * n : (i + 1) * n]):
                 present[g].add(t)
 
-    def _drop_quarantined(self, request, present: list[set[int]]) -> None:
+    def _drop_quarantined(self, all_keys: list[list[str]], present: list[set[int]]) -> None:
         now = time.monotonic()
         self.quarantine = {k: until for k, until in self.quarantine.items() if until > now}
+        unit = self.layout.unit
         for g, ends in enumerate(present):
-            ends -= {t for t in ends if self.key(g, request, t) in self.quarantine}
+            ends -= {t for t in ends if all_keys[g][t // unit - 1] in self.quarantine}
 
     def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         tracked = self.track(request)
