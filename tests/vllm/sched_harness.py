@@ -27,13 +27,6 @@ from vllm.config import (
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    resolve_cache_hit_alignment_tokens,
-    resolve_kv_cache_block_sizes,
-)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -45,9 +38,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from umbp.identity import RankCoord
+from umbp.replay.engine import make_scheduler
 from umbp.vllm.connector import UMBPConnector
 
 HEADS, HEAD = 2, 8
@@ -267,17 +260,8 @@ def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool
         kv_cache_groups=[KVCacheGroupSpec([f"g{g}"], _spec(gd)) for g, gd in enumerate(groups)],
         prefix_cache_retention_interval=retention,
     )
+    sched, hasher = make_scheduler(vllm_config, kv_cache_config)
     with set_current_vllm_config(vllm_config):
-        sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-        kv_cache_config.hash_block_size = hash_bs
-        kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-            kv_cache_config, vllm_config, sched_bs, hash_bs)
-        sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
-        fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(fn)
-        hasher = get_request_block_hasher(hash_bs, fn)
         workers, caches = [], []
         for r in range(tp):
             w = UMBPConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)

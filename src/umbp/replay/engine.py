@@ -111,6 +111,21 @@ def kv_cache_config(layout: ReplayLayout, retention: int) -> KVCacheConfig:
                          prefix_cache_retention_interval=retention)
 
 
+def make_scheduler(vllm_config: VllmConfig, kv_config: KVCacheConfig) -> tuple[Scheduler, object]:
+    """vLLM's real Scheduler plus the request block hasher, resolved the way EngineCore does it."""
+    with set_current_vllm_config(vllm_config):
+        sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_config, vllm_config)
+        kv_config.hash_block_size = hash_bs
+        kv_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+            kv_config, vllm_config, sched_bs, hash_bs)
+        sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
+        fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(fn)
+        return sched, get_request_block_hasher(hash_bs, fn)
+
+
 def build_engine(layout: ReplayLayout, *, boundary_page: bool, retention: int, workdir: Path,
                  decode_saves: bool = False) -> Engine:
     """A fresh Scheduler + ReplayConnector (scheduler role) for one replay setting."""
@@ -137,17 +152,7 @@ def build_engine(layout: ReplayLayout, *, boundary_page: bool, retention: int, w
                              kv_transfer_config=transfer, speculative_config=spec)
     vllm_config.cache_config.num_gpu_blocks = layout.num_gpu_blocks
     kv_config = kv_cache_config(layout, retention)
-    with set_current_vllm_config(vllm_config):
-        sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_config, vllm_config)
-        kv_config.hash_block_size = hash_bs
-        kv_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-            kv_config, vllm_config, sched_bs, hash_bs)
-        sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
-        fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(fn)
-        hasher = get_request_block_hasher(hash_bs, fn)
+    sched, hasher = make_scheduler(vllm_config, kv_config)
     connector = sched.connector
     if not isinstance(connector, ReplayConnector):
         raise RuntimeError(f"expected the ReplayConnector, vLLM built {type(connector).__name__}")
