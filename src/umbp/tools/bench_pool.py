@@ -11,7 +11,6 @@ every byte read back equals what was written.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -21,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from umbp.tools.benchutil import Progress, human, timed
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -44,36 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- progress -------------------------------------------------------------------------------------------
 
 
-class _Progress:
-    """tqdm when installed (it is not a core dependency), else a one-line stderr bar."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self._label = total, 0, ""
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._bar = None
-        else:
-            self._bar = tqdm(total=total, file=sys.stderr, unit="step", leave=False, dynamic_ncols=True)
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self._bar is not None:
-            self._bar.set_description(label, refresh=False)
-            self._bar.update(1)
-            return
-        filled = int(30 * self.done / self.total)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<24}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\r" + " " * 70 + "\r")
-            sys.stderr.flush()
-
-
 # ---- measurement helpers ------------------------------------------------------------------------------
 
 
@@ -88,22 +59,6 @@ def _l3_bytes() -> int | None:
         except (OSError, ValueError):
             continue
     return None
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # applies to pool and baseline alike; a GC pause would only add noise
-    try:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
-def _human(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -125,7 +80,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _Bench:
-    def __init__(self, cfg: dict[str, Any], progress: _Progress) -> None:
+    def __init__(self, cfg: dict[str, Any], progress: Progress) -> None:
         import numpy as np
 
         from umbp.pool import DramPool
@@ -174,13 +129,13 @@ class _Bench:
             if rep % 2:  # alternate who goes first, keeping put before get for each side
                 order = [order[1], order[0], order[3], order[2]]
             for name, fn in order:
-                times[name].append(_timed(fn))
+                times[name].append(timed(fn))
             if rep == 0:  # untimed honesty check: the pool's get alone must reproduce every byte
                 self.get_dst.fill(0)
                 pool_get()
                 if not np.array_equal(self.get_dst[: n * size], self.src[: n * size]):
                     raise RuntimeError("umbp bench: bytes read back differ from bytes written")
-            self.progress.step(f"put/get {_human(size)}")
+            self.progress.step(f"put/get {human(size)}")
         pool.clear()
         return [self._row(op, size, n, times[op], times[op + "_np"]) for op in ("put", "get")]
 
@@ -208,7 +163,7 @@ class _Bench:
             pool.put(keys[i : i + 2 * 1024 : 2], [blob] * len(keys[i : i + 2 * 1024 : 2]))
         times = []
         for _ in range(self.cfg["reps"]):
-            times.append(_timed(lambda: pool.exists(keys)))
+            times.append(timed(lambda: pool.exists(keys)))
             self.progress.step("exists")
         present = sum(pool.exists(keys))
         rate = nkeys / statistics.median(times)
@@ -239,9 +194,9 @@ class _Bench:
         }
         gbps = {}
         for name, fn in candidates.items():
-            t = statistics.median(_timed(lambda fn=fn: [fn() for _ in range(32)]) for _ in range(5))
+            t = statistics.median(timed(lambda fn=fn: [fn() for _ in range(32)]) for _ in range(5))
             gbps[name] = 32 * hot.size / t / 1e9
-        t_dram = statistics.median(_timed(lambda: checksum(self.src)) for _ in range(3))
+        t_dram = statistics.median(timed(lambda: checksum(self.src)) for _ in range(3))
         self.progress.step("checksum")
         return {"name": "psum64", "cache_hot_gbps": gbps["psum64"], "dram_gbps": self.src.size / t_dram / 1e9,
                 "candidates_cache_hot_gbps": gbps}
@@ -256,15 +211,15 @@ def _machine() -> dict[str, Any]:
 
 def _print_table(report: dict[str, Any]) -> None:
     cfg = report["config"]
-    l3 = f"L3 {_human(cfg['l3_bytes'])}" if cfg["l3_bytes"] else "L3 unknown"
-    print(f"umbp bench pool: working set {_human(cfg['working_set_bytes'])} ({l3}), {cfg['reps']} reps, "
+    l3 = f"L3 {human(cfg['l3_bytes'])}" if cfg["l3_bytes"] else "L3 unknown"
+    print(f"umbp bench pool: working set {human(cfg['working_set_bytes'])} ({l3}), {cfg['reps']} reps, "
           f"batch {cfg['batch']}, copy_threads {cfg['copy_threads']}, arena {cfg['arena_backend']}, medians; "
           "ratio = pool / np.copyto (1 thread)"
           + ("  [--quick: not representative]" if cfg["quick"] else ""))
     print(f"{'op':<7}{'size':>9}{'pool GB/s':>11}{'numpy GB/s':>12}{'ratio':>8}{'target':>9}  result")
     for r in report["results"]:
         target = f">={r['target_ratio']:.2f}" if r["target_ratio"] is not None else "-"
-        print(f"{r['op']:<7}{_human(r['size_bytes']):>9}{r['pool_gbps']:>11.2f}{r['numpy_gbps']:>12.2f}"
+        print(f"{r['op']:<7}{human(r['size_bytes']):>9}{r['pool_gbps']:>11.2f}{r['numpy_gbps']:>12.2f}"
               f"{r['ratio']:>8.2f}{target:>9}  {r['verdict']}")
     e = report["exists"]
     print(f"{'exists':<7}{e['keys']:>9} keys  {e['keys_per_s'] / 1e6:.2f} M keys/s"
@@ -278,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     if not cfg["quick"] and cfg["l3_bytes"] and cfg["working_set_bytes"] < 2 * cfg["l3_bytes"]:
         print("umbp bench pool: warning: the working set is under 2x L3; figures will flatter both sides",
               file=sys.stderr)
-    progress = _Progress(len(SIZES) * cfg["reps"] + cfg["reps"] + 1)
+    progress = Progress(len(SIZES) * cfg["reps"] + cfg["reps"] + 1)
     try:
         bench = _Bench(cfg, progress)
         cfg["arena_backend"] = bench.pool.stats()["arena_backend"]

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from umbp.tools.benchutil import Progress, human
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
 LOOKUP_KEYS = 8192  # 131,072 tokens at prefix_match_unit=16
@@ -105,10 +107,6 @@ def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _human(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
 def _lookup_keys(n: int) -> list[str]:
@@ -227,7 +225,7 @@ class _Bench:
             tier.clear()
             if rep % 2 == 0:
                 self._add_reference(times, size, n)
-            self.progress.step(f"put/get {_human(size)}")
+            self.progress.step(f"put/get {human(size)}")
         rows = [self._row(op, size, n, times[op], times[ref] if ref else None)
                 for op, ref in (("put", "SET"), ("get", "GET"), ("put_async", None))]
         for row, ref in zip(rows, ("SET", "GET"), strict=False):
@@ -315,7 +313,7 @@ def _server_info(url: str) -> dict[str, Any]:
 def _print_table(report: dict[str, Any]) -> None:
     cfg, srv = report["config"], report["server"]
     print(f"umbp bench remote: redis-server {srv['version']} at {cfg['url']} ({cfg['server']}), working set "
-          f"{_human(cfg['working_set_bytes'])}, {cfg['reps']} reps, batch {cfg['batch']}, medians; load avg "
+          f"{human(cfg['working_set_bytes'])}, {cfg['reps']} reps, batch {cfg['batch']}, medians; load avg "
           f"{report['machine']['load_avg'][0]:.2f} on {report['machine']['cpus']} CPUs"
           + ("  [--quick: not representative]" if cfg["quick"] else ""))
     lk = report["lookup"]
@@ -329,7 +327,7 @@ def _print_table(report: dict[str, Any]) -> None:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
         target = f">={r['target_ratio']:.1f}" if r["target_ratio"] is not None else "-"
         one = r.get("ref_one_key_gbps")
-        print(f"{r['op']:<10}{_human(r['size_bytes']):>8}{r['umbp_gbps']:>11.2f}{ref:>17}{ratio:>7}{target:>8}"
+        print(f"{r['op']:<10}{human(r['size_bytes']):>8}{r['umbp_gbps']:>11.2f}{ref:>17}{ratio:>7}{target:>8}"
               f"  {r['verdict']:<6}{f'{one:.2f}' if one is not None else '-':>10}")
 
 
@@ -349,11 +347,10 @@ def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, _Server |
 
 
 def run(args: argparse.Namespace) -> int:
-    from umbp.tools.bench_pool import _Progress
 
     cfg = _config(args)
     tier, server = _open(args, cfg)
-    progress = _Progress(1 + len(SIZES) * cfg["reps"])
+    progress = Progress(1 + len(SIZES) * cfg["reps"])
     try:
         report: dict[str, Any] = {"tool": "umbp bench remote", "created_unix": time.time(), "machine": _machine(),
                                   "server": _server_info(tier.config.urls[0])}

@@ -17,16 +17,16 @@ byte read back.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import shutil
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from umbp.tools.benchutil import human, timed
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -47,22 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-mib", type=int, default=8, help="baseline I/O size in MiB (default 8)")
     parser.add_argument("--direct-io", default="auto", choices=("auto", "true", "false"),
                         help="O_DIRECT for both sides (default auto: where the filesystem allows)")
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
-def _human(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
 def _drop_cache(paths: list[Path]) -> None:
@@ -180,7 +164,7 @@ class _Bench:
                 for name, fn in steps:
                     if name.endswith("read") and not self.direct:
                         _drop_cache([self.seq_path, *tier_dir.glob("seg-*")])
-                    times[name].append(_timed(fn))
+                    times[name].append(timed(fn))
                 if rep == 0:  # untimed honesty check: the tier's reads alone reproduce every byte
                     self.dst.fill(0)
                     tier_read()
@@ -215,7 +199,7 @@ class _Bench:
         hot = self.src[: 4 * MiB]
         out = {}
         for name, fn in (("psum64", lambda: checksum(hot)), ("zlib.crc32", lambda: zlib.crc32(hot))):
-            t = statistics.median(_timed(lambda fn=fn: [fn() for _ in range(8)]) for _ in range(3))
+            t = statistics.median(timed(lambda fn=fn: [fn() for _ in range(8)]) for _ in range(3))
             out[name] = 8 * hot.size / t / 1e9
         return out
 
@@ -237,12 +221,12 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 def _print_table(report: dict[str, Any]) -> None:
     cfg = report["config"]
     io = "O_DIRECT" if cfg["direct_io_used"] else "buffered (page cache dropped before reads)"
-    print(f"umbp bench ssd: {cfg['dir']}, working set {_human(cfg['working_set_bytes'])}, {cfg['reps']} reps, "
-          f"{_human(cfg['batch_bytes'])} per call, {io}; disk = sequential {_human(cfg['io_bytes'])} I/Os of one "
+    print(f"umbp bench ssd: {cfg['dir']}, working set {human(cfg['working_set_bytes'])}, {cfg['reps']} reps, "
+          f"{human(cfg['batch_bytes'])} per call, {io}; disk = sequential {human(cfg['io_bytes'])} I/Os of one "
           "file; medians; ratio = tier / disk" + ("  [--quick: not representative]" if cfg["quick"] else ""))
     print(f"{'op':<7}{'size':>9}{'tier MB/s':>11}{'disk MB/s':>11}{'ratio':>8}{'target':>9}  result")
     for r in report["results"]:
-        print(f"{r['op']:<7}{_human(r['size_bytes']):>9}{r['tier_mbps']:>11.0f}{r['disk_mbps']:>11.0f}"
+        print(f"{r['op']:<7}{human(r['size_bytes']):>9}{r['tier_mbps']:>11.0f}{r['disk_mbps']:>11.0f}"
               f"{r['ratio']:>8.2f}{'>=' + format(r['target_ratio'], '.2f'):>9}  {r['verdict']}")
     c = report["checksum_gbps"]
     load = report["machine"]["loadavg_start_end"]

@@ -1,0 +1,57 @@
+"""Helpers every `umbp bench` command shares: a progress bar, a GC-quiet timer, byte-size labels."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+class Progress:
+    """tqdm when installed (it is not a core dependency), else a one-line stderr bar."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self._label = total, 0, ""
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._bar = None
+        else:
+            self._bar = tqdm(total=total, file=sys.stderr, unit="step", leave=False, dynamic_ncols=True)
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.set_description(label, refresh=False)
+            self._bar.update(1)
+            return
+        filled = int(30 * self.done / self.total)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<24}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+            sys.stderr.flush()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # applies to pool and baseline alike; a GC pause would only add noise
+    try:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def human(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
