@@ -45,6 +45,7 @@ log = logging.getLogger("umbp.remote")
 
 _NET_ERRORS = (OSError, redis.RedisError, ValueError)  # ValueError: a reply that does not parse
 _REDIRECT = "redirect"  # a result slot whose key must go through redis-py's cluster client
+_HIT, _ABSENT, _UNANSWERED, _MOVED = 1, 0, -1, -2  # exists() result codes
 GET_WINDOW_BYTES = 4 << 20
 _STORED = b"+OK\r\n+OK\r\n"  # SET value, SET marker
 _HEAL = ("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end return 0")
@@ -366,18 +367,19 @@ class RedisTier(Pool):
     # ---- exists --------------------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """One MGET over marker keys per server (per hash tag in a cluster), all pipelined."""
+        """One MGET over marker keys per server (per hash tag in a cluster), all pipelined. Results are
+        kept as int8 codes (_HIT/_ABSENT/_UNANSWERED/_MOVED) so 8,192 keys need no Python step per key."""
         keys = list(keys)
-        res: list[Any] = [None] * len(keys)
+        res = np.full(len(keys), _UNANSWERED, np.int8)
         groups = self._groups(keys) if keys else {}
         if groups is None:
             groups = {}
         self._run([self._exists_job(node, gs, keys, res) for node, gs in groups.items()])
-        if _REDIRECT in res:
+        if (res == _MOVED).any():
             self._exists_slow(keys, res)
         return self._finish_exists(keys, res)
 
-    def _exists_job(self, node: str, groups: list[Group], keys: list[str], res: list[Any]) -> _Job:
+    def _exists_job(self, node: str, groups: list[Group], keys: list[str], res: np.ndarray) -> _Job:
         def send(wire: Wire) -> None:  # chunk by chunk: the server parses one while we pack the next
             for g in groups:
                 wire.send(multi_key_command(b"MGET", g.prefix + "m:", g.keys(keys)))
@@ -385,20 +387,16 @@ class RedisTier(Pool):
         def read(wire: Wire) -> None:
             for g in groups:
                 flags = wire.markers(len(g.indices))
+                idx = slice(g.indices.start, g.indices.stop) if isinstance(g.indices, range) else g.indices
                 if isinstance(flags, ReplyError):
-                    value = self._reply_error(flags)
-                    for i in g.indices:
-                        res[i] = value
-                elif isinstance(g.indices, range):
-                    res[g.indices.start : g.indices.stop] = flags.tolist()
+                    res[idx] = _MOVED if self._reply_error(flags) is _REDIRECT else _UNANSWERED
                 else:
-                    for i, f in zip(g.indices, flags.tolist(), strict=True):
-                        res[i] = f
+                    res[idx] = flags
 
         return _Job(node, send, read, sum(len(g.indices) for g in groups))
 
-    def _exists_slow(self, keys: list[str], res: list[Any]) -> None:
-        idx = [i for i, r in enumerate(res) if r is _REDIRECT]
+    def _exists_slow(self, keys: list[str], res: np.ndarray) -> None:
+        idx = np.flatnonzero(res == _MOVED).tolist()
         groups = self._groups([keys[i] for i in idx]) or {}
         names = [g.prefix + "m:" + keys[idx[j]] for gs in groups.values() for g in gs for j in g.indices]
         order = [idx[j] for gs in groups.values() for g in gs for j in g.indices]
@@ -408,28 +406,22 @@ class RedisTier(Pool):
             self._count(reply_errors=1)
             self._last_error = f"{type(exc).__name__}: {exc}"[:200]
             values, order = [], []  # unanswered: counted as lookup errors
-        for i in idx:
-            res[i] = None
+        res[idx] = _UNANSWERED
         for i, v in zip(order, values, strict=True):
             res[i] = v == b"1"
         self._backend.refresh()
 
-    def _finish_exists(self, keys: list[str], res: list[Any]) -> list[bool]:
-        errors = 0
-        if None in res or _REDIRECT in res:
-            for i, r in enumerate(res):
-                if r is None or r is _REDIRECT:
-                    res[i] = False
-                    errors += 1
+    def _finish_exists(self, keys: list[str], res: np.ndarray) -> list[bool]:
+        errors = int((res < 0).sum())
+        hit = res == _HIT
         skips = 0
         if len(self._quarantine):
-            for i in self._quarantine.held(keys):
-                if res[i]:
-                    res[i] = False
-                    skips += 1
-        self._count(exists_keys=len(keys), exists_present=res.count(True), lookup_errors=errors,
+            held = self._quarantine.held(keys)
+            skips = int(hit[held].sum())
+            hit[held] = False
+        self._count(exists_keys=len(keys), exists_present=int(hit.sum()), lookup_errors=errors,
                     quarantine_skips=skips)
-        return res
+        return hit.tolist()
 
     # ---- get_into ------------------------------------------------------------------------------------
 

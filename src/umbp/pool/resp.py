@@ -67,7 +67,8 @@ def bulk_keys(prefix: str, keys: Sequence[str]) -> bytes:
         n = len(keys[0]) + len(prefix)
         body = f"\r\n${n}\r\n{prefix}".join(keys)
         if body.isascii():  # then characters are bytes and every '$n' is right
-            return f"${n}\r\n{prefix}{body}\r\n".encode()
+            # bytes concatenation, not an f-string around the body: formatting a 1 MB str costs ~1 ms
+            return f"${n}\r\n{prefix}".encode() + body.encode() + b"\r\n"
     parts = []
     for k in keys:
         kb = (prefix + k).encode()
