@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,12 +98,30 @@ class Harness:
         self.sched.add_request(req)
         return req
 
-    def run(self, max_steps: int = 200) -> None:
-        steps = 0
+    def run(self, max_steps: int = 200, max_idle_s: float = 30.0) -> None:
+        """Step until every request is done. Steps that schedule nothing (requests waiting for a load on
+        an I/O thread) do not count against max_steps, but may not go on for more than max_idle_s."""
+        steps, idle_since = 0, None
         while self.sched.has_requests():
-            self.step()
+            so = self.step()
+            if so.total_num_scheduled_tokens == 0:
+                idle_since = idle_since or time.monotonic()
+                assert time.monotonic() - idle_since < max_idle_s, "a load never finished"
+                time.sleep(0.001)
+                continue
+            idle_since = None
             steps += 1
             assert steps < max_steps, "scheduler did not drain"
+
+    def admit(self, req_id: str, max_idle_s: float = 30.0) -> None:
+        """Step once (the lookup and, on a hit, the load starts), then until the load was reported:
+        loads from the SSD or shared tier finish on an I/O thread, a step or more later."""
+        self.step()
+        t0 = time.monotonic()
+        while req_id in self.umbp.loads:
+            assert time.monotonic() - t0 < max_idle_s, "a load never finished"
+            time.sleep(0.001)
+            self.step()
 
     def step(self):
         so = self.sched.schedule()
@@ -117,7 +136,7 @@ class Harness:
             self._apply_copies(cache, so)
             self._fake_forward(cache, so)
             if rank in self.failing_save_ranks:
-                worker._worker._save_job = _raise
+                worker._worker._start_save = _raise
             worker.bind_connector_metadata(so.kv_connector_metadata)
             if self.fail_next_load and so.kv_connector_metadata.loads and rank == len(self.workers) - 1:
                 self._corrupt_arena(worker, so.kv_connector_metadata)

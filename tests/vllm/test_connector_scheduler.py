@@ -35,7 +35,7 @@ def compute_then_drop(h, req_id, prompt, max_tokens=3) -> int:
 def restore(h, req_id, prompt):
     """Admit `prompt` with an empty local cache; return (restored boundary, byte mismatches on any rank)."""
     h.add(req_id, prompt, max_tokens=4)
-    h.step()  # admission: lookup; the async load runs on the fake workers and is reported
+    h.admit(req_id)  # lookup, then the asynchronous load on the fake workers until it is reported
     hit = h.umbp.restored.get(req_id, 0)
     mism = []  # checked before any forward touches the request
     for rank in range(len(h.workers)) if hit > 0 else ():
@@ -125,7 +125,7 @@ def test_corrupt_page_is_a_recompute_not_a_wrong_token(tmp_path):
     compute_then_drop(h, "A", PROMPT)
     h.fail_next_load = True  # flip bytes in the arena slot right before the load reads it
     req = h.add("B", PROMPT, max_tokens=4)
-    h.step()
+    h.admit("B")
     assert h.umbp.restored.get("B", 0) == 0
     assert req.status != RequestStatus.FINISHED_ERROR
     h.run()

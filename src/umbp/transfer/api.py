@@ -96,6 +96,11 @@ class TransferEngine:
     def synchronize(self) -> None:
         """Wait for every transfer this engine started."""
 
+    def fence_saves(self) -> None:
+        """Order the caller's current stream after every save started so far, on the device (the host
+        does not wait): the next forward may rewrite a block that a save is still reading (the boundary
+        page and the recurrent state of a running request)."""
+
     def _save(self, batch: list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]) -> Handle:
         raise NotImplementedError
 

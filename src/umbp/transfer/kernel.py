@@ -97,6 +97,10 @@ class KernelEngine(TransferEngine):
         for s in self.streams or ():
             s.synchronize()
 
+    def fence_saves(self) -> None:
+        if self.streams is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.streams[SAVE])
+
     # ------------------------------------------------------------------ save / load
     def _save(self, batch: Batch) -> Handle:
         if not self._fast(batch):

@@ -111,13 +111,18 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.before_forward()  # vLLM binds before the forward; start_load_kv may come after it
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, UMBPConnectorMetadata) and meta.loads:
             self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-request and complete in start_load_kv
+        return  # loads are whole-request: vLLM schedules a request only after its load is reported done
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # saves run after the forward, in wait_for_save (Mamba layers have no per-layer hook)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import atexit
 import logging
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 from umbp.identity import RankCoord, object_key
 from umbp.pool import Arena
-from umbp.transfer import Moves, make_engine
+from umbp.transfer import Handle, Moves, make_engine
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
@@ -38,6 +40,42 @@ def current_rank() -> RankCoord:
     return RankCoord(tp=tp, pcp=0, dcp=0, pp=pp)
 
 
+LOAD_IO_THREADS = 2  # tier reads of loads in parallel (each tier call is itself batched and threaded)
+
+
+@dataclass
+class PendingSave:
+    job: SaveJob
+    handle: Handle
+    started: int  # the worker's poll count when the copies were started
+
+
+@dataclass
+class TierRead:
+    group: int
+    move: PageMove
+    key: str
+    data: torch.Tensor
+    digest: int | None  # psum64 of the promoted DRAM slot, None when there was no slot to promote into
+
+
+@dataclass
+class PendingLoad:
+    job: LoadJob
+    ok: bool = True
+    reads: Future | None = None  # tier reads in flight on an I/O thread
+    handle: Handle | None = None  # device copies in flight
+    slotted: dict[int, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)
+    unslotted: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    batch: list[Moves] = field(default_factory=list)
+
+    def add(self, group: int, block_id: int, offset: int, digest: int) -> None:
+        ids, offs, digs = self.slotted.setdefault(group, ([], [], []))
+        ids.append(block_id)
+        offs.append(offset)
+        digs.append(digest)
+
+
 class WorkerSide:
     def __init__(self, cfg: UMBPConfig, layout: Layout, kv_cache_config, rank: RankCoord | None = None):
         self.cfg = cfg
@@ -54,6 +92,10 @@ class WorkerSide:
         self.failed: dict[int, set[str]] = {}
         self.finished_loads: set[str] = set()
         self.failed_loads: set[str] = set()
+        self.pending_saves: list[PendingSave] = []  # copies started, not yet finished
+        self.pending_loads: list[PendingLoad] = []  # reads or copies in flight, not yet reported
+        self.polls = 0  # steps seen (take_worker_meta calls): bounds how late a confirmation may be
+        self.io: ThreadPoolExecutor | None = None  # tier reads of loads
         self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
         self.totals: Counter[str] = Counter()  # since start, for `umbp stats`-style inspection and tests
 
@@ -94,36 +136,76 @@ class WorkerSide:
         self.totals[key] += value
 
     # ---------------------------------------------------------------- saves
+    def before_forward(self) -> None:
+        """Called before each forward: it must not rewrite a page a save started earlier still reads."""
+        if self.pending_saves:
+            self.engine.fence_saves()
+
     def save(self, meta: UMBPConnectorMetadata) -> None:
+        """Start every job's copies; each is finished (slots recorded, tiers fed, confirmed) once its
+        copies are done: at once on CPU, on a later poll on CUDA so the copies overlap the host's work."""
         for job in meta.saves:
             try:
-                self._save_job(job)
-                self.saved.setdefault(job.job_id, set()).add(self.rank.tag())
+                started = self._start_save(job)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never a crash
-                logger.exception("umbp: save job %d failed on rank %s", job.job_id, self.rank.tag())
-                for move in job.moves:
-                    self.slots.pop(move.offset, None)
-                self.failed.setdefault(job.job_id, set()).add(self.rank.tag())
-                self.count("save_failures", len(job.moves))
+                self._save_failed(job)
+                continue
+            if started is None:
+                self.saved.setdefault(job.job_id, set()).add(self.rank.tag())
+            else:
+                self.pending_saves.append(started)
+        self.poll_saves()
 
-    def _save_job(self, job: SaveJob) -> None:
+    def _start_save(self, job: SaveJob) -> PendingSave | None:
         pages = self.groups.get(job.group)
         if pages is None:  # this rank holds no layer of the group (pipeline parallel)
-            return
+            return None
         nbytes = pages.object_bytes
         if nbytes > min(m.nbytes for m in job.moves):
             raise ValueError(f"umbp: page of {nbytes} bytes exceeds its slot of {job.moves[0].nbytes}")
         for move in job.moves:
             self.slots.pop(move.offset, None)  # being rewritten: invalid until the copy is done
         moves = Moves(job.group, [m.block_id for m in job.moves], [m.offset for m in job.moves])
-        digests = self.engine.save([moves]).result()[0]  # one bulk gather + copy, checksummed
+        handle = self.engine.save([moves])  # one bulk gather + copy, checksummed
+        return PendingSave(job, handle, self.polls)
+
+    def poll_saves(self, wait_older: bool = False) -> None:
+        """Finish the saves whose copies are done; with wait_older, wait for those started before this
+        step's poll, so a confirmation is at most one step late (the scheduler pins GPU blocks till then)."""
+        keep = []
+        for pending in self.pending_saves:
+            if pending.handle.done() or (wait_older and pending.started < self.polls):
+                self._finish_save(pending)
+            else:
+                keep.append(pending)
+        self.pending_saves = keep
+
+    def _finish_save(self, pending: PendingSave) -> None:
+        job = pending.job
+        try:
+            digests = pending.handle.result()[0]
+            self._record_save(job, [int(d) for d in digests])
+        except Exception:  # noqa: BLE001 - a failed save is a future miss, never a crash
+            self._save_failed(job)
+            return
+        self.saved.setdefault(job.job_id, set()).add(self.rank.tag())
+
+    def _save_failed(self, job: SaveJob) -> None:
+        logger.exception("umbp: save job %d failed on rank %s", job.job_id, self.rank.tag())
+        for move in job.moves:
+            self.slots.pop(move.offset, None)
+        self.failed.setdefault(job.job_id, set()).add(self.rank.tag())
+        self.count("save_failures", len(job.moves))
+
+    def _record_save(self, job: SaveJob, digests: list[int]) -> None:
+        nbytes = self.groups[job.group].object_bytes
         keys = [self.rank_key(job.group, m.prefix_hash) for m in job.moves]
         for move, key, digest in zip(job.moves, keys, digests):
-            self.slots[move.offset] = (key, int(digest))
+            self.slots[move.offset] = (key, digest)
         self.count("stored_bytes_rank", nbytes * len(job.moves))
         views = [self.arena.view(m.offset, nbytes) for m in job.moves]
         if job.ssd and self.ssd is not None:
-            queued = self.ssd.put(keys, views, checksums=[int(d) for d in digests])
+            queued = self.ssd.put(keys, views, checksums=digests)
             if all(queued):
                 self.ssd_saved.setdefault(job.job_id, set()).add(self.rank.tag())
             else:
@@ -133,114 +215,168 @@ class WorkerSide:
             self.count("remote_saves_queued", sent.count(True))
             self.count("remote_saves_dropped", sent.count(False))
 
-    def _write(self, move: PageMove, group: int, page: torch.Tensor) -> int:
-        if page.numel() > move.nbytes:
-            raise ValueError(f"umbp: page of {page.numel()} bytes exceeds its slot of {move.nbytes}")
-        self.slots.pop(move.offset, None)  # the slot is being rewritten: invalid until done
-        digest = self.arena.write(move.offset, page.numpy())  # copy and checksum in one pass
-        self.slots[move.offset] = (self.rank_key(group, move.prefix_hash), digest)
-        return digest
-
     # ---------------------------------------------------------------- loads
     def load(self, meta: UMBPConnectorMetadata) -> None:
+        """Start every load; each is reported finished (or failed) by `take_transfer_results` once its
+        tier reads (on I/O threads) and device copies are done. vLLM keeps the request waiting meanwhile
+        and never frees its blocks before the report."""
         for job in meta.loads:
-            ok = not job.poisoned
-            if ok:
-                try:
-                    ok = self._load_job(job)
-                except Exception:  # noqa: BLE001 - a failed load is a recompute, never a crash
-                    logger.exception("umbp: load for request %s failed on rank %s", job.req_id, self.rank.tag())
-                    ok = False
-            self.finished_loads.add(job.req_id)
-            if not ok:
-                self.failed_loads.add(job.req_id)
-                self.count("load_failures_rank")
+            task = PendingLoad(job)
+            self.pending_loads.append(task)
+            if job.poisoned:
+                task.ok = False
+                continue
+            self._guard(task, self._start_load, task)
+        self.poll_loads()
 
-    def _load_job(self, job: LoadJob) -> bool:
-        """Verify every object before anything reaches the KV cache; then one bulk load per batch."""
-        batch: list[Moves] = []
-        unslotted: list[tuple[GroupPages, list[int], torch.Tensor]] = []  # tier reads with no DRAM slot
-        for group, moves in sorted(job.moves.items()):
+    def _guard(self, task: PendingLoad, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a failed load is a recompute, never a crash
+            logger.exception("umbp: load for request %s failed on rank %s", task.job.req_id, self.rank.tag())
+            task.ok = False
+
+    def _start_load(self, task: PendingLoad) -> None:
+        """Verify every DRAM object's slot now; read tier objects on an I/O thread (a slow disk or server
+        must not stall the engine's step); the device copies start when all bytes are in the arena."""
+        tier_moves = []
+        for group, moves in sorted(task.job.moves.items()):
             pages = self.groups.get(group)
             if pages is None:
                 continue
-            ids, offsets, digests, rows = [], [], [], []
             for move in moves:
-                found = self._locate(move, group, pages.object_bytes)
-                if found is None:
-                    return False
-                if isinstance(found, torch.Tensor):
-                    rows.append((move.block_id, found))
-                else:
-                    ids.append(move.block_id)
-                    offsets.append(move.offset if move.source == "dram" else move.promote_offset)
-                    digests.append(found)
-            if ids:
-                batch.append(Moves(group, ids, offsets, digests if self.cfg.checksum else None))
-            if rows:
-                unslotted.append((pages, [b for b, _ in rows], torch.stack([r for _, r in rows])))
-        if batch and not self._bulk_load(batch):
-            return False
-        for pages, block_ids, data in unslotted:
-            pages.scatter(block_ids, data)
-            self.count("loaded_bytes", data.numel())
-        return True
+                if move.source in ("ssd", "remote"):
+                    tier_moves.append((group, move, pages.object_bytes))
+                    continue
+                digest = self._slot_digest(move.offset, self.rank_key(group, move.prefix_hash))
+                if digest is None:
+                    task.ok = False
+                    return
+                task.add(group, move.block_id, move.offset, digest)
+        if tier_moves:
+            task.reads = self._io().submit(self._read_tiers, tier_moves)
+        else:
+            self._copy_in(task)
 
-    def _locate(self, move: PageMove, group: int, nbytes: int) -> int | torch.Tensor | None:
-        """The checksum of the arena slot holding the object, or its bytes when it was read from a tier
-        without a DRAM slot to promote into; None when it cannot be had (a miss)."""
-        if move.source in ("ssd", "remote"):
-            out = torch.empty(nbytes, dtype=torch.uint8)
-            if not self._read_tier(move, group, out):
-                return None
-            return self.slots[move.promote_offset][1] if move.promote_offset >= 0 else out
-        expected = self.rank_key(group, move.prefix_hash)
-        held = self.slots.get(move.offset)
+    def _slot_digest(self, offset: int, expected: str) -> int | None:
+        held = self.slots.get(offset)
         if held is None or held[0] != expected:
-            logger.warning("umbp: slot %d does not hold %s; treating as a miss", move.offset, expected)
+            logger.warning("umbp: slot %d does not hold %s; treating as a miss", offset, expected)
             return None
         return held[1]
 
-    def _bulk_load(self, batch: list[Moves]) -> bool:
-        results = self.engine.load(batch).result()
-        for moves, written in zip(batch, results):
+    def _io(self) -> ThreadPoolExecutor:
+        if self.io is None:
+            self.io = ThreadPoolExecutor(LOAD_IO_THREADS, thread_name_prefix="umbp-load")
+        return self.io
+
+    def _read_tiers(self, tier_moves: list[tuple[int, PageMove, int]]) -> list[TierRead] | None:
+        """On an I/O thread: every tier object, checksum-verified by its tier, promoted into its reserved
+        DRAM slot when it has one (only this load writes that slot). None when any is missing."""
+        out = []
+        for group, move, nbytes in tier_moves:
+            tier = self.ssd if move.source == "ssd" else self.remote
+            key = self.rank_key(group, move.prefix_hash)
+            data = torch.empty(nbytes, dtype=torch.uint8)
+            if tier is None or not tier.get_into([key], [data.numpy()])[0]:
+                logger.warning("umbp: %s tier did not return %s; a miss", move.source, key)
+                return None
+            digest = self.arena.write(move.promote_offset, data.numpy()) if move.promote_offset >= 0 else None
+            out.append(TierRead(group, move, key, data, digest))
+        return out
+
+    def _tiers_read(self, task: PendingLoad) -> None:
+        """Back on the engine's thread: record promoted slots, queue the rest for a scatter, copy in."""
+        reads = task.reads.result()
+        task.reads = None
+        if reads is None:
+            task.ok = False
+            return
+        for r in reads:
+            self.count(f"{r.move.source}_loaded_bytes", r.data.numel())
+            if r.digest is not None:
+                self.slots[r.move.promote_offset] = (r.key, r.digest)
+                task.add(r.group, r.move.block_id, r.move.promote_offset, r.digest)
+            else:
+                task.unslotted.setdefault(r.group, []).append((r.move.block_id, r.data))
+        self._copy_in(task)
+
+    def _copy_in(self, task: PendingLoad) -> None:
+        """One bulk load for every slotted object (the engine verifies each against its digest before it
+        writes); tier objects without a slot are scattered directly (their tier verified them)."""
+        for group, rows in task.unslotted.items():
+            data = torch.stack([d for _, d in rows])
+            self.groups[group].scatter([b for b, _ in rows], data)
+            self.count("loaded_bytes", data.numel())
+        batch = [Moves(g, ids, offs, digs if self.cfg.checksum else None)
+                 for g, (ids, offs, digs) in sorted(task.slotted.items())]
+        task.batch = batch
+        task.handle = self.engine.load(batch) if batch else None
+
+    def _copied(self, task: PendingLoad) -> None:
+        results = task.handle.result()
+        task.handle = None
+        for moves, written in zip(task.batch, results):
             for offset, ok in zip(moves.offsets, written):
                 if not ok:
                     logger.warning("umbp: checksum mismatch in slot %d; treating as a miss", offset)
                     self.slots.pop(offset, None)
                     self.count("checksum_failures")
         if not all(all(w) for w in results):
-            return False
-        self.count("loaded_bytes", sum(len(m.block_ids) * self.groups[m.group].object_bytes for m in batch))
-        return True
+            task.ok = False
+            return
+        self.count("loaded_bytes", sum(len(m.block_ids) * self.groups[m.group].object_bytes for m in task.batch))
 
-    def _read_tier(self, move: PageMove, group: int, out: torch.Tensor) -> bool:
-        """Read from this rank's SSD or shared tier (both verify the checksum); promote into DRAM."""
-        tier = self.ssd if move.source == "ssd" else self.remote
-        if tier is None:
-            return False
-        if not tier.get_into([self.rank_key(group, move.prefix_hash)], [out.numpy()])[0]:
-            logger.warning("umbp: %s tier did not return an object it was asked for; a miss", move.source)
-            return False
-        self.count(f"{move.source}_loaded_bytes", out.numel())
-        if move.promote_offset >= 0:
-            promoted = PageMove(move.block_id, move.promote_offset, move.nbytes, move.prefix_hash)
-            self._write(promoted, group, out)
-        return True
+    def poll_loads(self, wait: bool = False) -> None:
+        """Advance every load as far as it can go without waiting (or to the end, with wait)."""
+        keep = []
+        for task in self.pending_loads:
+            if task.ok and task.reads is not None and (wait or task.reads.done()):
+                self._guard(task, self._tiers_read, task)
+            if task.ok and task.handle is not None and (wait or task.handle.done()):
+                self._guard(task, self._copied, task)
+            if not task.ok or (task.reads is None and task.handle is None):
+                self._report(task)
+            else:
+                keep.append(task)
+        self.pending_loads = keep
+
+    def _report(self, task: PendingLoad) -> None:
+        self.finished_loads.add(task.job.req_id)
+        if not task.ok:
+            self.failed_loads.add(task.job.req_id)
+            self.count("load_failures_rank")
 
     # ---------------------------------------------------------------- reports
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        self.poll_loads()
         finished, failed = self.finished_loads, self.failed_loads
         self.finished_loads, self.failed_loads = set(), set()
         return finished, failed
 
     def take_worker_meta(self) -> UMBPWorkerMetadata | None:
+        self.poll_saves(wait_older=True)
+        self.polls += 1
         evicted = {logical_of(k) for k in self.ssd.drain_evicted()} if self.ssd is not None else set()
         meta = UMBPWorkerMetadata(self.saved, self.failed, self.ssd_saved, evicted)
         self.saved, self.failed, self.ssd_saved = {}, {}, {}
         return None if meta.is_empty() else meta
 
     def close(self) -> None:
+        """Finish what is in flight (loads are reported failed: nobody will read them), then flush tiers."""
+        if self.arena is not None:
+            self.poll_saves(wait_older=True)
+            self.polls += 1
+            self.poll_saves(wait_older=True)
+        for task in self.pending_loads:
+            if task.reads is not None and not task.reads.cancel():
+                task.reads.exception()  # wait: that thread may be writing into the arena
+            if task.handle is not None:
+                task.handle.wait()
+        self.pending_loads = []
+        if self.io is not None:
+            self.io.shutdown(wait=True)
+            self.io = None
         for name in ("ssd", "remote"):
             tier = getattr(self, name)
             if tier is not None:

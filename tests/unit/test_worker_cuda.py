@@ -1,0 +1,177 @@
+"""The connector's worker side on a GPU: saves run on the transfer engine's own stream and finish after
+`save()` returns, the next forward is fenced behind them, loads are reported when their copies are done,
+and every byte that comes back is the byte that was saved (Granite-4.0-H-350M's vLLM layout).
+
+Runs only with CUDA (on the H200 device: see docs/transfer.md). The device has no vLLM and cannot install
+it, so when vLLM is missing the few vLLM base classes the worker's modules import are given stand-ins;
+nothing here exercises vLLM itself (the CPU tests in tests/vllm do, on the real Scheduler and LLM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import time
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+
+NS = "0123456789abcdef" * 2
+SLOT = 2 << 20  # Granite-4.0-H-350M objects are ~1.6 MB
+SLEEP_CYCLES = 1_000_000_000  # ~0.5 s of GPU time at the H200's clock
+
+
+def _stand_in_vllm() -> None:
+    try:
+        importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        return
+    except ImportError:
+        pass
+
+    class _Base:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    @dataclasses.dataclass
+    class _Stats:
+        data: dict = dataclasses.field(default_factory=dict)
+
+    names = {
+        "vllm.distributed.kv_transfer.kv_connector.v1.base": {
+            "KVConnectorMetadata": type("KVConnectorMetadata", (), {}),
+            "KVConnectorWorkerMetadata": type("KVConnectorWorkerMetadata", (), {}),
+        },
+        "vllm.distributed.kv_transfer.kv_connector.v1.metrics": {
+            "KVConnectorStats": _Stats, "KVConnectorPromMetrics": _Base,
+        },
+        "vllm.v1.kv_cache_interface": {
+            n: type(n, (), {}) for n in ("FullAttentionSpec", "KVCacheConfig", "MambaSpec", "SlidingWindowSpec")
+        },
+    }
+    for full, attrs in names.items():
+        parts = full.split(".")
+        for i in range(1, len(parts) + 1):
+            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        for k, v in attrs.items():
+            setattr(sys.modules[full], k, v)
+
+
+@pytest.fixture
+def worker():
+    w, groups = make_worker()
+    yield w, groups
+    w.close()
+
+
+def make_worker():
+    """A WorkerSide registered over Granite-4.0-H-350M's vLLM layout on the GPU, with its arena."""
+    _stand_in_vllm()
+    from umbp.identity import RankCoord
+    from umbp.transfer import layouts as L
+    from umbp.vllm.config import UMBPConfig
+    from umbp.vllm.layout import Layout
+    from umbp.vllm.worker import WorkerSide
+
+    num_blocks = 24
+    groups, _ = L.granite_hybrid(num_blocks, device="cuda")
+    kv_caches, names = {}, []
+    for g, layers in sorted(groups.items()):
+        names.append([f"g{g}.l{i}" for i in range(len(layers))])
+        kv_caches.update({n: t for n, (t, _) in zip(names[-1], layers)})
+    config = SimpleNamespace(num_blocks=num_blocks,
+                             kv_cache_groups=[SimpleNamespace(layer_names=n) for n in names])
+    layout = Layout(groups=(), unit=16, eagle_groups=frozenset(), identity=None, namespace=NS,
+                    ranks=(RankCoord(),), object_bytes=tuple(SLOT for _ in names))
+    w = WorkerSide(UMBPConfig(dram_bytes=80 * SLOT), layout, config, rank=RankCoord())
+    w.register(kv_caches)
+    assert type(w.engine).__name__ == "KernelEngine"
+    return w, groups
+
+
+def _objects(groups, blocks) -> dict[tuple[int, int], torch.Tensor]:
+    """(group, block) -> the object's bytes on the host, read with plain torch (the reference)."""
+    out = {}
+    for g, layers in groups.items():
+        for b in blocks:
+            out[g, b] = torch.cat([t.select(d, b).contiguous().view(-1).view(torch.uint8)
+                                   for t, d in layers]).cpu()
+    return out
+
+
+def _storages(groups) -> list[torch.Tensor]:
+    seen = {}
+    for layers in groups.values():
+        for t, _ in layers:
+            st = t.untyped_storage()
+            seen.setdefault(st.data_ptr(), torch.empty(0, dtype=torch.uint8, device=t.device).set_(st))
+    return list(seen.values())
+
+
+def test_saves_overlap_are_fenced_and_loads_complete_async(worker):
+    w, groups = worker
+    _cycle(w, groups, job_base=0, check_async=False)  # warm-up: Triton compiles each kernel variant once
+    _cycle(w, groups, job_base=100, check_async=True)
+
+
+def _cycle(w, groups, job_base: int, check_async: bool) -> None:
+    from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata
+
+    gen = torch.Generator(device="cuda").manual_seed(int(time.time()) + job_base)
+    for s in _storages(groups):
+        s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8, device="cuda", generator=gen))
+    src, dst = list(range(1, 9)), list(range(12, 20))
+    want = _objects(groups, src)
+    jobs, loads, slot = [], {}, 0
+    for g in sorted(groups):
+        nbytes = w.groups[g].object_bytes
+        moves = []
+        for b, d in zip(src, dst):
+            h = bytes([g, b, job_base]) * 8
+            moves.append(PageMove(b, slot * SLOT, nbytes, h))
+            loads.setdefault(g, []).append(PageMove(d, slot * SLOT, nbytes, h))
+            slot += 1
+        jobs.append(SaveJob(job_base + len(jobs) + 1, g, moves))
+
+    torch.cuda._sleep(SLEEP_CYCLES)  # GPU time queued first: the save's copies must wait for it
+    t0 = time.perf_counter()
+    w.save(UMBPConnectorMetadata(saves=jobs))
+    issued = time.perf_counter() - t0
+    if check_async:
+        assert len(w.pending_saves) == len(jobs), f"save() waited for its copies ({issued * 1e3:.0f} ms)"
+    w.before_forward()
+    for s in _storages(groups):  # "the next forward" rewrites every block, saved ones included
+        s.fill_(0)
+    first = w.take_worker_meta()  # copies started in this poll: not waited for
+    second = w.take_worker_meta()  # one step later: waited for
+    saved = {**(first.saved if first else {}), **(second.saved if second else {})}
+    assert sorted(saved) == [j.job_id for j in jobs] and not w.pending_saves
+    for g, job in enumerate(jobs):
+        for m in job.moves:
+            got = torch.from_numpy(w.arena.view(m.offset, w.groups[g].object_bytes).copy())
+            assert torch.equal(got, want[g, m.block_id]), f"slot of group {g} block {m.block_id} (the fence?)"
+
+    for s in _storages(groups):
+        s.fill_(0xA5)  # poison the destinations
+    torch.cuda._sleep(SLEEP_CYCLES)
+    req = f"r{job_base}"
+    w.load(UMBPConnectorMetadata(loads=[LoadJob(req, loads)]))
+    finished, failed = w.take_transfer_results()
+    if check_async:
+        assert req not in finished, "the load was reported before its copies could have run"
+    deadline = time.monotonic() + 30
+    while req not in finished:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+        more, failed = w.take_transfer_results()
+        finished |= more
+    assert not failed
+    back = _objects(groups, dst)
+    for g in groups:
+        for b, d in zip(src, dst):
+            assert torch.equal(back[g, d], want[g, b]), f"group {g} block {d}"
+    print(f"save() of {len(jobs)} jobs returned in {issued * 1e3:.2f} ms (check_async={check_async})")

@@ -1,0 +1,144 @@
+"""Asynchronous worker transfers on vLLM's real Scheduler (CPU workers): loads from a slow tier do not
+stall the engine's step, saves whose copies finish late are confirmed late (and stay pinned until then),
+and every restore still holds exactly the right bytes."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+if os.environ.get("UMBP_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
+
+from sched_harness import GroupDef, build  # noqa: E402
+from test_connector_scheduler import PROMPT, compute_then_drop, restore  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+GROUPS = [GroupDef("fa", 400), GroupDef("mamba", 400)]
+NO_LEAKS = {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0}
+
+
+def _ssd_engine_pair(tmp_path):
+    """Engine 1 computes PROMPT and exits; engine 2 (empty DRAM) finds it on the SSD tier."""
+    extra = {"dram_bytes": 64 << 20, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}
+    h1 = build(tmp_path, GROUPS, unit=16, extra=extra)
+    assert compute_then_drop(h1, "A", PROMPT) == 832
+    for w in h1.workers:
+        w.shutdown()
+    return build(tmp_path, GROUPS, unit=16, extra=extra)
+
+
+def _gate_tier_reads(h) -> threading.Event:
+    """Tier reads block until the returned event is set (a slow disk), counted per call."""
+    gate = threading.Event()
+    for w in h.workers:
+        tier = w._worker.ssd
+        real = tier.get_into
+
+        def slow(keys, buffers, real=real):
+            assert gate.wait(30), "test gate never opened"
+            return real(keys, buffers)
+
+        tier.get_into = slow
+    return gate
+
+
+def test_slow_tier_read_does_not_stall_the_step(tmp_path):
+    h = _ssd_engine_pair(tmp_path)
+    gate = _gate_tier_reads(h)
+    req = h.add("B", PROMPT, max_tokens=4)
+    t0 = time.monotonic()
+    for _ in range(3):  # the read is blocked: were it on the step's path, the first step would hang
+        h.step()
+    assert time.monotonic() - t0 < 10
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and "B" in h.umbp.loads
+    gate.set()
+    while "B" in h.umbp.loads:
+        time.sleep(0.001)
+        h.step()
+    assert h.umbp.restored["B"] == 832
+    assert h.held_values("B", 832) == []  # checked before any forward touched the request
+    h.run()
+    assert h.leaks() == NO_LEAKS
+    for w in h.workers:
+        w.shutdown()
+
+
+def test_abort_while_a_tier_read_is_in_flight(tmp_path):
+    h = _ssd_engine_pair(tmp_path)
+    gate = _gate_tier_reads(h)
+    h.add("B", PROMPT, max_tokens=4)
+    h.step()
+    assert "B" in h.umbp.loads
+    h.sched.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+    gate.set()
+    t0 = time.monotonic()
+    while "B" in h.umbp.loads:  # vLLM holds B's blocks until the worker reports the load done
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.001)
+        h.step()
+    assert h.leaks() == NO_LEAKS
+    assert restore(h, "C", PROMPT) == (832, [])  # the promoted objects are intact and reusable
+    for w in h.workers:
+        w.shutdown()
+
+
+class _LateHandle:
+    def __init__(self, inner, polls: int):
+        self.inner, self.left = inner, polls
+
+    def done(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+    def result(self):
+        return self.inner.result()
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+
+class _LateEngine:
+    """The worker's real engine, but its handles report done only after a few polls, as CUDA copies
+    still in flight on the engine's streams would. Counts the fences the worker asks for."""
+
+    def __init__(self, engine, polls: int = 3):
+        self.engine, self.polls = engine, polls
+        self.fences = 0
+        self.most_pending = 0
+        self.worker = None
+
+    def save(self, batch):
+        return _LateHandle(self.engine.save(batch), self.polls)
+
+    def load(self, batch):
+        return _LateHandle(self.engine.load(batch), self.polls)
+
+    def fence_saves(self) -> None:
+        self.fences += 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_late_copies_are_confirmed_late_and_restore_exactly(tmp_path, tp):
+    h = build(tmp_path, GROUPS, unit=16, tp=tp)
+    engines = []
+    for w in h.workers:
+        late = _LateEngine(w._worker.engine)
+        w._worker.engine = late
+        engines.append(late)
+        real_save = w._worker.save
+
+        def save(meta, worker=w._worker, late=late, real_save=real_save):
+            real_save(meta)
+            late.most_pending = max(late.most_pending, len(worker.pending_saves))
+
+        w._worker.save = save
+    assert compute_then_drop(h, "A", PROMPT) == 832
+    assert all(e.most_pending > 0 for e in engines)  # saves really were in flight past wait_for_save
+    assert all(e.fences > 0 for e in engines)  # and the next forward was ordered after them
+    assert restore(h, "B", PROMPT) == (832, [])
+    assert h.leaks() == NO_LEAKS
