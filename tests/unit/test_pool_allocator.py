@@ -114,6 +114,23 @@ class _IndexModel:
         assert not self.index.lookup([key])[0], "a reserved key must be invisible"
         self.pending.append(key)
 
+    def reserve_many(self, keys: list[str], nbytes: int) -> None:
+        """Like reserve() for each key (the odd cases are reserve()'s own, tested there)."""
+        if len(set(keys)) < len(keys) or any(self.index.state(k) in ("committed", "pending") for k in keys):
+            return
+        expected_victims = [k for k in self.recency if not self.pins.get(k)]
+        slots = self.index.reserve_many(keys, nbytes)
+        victims = self.index.drain_evicted()
+        assert victims == expected_victims[: len(victims)], "eviction must follow LRU order"
+        for v in victims:
+            self.committed.discard(v)
+            self.recency.remove(v)
+        for key, slot in zip(keys, slots, strict=True):
+            if slot is not None:
+                assert slot.nbytes == nbytes and slot.offset % ALIGN == 0
+                assert not self.index.lookup([key])[0], "a reserved key must be invisible"
+                self.pending.append(key)
+
     def finish(self, pick: int, commit: bool) -> None:
         if not self.pending:
             return
@@ -175,7 +192,7 @@ class _IndexModel:
 
 
 # op weights: reserve and finish dominate so the arena fills and eviction, pins and deferred frees happen
-_OPS = ["reserve"] * 6 + ["finish"] * 5 + ["pin"] * 3 + ["unpin"] * 3 + ["lookup"] * 2 + ["remove"] * 2 + ["clear"]
+_OPS = ["reserve"] * 6 + ["reserve_many"] * 2 + ["finish"] * 5 + ["pin"] * 3 + ["unpin"] * 3 + ["lookup"] * 2 + ["remove"] * 2 + ["clear"]
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
@@ -193,6 +210,8 @@ def test_index_invariants_hold_under_random_calls(capacity_pages, marks, ops):
     for op, key, nbytes, dice in ops:
         if op == "reserve" and nbytes <= model.index.capacity_bytes:
             model.reserve(key, nbytes)
+        elif op == "reserve_many" and nbytes <= model.index.capacity_bytes:
+            model.reserve_many([key] + [KEYS[(KEYS.index(key) + j) % len(KEYS)] for j in (dice + 1, dice + 3)], nbytes)
         elif op == "finish":
             model.finish(nbytes, commit=dice != 0)
         elif op == "pin":
@@ -262,3 +281,24 @@ def test_remove_during_write_cancels_the_commit():
         index.commit("a")
     with pytest.raises(SlotStateError):
         index.unpin(["a"])
+
+
+def test_reserve_many_hands_out_adjacent_slots_when_a_run_is_free():
+    index = DramIndex(16 * 4096)
+    slots = index.reserve_many(["a", "b", "c", "d"], 5000)  # 2 pages each
+    assert [s.offset for s in slots] == [0, 8192, 16384, 24576]
+    for k in "abcd":
+        index.commit(k)
+    index.remove(["b"])  # each object is still freed on its own
+    assert index.stats()["used_bytes"] == 6 * 4096
+
+
+def test_reserve_many_falls_back_to_holes_when_no_run_is_long_enough():
+    index = _filled(8)
+    index.remove(["k0", "k2", "k4", "k6"])  # four one-page holes, no two adjacent
+    slots = index.reserve_many(["x", "y"], 4096)
+    assert None not in slots and len({s.offset for s in slots}) == 2
+    assert {s.offset for s in slots} <= {0, 2 * 4096, 4 * 4096, 6 * 4096}
+    assert index.stats()["evictions"] == 0  # contiguity never costs an eviction
+    with pytest.raises(SlotStateError):
+        index.reserve_many(["k1", "z"], 4096)  # a committed key: reserve()'s error

@@ -107,3 +107,35 @@ def test_digests_are_unsigned_psum64(engine) -> None:
     d = engine.save([Moves(1, [2], [4096])]).result()[0][0]
     ref = np.frombuffer(_reference(list(zip(geom.tensors, geom.block_dims)), 2), np.uint8)
     assert 0 <= d < 1 << 64 and d == checksum_u8(ref)
+
+
+def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from umbp.transfer import Moves
+    from umbp.transfer.kernel import KernelEngine, _plan_runs
+
+    geom = SimpleNamespace(object_bytes=60 << 10)
+
+    def batch(offsets, slot_bytes=None):
+        offs = np.asarray(offsets, np.int64)
+        return [(geom, Moves(0, [], [], None, slot_bytes), np.arange(offs.size), offs)]
+
+    def runs(b):
+        return len(_plan_runs(b)[1])
+
+    exact = batch(np.arange(64) * (60 << 10))  # 64 objects end to start: one run
+    padded = batch(np.arange(64) * (64 << 10), slot_bytes=64 << 10)  # 64 KiB slots, 60 KiB objects
+    gaps = batch(np.arange(64) * (64 << 10))  # the same, but the pads are not the slots' to write
+    assert runs(exact) == 1 and runs(padded) == 1 and runs(gaps) == 64
+    assert runs(batch(list(reversed(range(0, 64 * (60 << 10), 60 << 10))))) == 1  # order does not matter
+    pos, spans, total = _plan_runs(padded)
+    assert list(pos) == list(np.arange(64) * (64 << 10)) and spans == [(0, 0, 63 * (64 << 10) + (60 << 10))]
+    assert total % 16 == 0 and total >= spans[0][2]
+    path = KernelEngine._path
+    assert path(None, padded, "auto", 1 << 20) == "dma"
+    assert path(None, gaps, "auto", 1 << 20) == "zero-copy"
+    assert path(None, padded, "auto", 8 << 20) == "zero-copy"  # a run shorter than the bar
+    assert path(None, gaps, "dma", 1 << 20) == "dma"  # an explicit choice stands

@@ -91,9 +91,11 @@ def _plan(groups: L.Groups, rng: np.random.Generator, arena_bytes: int) -> list[
     sizes = {g: sum(_page(t, d, 0).numel() for t, d in layers) for g, layers in groups.items()}
     nslots = arena_bytes // SLOT
     free = list(rng.permutation(nslots))
-    if rng.random() < 0.5:  # slots in one run, as a fresh allocator hands them out (one DMA per run)
+    slot_bytes = None
+    if rng.random() < 0.5:  # slots in one run, as DramIndex.reserve_many hands them out (one DMA per run)
         span = max(-(-n // SLOT) for n in sizes.values())
         free = list(range(0, nslots - span, span))[::-1]
+        slot_bytes = span * SLOT  # each slot's pad is its own: runs are copied whole, pads included
     nblocks = min(t.shape[d] for layers in groups.values() for t, d in layers)
     pool = list(rng.permutation(nblocks))
     batch = []
@@ -110,7 +112,7 @@ def _plan(groups: L.Groups, rng: np.random.Generator, arena_bytes: int) -> list[
                 if s + span <= nslots:
                     break
             offs.append(s * SLOT)
-        batch.append(Moves(g, [int(i) for i in ids], offs))
+        batch.append(Moves(g, [int(i) for i in ids], offs, slot_bytes=slot_bytes))
     return _drop_overlaps(batch, sizes)
 
 
@@ -126,7 +128,7 @@ def _drop_overlaps(batch: list[Moves], sizes: dict[int, int]) -> list[Moves]:
                 ids.append(b)
                 offs.append(o)
         if ids:
-            out.append(Moves(m.group, ids, offs))
+            out.append(Moves(m.group, ids, offs, slot_bytes=m.slot_bytes))
     return out
 
 
@@ -151,7 +153,8 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     batch = _plan(groups, rng, arena.capacity_bytes)
     refs = {(m.group, b): _object(groups[m.group], b) for m in batch for b in m.block_ids}
 
-    # save: poisoned arena, then every slot byte, every digest, and nothing outside the slots
+    # save: poisoned arena, then every object byte, every digest, and nothing outside the slots (a slot's
+    # pad, up to slot_bytes, may change)
     arena.view(0, arena.capacity_bytes)[:] = rng.integers(0, 256, arena.capacity_bytes, dtype=np.uint8)
     before = arena.view(0, arena.capacity_bytes).copy()
     digests = engine.save(batch).result()
@@ -162,6 +165,8 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
             assert np.array_equal(after[o:o + ref.size], ref), f"slot bytes differ: {why} group={m.group} block={b}"
             assert d == checksum_u8(ref), f"digest differs: {why} group={m.group} block={b}"
             before[o:o + ref.size] = ref
+            reach = max(ref.size, m.slot_bytes or 0)
+            before[o + ref.size:o + reach] = after[o + ref.size:o + reach]
     assert np.array_equal(after, before), f"bytes outside the slots changed: {why}"
 
     # loads: unverified, then verified with one corrupted slot
@@ -175,7 +180,8 @@ def _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, 
         st.random_(0, 256)  # poison every byte of the KV cache
     snap = [st.clone() for st in storages]
     bad = None
-    moves = [Moves(m.group, m.block_ids, m.offsets, ds if verified else None) for m, ds in zip(batch, digests)]
+    moves = [Moves(m.group, m.block_ids, m.offsets, ds if verified else None, m.slot_bytes)
+             for m, ds in zip(batch, digests)]
     if verified:
         k = int(rng.integers(len(moves)))
         j = int(rng.integers(len(moves[k].block_ids)))

@@ -201,12 +201,42 @@ class DramIndex:
         self._reserved[key] = entry
         return entry.slot
 
-    def _allocate(self, npages: int) -> int | None:
+    def reserve_many(self, keys: Sequence[str], nbytes: int) -> list[Slot | None]:
+        """Slots for several new objects of one size, adjacent in the arena when one free run can take
+        them all after the usual watermark eviction (never evicting more just to get one): a run of
+        adjacent slots is one copy for the transfer engine's DMA path instead of one per object.
+        Otherwise exactly reserve() per key. Each slot is still committed, pinned and freed on its own."""
+        keys = list(keys)
+        simple = (len(keys) >= 2 and len(set(keys)) == len(keys) and type(nbytes) is int  # noqa: E721
+                  and 0 < nbytes <= self.capacity_bytes and all(self.state(k) == ABSENT for k in keys))
+        if not simple:  # reserve() gives each odd case its own answer or error
+            return [self.reserve(k, nbytes) for k in keys]
+        npages = -(-nbytes // self.alignment)
+        total = npages * len(keys)
+        start = None
+        if total <= self._alloc.free_pages + self._lru_pages:
+            self._make_room(total)
+            start = self._alloc.alloc(total)
+        if start is None:
+            return [self.reserve(k, nbytes) for k in keys]
+        out = []
+        for i, key in enumerate(keys):
+            first = start + i * npages
+            entry = _Entry(key, Slot(first * self.alignment, nbytes), first, npages)
+            self._reserved[key] = entry
+            out.append(entry.slot)
+        return out
+
+    def _make_room(self, npages: int) -> None:
+        """Past the high watermark, evict least-recently-used objects down to the low one."""
         used = self.npages - self._alloc.free_pages
         if used + npages > self._high_pages:
             target = max(self._low_pages - npages, 0)
             while self._lru and self.npages - self._alloc.free_pages > target:
                 self._evict_one()
+
+    def _allocate(self, npages: int) -> int | None:
+        self._make_room(npages)
         start = self._alloc.alloc(npages)
         while start is None and self._lru:
             self._evict_one()

@@ -5,7 +5,9 @@ Method: every figure is bytes of page payload over the wall time from the first 
 completion (host-side planning included), median of `--reps` after warm-up. A direction's payload
 (`--total-mib`) is cut into `--batches` batches submitted back to back, as the connector submits one
 batch per step while earlier ones still run. Blocks are drawn at random from a KV cache twice the
-payload, arena slots at random from an arena twice the payload (scattered both sides). Data is random.
+payload; arena slots either at random from an arena twice the payload ("scattered") or adjacent per
+batch ("slots in runs", what the scheduler's DramIndex.reserve_many hands out while the arena has long
+free runs). Data is random.
 The baseline is one `copy_` of a 1 GiB page-locked buffer per direction, and one per direction on two
 streams at once. A sample of objects is checked byte-for-byte and by digest on every layout.
 """
@@ -89,7 +91,8 @@ def baseline(reps: int, nbytes: int = GiB) -> dict[str, float]:
 class Case:
     """A layout with two disjoint random (blocks, slots) sets: one saved, one loaded, per run."""
 
-    def __init__(self, name: str, groups: dict, arena: Any, payload: int, batches: int, seed: int):
+    def __init__(self, name: str, groups: dict, arena: Any, payload: int, batches: int, seed: int,
+                 slots: str = "scattered"):
         import numpy as np
 
         self.name, self.groups, self.arena = name, groups, arena
@@ -99,7 +102,10 @@ class Case:
         nblocks = min(t.shape[d] for layers in groups.values() for t, d in layers)
         blocks = rng.permutation(nblocks)
         slot = max(sizes.values()) + 4095 & ~4095
-        slots = rng.permutation(arena.capacity_bytes // slot) * slot
+        nslots = arena.capacity_bytes // slot
+        # "runs": each batch's objects in adjacent slots, as DramIndex.reserve_many hands them out
+        self.slot_bytes = None if slots == "scattered" else slot  # runs: each slot's pad is its own
+        slots = (rng.permutation(nslots) if slots == "scattered" else np.arange(nslots)) * slot
         self.sets: list[list[list[Any]]] = []  # [save|load][batch] -> list of Moves
         need = 2 * per_group * len(groups)
         if need > min(blocks.size, slots.size):
@@ -118,7 +124,7 @@ class Case:
                 i += per_group
                 for k, (bb, ss) in enumerate(zip(_split(b, batches), _split(s, batches))):
                     if len(bb):
-                        cur[k].append(Moves(g, [int(x) for x in bb], [int(x) for x in ss]))
+                        cur[k].append(Moves(g, [int(x) for x in bb], [int(x) for x in ss], None, self.slot_bytes))
             self.sets.append([c for c in cur if c])
 
 
@@ -134,7 +140,7 @@ def _object_bytes(layers: list) -> int:
 def _with_digests(batches: list[list[Any]], digests: list[list[list[int]]]) -> list[list[Any]]:
     from umbp.transfer import Moves
 
-    return [[Moves(m.group, m.block_ids, m.offsets, ds) for m, ds in zip(batch, dig)]
+    return [[Moves(m.group, m.block_ids, m.offsets, ds, m.slot_bytes) for m, ds in zip(batch, dig)]
             for batch, dig in zip(batches, digests)]
 
 
@@ -225,6 +231,10 @@ def run(args: argparse.Namespace) -> int:
         rows += _page_rows(args, arena, page, payload, reps)
         torch.cuda.empty_cache()
     rows += _granite_rows(args, arena, payload, reps)
+    for page in (16 * KiB, 64 * KiB):
+        rows += _page_rows(args, arena, page, payload, reps, slots="runs")
+        torch.cuda.empty_cache()
+    rows += _granite_rows(args, arena, payload, reps, slots="runs")
     res["ctas_sweep"] = _sweep(args, arena, payload, reps)
     _write(args, res)
     print_table(res)
@@ -237,10 +247,12 @@ PATHS = {  # row label -> (backend, save path, load path); "both" of the mixed r
     "save zero-copy + load dma": ("kernel", "zero-copy", "dma"),
     "save dma + load zero-copy": ("kernel", "dma", "zero-copy"),
     "staged": ("staged", None, None),
+    "auto": ("kernel", "auto", "auto"),  # the engine's default choice, what the connector runs
 }
 MODES = {"zero-copy": ("save", "load", "load_verified", "both"), "dma": ("save", "load", "load_verified", "both"),
          "save zero-copy + load dma": ("both",), "save dma + load zero-copy": ("both",),
-         "staged": ("save", "load_verified")}
+         "staged": ("save", "load_verified"), "auto": ("save", "load", "load_verified", "both")}
+RUN_PATHS = ["zero-copy", "dma", "auto"]
 
 
 def _engine(arena: Any, groups: dict, path: str, ctas: int | None, **options: Any) -> Any:
@@ -265,22 +277,32 @@ def _rows_for(args: argparse.Namespace, case: Case, page: int, reps: int, paths:
     return rows
 
 
-def _page_rows(args: argparse.Namespace, arena: Any, page: int, payload: int, reps: int) -> list[dict]:
+def _page_rows(args: argparse.Namespace, arena: Any, page: int, payload: int, reps: int,
+               slots: str = "scattered") -> list[dict]:
     nobj = max(1, payload // (4 * page))
     groups = _layouts(page, 2 * nobj + 8, "cuda")
-    case = Case(f"attention kv-first {page // KiB} KiB", groups, arena, payload, args.batches, seed=page)
+    case = Case(f"attention kv-first {page // KiB} KiB" + _RUNS[slots], groups, arena, payload, args.batches,
+                seed=page, slots=slots)
+    if slots == "runs":
+        return _rows_for(args, case, page, reps, RUN_PATHS)
     paths = [p for p in PATHS if p != "staged" or (not args.no_staged and page in (16 * KiB, 1 * MiB))]
     return _rows_for(args, case, page, reps, paths)
 
 
-def _granite_rows(args: argparse.Namespace, arena: Any, payload: int, reps: int) -> list[dict]:
+_RUNS = {"scattered": "", "runs": ", slots in runs"}
+
+
+def _granite_rows(args: argparse.Namespace, arena: Any, payload: int, reps: int,
+                  slots: str = "scattered") -> list[dict]:
     from umbp.transfer import layouts as L
 
     s = L.granite_sizes()
     nobj = max(1, payload // (s["page_bytes"] * s["attention_layers"]))
     groups, _ = L.granite_hybrid(2 * nobj + 16, device="cuda")
-    case = Case("granite-4.0-h-350m hybrid, 8 groups", groups, arena, payload, args.batches, seed=7)
-    return _rows_for(args, case, s["page_bytes"], reps, [p for p in PATHS if p != "staged"])
+    case = Case("granite-4.0-h-350m hybrid" + _RUNS[slots], groups, arena, payload, args.batches, seed=7,
+                slots=slots)
+    paths = RUN_PATHS if slots == "runs" else [p for p in PATHS if p != "staged"]
+    return _rows_for(args, case, s["page_bytes"], reps, paths)
 
 
 def _sweep(args: argparse.Namespace, arena: Any, payload: int, reps: int) -> list[dict]:
@@ -324,17 +346,19 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
     base = res["baseline"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, color in (("zero-copy", "C0"), ("dma", "C1")):
-        kern = [r for r in res["rows"] if r["path"] == name and r["layout"].startswith("attention")]
+    for name, runs, color in (("zero-copy", False, "C0"), ("dma", False, "C1"), ("dma", True, "C2")):
+        kern = [r for r in res["rows"] if r["path"] == name and r["layout"].startswith("attention")
+                and ("slots in runs" in r["layout"]) == runs]
         x = [r["page"] // KiB for r in kern]
+        label = name + (", slots in runs" if runs else "")
         for mode, style in (("save", "o-"), ("load", "s--"), ("both", "D-.")):
-            ax.plot(x, [r[mode] for r in kern], style, color=color, label=f"{name} {mode}")
+            ax.plot(x, [r[mode] for r in kern], style, color=color, label=f"{label} {mode}")
     for key, ls in (("d2h", "--"), ("h2d", ":"), ("both", "-.")):
         ax.axhline(base[key], color="gray", ls=ls, lw=1, label=f"1 GiB pinned copy {key}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("page size per layer (KiB), FlashAttention layout, 4 layers per object")
     ax.set_ylabel("GB/s")
-    ax.set_title(f"{res['env']['gpu']}: scattered pages <-> page-locked arena")
+    ax.set_title(f"{res['env']['gpu']}: scattered GPU blocks <-> page-locked arena")
     ax.legend(fontsize=7)
     sw = [r for r in res["ctas_sweep"] if r["block"] == 1024 and r["num_warps"] == 4 and r["ctas"]]
     ax2.plot([r["ctas"] for r in sw], [r["save"] for r in sw], "o-", label="save (D2H)")
@@ -356,14 +380,14 @@ def print_table(res: dict[str, Any]) -> None:
     print("zero-copy kernel sweep at 16 KiB (ctas/BLOCKxwarps: save/load/both GB/s): " + "  ".join(
         f"{r['ctas'] or 'SMs'}/{r['block']}x{r['num_warps']}: {r['save']:.1f}/{r['load']:.1f}/{r['both']:.1f}"
         for r in res["ctas_sweep"]))
-    hdr = (f"{'layout':<36} {'object':>8} {'path':<26} {'save D2H':>13} {'load H2D':>13} {'load+verify':>13} "
+    hdr = (f"{'layout':<46} {'object':>8} {'path':<26} {'save D2H':>13} {'load H2D':>13} {'load+verify':>13} "
            f"{'both':>13} ok")
     print(hdr)
     print("-" * len(hdr))
     for r in res["rows"]:
         cells = [_cell(r.get("save"), base["d2h"]), _cell(r.get("load"), base["h2d"]),
                  _cell(r.get("load_verified"), base["h2d"]), _cell(r.get("both"), base["both"])]
-        print(f"{r['layout']:<36} {_size(r['object_bytes']):>8} {r['path']:<26} " + " ".join(f"{c:>13}" for c in cells)
+        print(f"{r['layout']:<46} {_size(r['object_bytes']):>8} {r['path']:<26} " + " ".join(f"{c:>13}" for c in cells)
               + f" {'yes' if r.get('sample_ok') else 'NO'}")
     print("cells: GB/s (ratio to the pinned copy of the same direction; 'both' to both-at-once). "
           f"Targets: >= {TARGET_RATIO} per direction at 16-64 KiB, >= {TARGET_BOTH:.0f} GB/s both.")

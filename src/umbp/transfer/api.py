@@ -25,12 +25,16 @@ from umbp.transfer.geometry import PIECE_BYTES, GroupGeometry
 @dataclass(frozen=True)
 class Moves:
     """One group's share of a batch: object i is block `block_ids[i]` <-> arena slot `offsets[i]`.
-    `digests` (loads only): the psum64 recorded at save time, one per object; None loads unchecked."""
+    `digests` (loads only): the psum64 recorded at save time, one per object; None loads unchecked.
+    `slot_bytes`: how far each slot reaches (>= the object; DramIndex slots are whole pages, and the
+    scheduler may reserve a padded page size). A save may overwrite a slot's bytes past its object, which
+    lets slots that touch end to start form one run, copied in one piece. None: the object's bytes only."""
 
     group: int
     block_ids: Sequence[int]
     offsets: Sequence[int]
     digests: Sequence[int] | None = None
+    slot_bytes: int | None = None
 
 
 class Handle:
@@ -119,17 +123,26 @@ class TransferEngine:
             if ids.size != offs.size or (m.digests is not None and len(m.digests) != ids.size):
                 raise ValueError("umbp: block_ids, offsets (and digests) of a Moves must have one entry per object")
             geom.check_blocks(ids)
-            if offs.size and (offs.min() < 0 or offs.max() + geom.object_bytes > self.arena.capacity_bytes
+            if m.slot_bytes is not None and m.slot_bytes < geom.object_bytes:
+                raise ValueError(f"umbp: slot_bytes {m.slot_bytes} is smaller than group {m.group}'s objects "
+                                 f"({geom.object_bytes} bytes)")
+            reach = slot_reach(geom.object_bytes, m)
+            if offs.size and (offs.min() < 0 or offs.max() + reach > self.arena.capacity_bytes
                               or np.any(offs % 8)):
                 raise ValueError("umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch")
             if load and np.unique(ids).size != ids.size:
                 raise ValueError(f"umbp: a load writes block ids of group {m.group} twice")
             starts.append(offs)
-            ends.append(offs + geom.object_bytes)
+            ends.append(offs + reach)
             out.append((geom, m, ids, offs))
         _check_disjoint(np.concatenate(starts) if starts else np.zeros(0, np.int64),
                         np.concatenate(ends) if ends else np.zeros(0, np.int64), load)
         return out
+
+
+def slot_reach(object_bytes: int, moves: Moves) -> int:
+    """Bytes of the arena one slot of these moves spans (see Moves.slot_bytes)."""
+    return object_bytes if moves.slot_bytes is None else max(object_bytes, int(moves.slot_bytes))
 
 
 def _check_disjoint(starts: np.ndarray, ends: np.ndarray, load: bool) -> None:

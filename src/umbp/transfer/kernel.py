@@ -8,8 +8,9 @@ load:  arena slots --kernel--> KV pages                                       (n
 
 Two ways to cross PCIe (`save_path` / `load_path`): "zero-copy" (the kernel reads/writes the mapped arena
 directly; any object size) and "dma" (kernel between KV pages and contiguous device staging, then one
-copy-engine copy per run of adjacent arena slots; good for large objects or slots in runs). Defaults,
-from the H200 measurements in docs/transfer.md: saves zero-copy, loads "auto" (DMA from 1 MiB objects).
+copy-engine copy per run of adjacent arena slots; good for large objects or slots in runs). Default
+"auto" picks by the batch's bytes per run of adjacent slots (thresholds from the H200 measurements in
+docs/transfer.md).
 
 Nothing waits on the host until the caller asks (`Handle.done()` polls an event). Verified loads stage
 through device memory (at most `max_staging_bytes` per round) so that a slot whose bytes do not match its
@@ -27,7 +28,7 @@ import torch
 
 from umbp.pool import Arena
 from umbp.pool.psum import ROW_BYTES, _weights
-from umbp.transfer.api import Handle, Moves, TransferEngine, digest_mix
+from umbp.transfer.api import Handle, Moves, TransferEngine, digest_mix, slot_reach
 from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.staged import Batch, staged_load, staged_save
 
@@ -68,8 +69,8 @@ class KernelEngine(TransferEngine):
 
     def __init__(self, arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
                  piece_bytes: int = PIECE_BYTES, ctas: int | None = None, block: int = 1024,
-                 num_warps: int = 4, max_staging_bytes: int = 256 << 20, save_path: str = "zero-copy",
-                 load_path: str = "auto", dma_min_object_bytes: int = 1 << 20):
+                 num_warps: int = 4, max_staging_bytes: int = 256 << 20, save_path: str = "auto",
+                 load_path: str = "auto", dma_min_run_bytes: int = 4 << 20):
         super().__init__(arena, groups, piece_bytes)
         cuda = self.device.type == "cuda"
         if cuda and not arena.pinned:
@@ -84,7 +85,9 @@ class KernelEngine(TransferEngine):
         for p in (save_path, load_path):
             if p not in ("auto", "zero-copy", "dma"):
                 raise ValueError(f"umbp: transfer path must be 'auto', 'zero-copy' or 'dma', got {p!r}")
-        self.save_path, self.load_path, self.dma_min_object_bytes = save_path, load_path, dma_min_object_bytes
+        self.save_path, self.load_path = save_path, load_path
+        self.dma_min_run_bytes = dma_min_run_bytes  # one bar for both ways: mixing DMA one way with SM
+        # traffic the other way ran at half the copy engines' both-ways rate (docs/transfer.md)
         self.ctas = ctas or (torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4)
         self.arena_base = self.arena_tensor.data_ptr()
         self.align = {g: geom.alignment() for g, geom in self.groups.items()}
@@ -108,7 +111,7 @@ class KernelEngine(TransferEngine):
             return staged_save(self.arena, self.device, batch)
         keep: list[torch.Tensor] = []
         with self._on(SAVE):
-            if self._path(batch, self.save_path) == "zero-copy":
+            if self._path(batch, self.save_path, self.dma_min_run_bytes) == "zero-copy":
                 digests = self._save_zero_copy(batch, keep)
             else:
                 digests = torch.cat([self._save_dma(r, keep) for r in self._rounds(batch)])
@@ -139,7 +142,7 @@ class KernelEngine(TransferEngine):
             self.synchronize()
             return staged_load(self.arena, self.device, batch)
         keep: list[torch.Tensor] = []
-        dma = self._path(batch, self.load_path) == "dma"
+        dma = self._path(batch, self.load_path, self.dma_min_run_bytes) == "dma"
         with self._on(LOAD):
             if not dma and all(m.digests is None for _g, m, _i, _o in batch):
                 oks = [self._load_direct(batch, keep)]
@@ -182,44 +185,40 @@ class KernelEngine(TransferEngine):
         return ((got == self._upload(expect)) | self._upload(unchecked)).to(torch.int8)
 
     def _staging(self, batch: Batch) -> tuple[torch.Tensor, list[np.ndarray], list[tuple[int, int, int]]]:
-        """A device staging buffer with one row per object, rows ordered by arena offset so that adjacent
-        slots become one copy. Returns (16-byte aligned uint8 buffer, per-Moves row addresses, copy runs
-        as (arena offset, staging offset, bytes))."""
-        sizes = np.concatenate([np.full(ids.size, g.object_bytes, np.int64) for g, _m, ids, _o in batch])
-        offs = np.concatenate([o for _g, _m, _i, o in batch])
-        order = np.argsort(offs, kind="stable")
-        ends = np.cumsum(sizes[order])
-        pos = np.empty_like(sizes)
-        pos[order] = ends - sizes[order]
-        raw = torch.empty(int(ends[-1]) + 16, dtype=torch.uint8, device=self.device)
+        """A device staging buffer laid out like the batch's runs of adjacent arena slots (pads between
+        objects included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, per-Moves
+        row addresses, copy runs as (arena offset, staging offset, bytes))."""
+        pos, runs, total = _plan_runs(batch)
+        raw = torch.empty(total + 16, dtype=torch.uint8, device=self.device)
         stg = raw[(-raw.data_ptr()) % 16:]
-        so, ss = offs[order], sizes[order]
-        cut = np.flatnonzero(so[1:] != so[:-1] + ss[:-1]) + 1
-        first, last = np.concatenate([[0], cut]), np.concatenate([cut, [so.size]])
-        runs = [(int(so[f]), int(ends[f] - ss[f]), int(ends[e - 1] - ends[f] + ss[f])) for f, e in zip(first, last)]
         rows = np.split(stg.data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
         return stg, list(rows), runs
 
-    def _path(self, batch: Batch, choice: str) -> str:
-        """'auto': the copy engines when objects average >= dma_min_object_bytes (one DMA per object costs
-        ~10 us, so below ~1 MiB it is launch-bound: 8.8 GB/s at 64 KiB objects on the H200), else zero-copy.
-        Saves default to zero-copy: it beat DMA at every object size measured (docs/transfer.md)."""
+    def _path(self, batch: Batch, choice: str, min_run_bytes: int) -> str:
+        """'auto': the copy engines when the batch's arena slots form runs of adjacent slots averaging
+        >= min_run_bytes (each run is one DMA of ~10 us fixed cost: one per 64 KiB object runs at 8.8 GB/s
+        on the H200, one per multi-MiB run at the copy engine's rate), else zero-copy (SM-issued PCIe
+        traffic, ~0.9 of a copy engine whatever the object size). Slots come in runs when the index hands
+        them out together (DramIndex.reserve_many). Thresholds: docs/transfer.md."""
         if choice != "auto":
             return choice
         nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
-        nobj = sum(ids.size for _g, _m, ids, _o in batch)
-        return "dma" if nbytes >= self.dma_min_object_bytes * nobj else "zero-copy"
+        if nbytes < min_run_bytes:
+            return "zero-copy"
+        return "dma" if nbytes >= min_run_bytes * _sorted_runs(batch)[0].size else "zero-copy"
 
     def _rounds(self, batch: Batch) -> list[Batch]:
         """Cut the batch, in order, into rounds whose staging fits max_staging_bytes."""
         rounds: list[Batch] = [[]]
         used = 0
         for geom, m, ids, offs in batch:
-            per = max(1, self.max_staging_bytes // geom.object_bytes)
+            reach = slot_reach(geom.object_bytes, m)
+            per = max(1, self.max_staging_bytes // reach)
             for s in range(0, ids.size, per):
                 digests = None if m.digests is None else list(m.digests)[s:s + per]
-                part = (geom, Moves(m.group, ids[s:s + per], offs[s:s + per], digests), ids[s:s + per], offs[s:s + per])
-                size = part[2].size * geom.object_bytes
+                part = (geom, Moves(m.group, ids[s:s + per], offs[s:s + per], digests, m.slot_bytes),
+                        ids[s:s + per], offs[s:s + per])
+                size = part[2].size * reach
                 if rounds[-1] and used + size > self.max_staging_bytes:
                     rounds.append([])
                     used = 0
@@ -291,3 +290,29 @@ class KernelEngine(TransferEngine):
         event = torch.cuda.Event()
         event.record()
         return DeviceHandle(sizes, event, host, keep, as_bool)
+
+
+def _sorted_runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(first and last index of each run, in offset order; the order; sorted offsets; sorted sizes)."""
+    offs = np.concatenate([o for _g, _m, _i, o in batch])
+    size = np.concatenate([np.full(ids.size, g.object_bytes, np.int64) for g, _m, ids, _o in batch])
+    reach = np.concatenate([np.full(ids.size, slot_reach(g.object_bytes, m), np.int64) for g, m, ids, _o in batch])
+    order = np.argsort(offs, kind="stable")
+    so, sr, ss = offs[order], reach[order], size[order]
+    cut = np.flatnonzero(so[1:] != so[:-1] + sr[:-1]) + 1
+    return np.concatenate([[0], cut]), np.concatenate([cut, [so.size]]) - 1, order, so, ss
+
+
+def _plan_runs(batch: Batch) -> tuple[np.ndarray, list[tuple[int, int, int]], int]:
+    """Objects sorted by arena offset and cut into runs where one slot ends exactly where the next
+    begins (a slot reaches its Moves' slot_bytes). Returns (each object's staging offset, in batch order;
+    runs as (arena offset, staging offset, bytes), the last object's pad left out; staging bytes)."""
+    first, last, order, so, ss = _sorted_runs(batch)
+    start, length = so[first], so[last] + ss[last] - so[first]
+    padded = (length + 15) // 16 * 16  # keep every run's staging 16-byte aligned (the kernel's wide path)
+    base = np.cumsum(padded) - padded
+    run_of = np.repeat(np.arange(first.size), last - first + 1)
+    pos = np.empty_like(so)
+    pos[order] = base[run_of] + so - start[run_of]
+    runs = [(int(a), int(b), int(n)) for a, b, n in zip(start, base, length)]
+    return pos, runs, int(padded.sum())

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 GIB = 1 << 30
+ARENA_PAGE = 4096  # the scheduler's slot granularity: a slot spans whole pages, its pad is its own
 
 
 class ConfigError(ValueError):

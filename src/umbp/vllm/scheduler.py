@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from umbp.hybrid import RequestStorePlanner, StorePlan, explain, longest_hit
 from umbp.identity import object_key
 from umbp.pool import DramIndex
-from umbp.vllm.config import UMBPConfig
+from umbp.vllm.config import ARENA_PAGE, UMBPConfig
 from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.stats import UMBPStats
@@ -70,7 +70,8 @@ class SchedulerSide:
         self.cfg = cfg
         self.layout = layout
         self.block_pool = block_pool
-        self.index = DramIndex(cfg.dram_bytes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark)
+        self.index = DramIndex(cfg.dram_bytes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+                               alignment=ARENA_PAGE)
         self.rank_tags = {r.tag() for r in layout.ranks}
         self.requests: dict[str, TrackedRequest] = {}
         self.loads: dict[str, PendingLoad] = {}
@@ -282,21 +283,27 @@ class SchedulerSide:
             self.queue_saves(request, plans)
 
     def queue_saves(self, request, plans: Sequence[StorePlan]) -> None:
-        by_group: dict[int, tuple[list[PageMove], list[str]]] = {}
+        """One save job per group. A group's slots are reserved together, adjacent when the arena has a
+        long enough free run: the workers then copy each run in one piece."""
+        wanted: dict[int, dict[str, StorePlan]] = {}
         for plan in plans:
             key = self.key(plan.group, request, plan.key_end)
             if key in self.in_flight_keys or key in self.ssd_keys or self.index.lookup([key])[0]:
                 continue
-            nbytes = self.layout.object_bytes[plan.group]
-            slot = self.index.reserve(key, nbytes)
-            if slot is None:
-                self.count("saves_dropped_no_space")
-                continue
-            self.in_flight_keys.add(key)
-            prefix_hash = request.block_hashes[plan.key_end // self.layout.unit - 1]
-            moves, keys = by_group.setdefault(plan.group, ([], []))
-            moves.append(PageMove(plan.block_id, slot.offset, nbytes, prefix_hash))
-            keys.append(key)
+            wanted.setdefault(plan.group, {}).setdefault(key, plan)
+        by_group: dict[int, tuple[list[PageMove], list[str]]] = {}
+        for group, plan_of in sorted(wanted.items()):
+            nbytes = self.layout.object_bytes[group]
+            slots = self.index.reserve_many(list(plan_of), nbytes)
+            for (key, plan), slot in zip(plan_of.items(), slots):
+                if slot is None:
+                    self.count("saves_dropped_no_space")
+                    continue
+                self.in_flight_keys.add(key)
+                prefix_hash = request.block_hashes[plan.key_end // self.layout.unit - 1]
+                moves, keys = by_group.setdefault(group, ([], []))
+                moves.append(PageMove(plan.block_id, slot.offset, nbytes, prefix_hash))
+                keys.append(key)
         self._count_evictions()
         for group, (moves, keys) in sorted(by_group.items()):
             job = SaveJob(next(self.job_ids), group, moves, ssd=bool(self.cfg.ssd_dirs))

@@ -18,7 +18,7 @@ import torch
 from umbp.identity import RankCoord, object_key
 from umbp.pool import Arena
 from umbp.transfer import Handle, Moves, make_engine
-from umbp.vllm.config import UMBPConfig
+from umbp.vllm.config import ARENA_PAGE, UMBPConfig
 from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.pages import GroupPages, group_pages
@@ -74,6 +74,12 @@ class PendingLoad:
         ids.append(block_id)
         offs.append(offset)
         digs.append(digest)
+
+
+def slot_span(nbytes: int) -> int:
+    """How far a slot the scheduler reserved for nbytes reaches: whole arena pages, pad included. Slots
+    reserved together touch end to start, and the transfer engine copies such a run in one piece."""
+    return -(-nbytes // ARENA_PAGE) * ARENA_PAGE
 
 
 class WorkerSide:
@@ -165,7 +171,8 @@ class WorkerSide:
             raise ValueError(f"umbp: page of {nbytes} bytes exceeds its slot of {job.moves[0].nbytes}")
         for move in job.moves:
             self.slots.pop(move.offset, None)  # being rewritten: invalid until the copy is done
-        moves = Moves(job.group, [m.block_id for m in job.moves], [m.offset for m in job.moves])
+        moves = Moves(job.group, [m.block_id for m in job.moves], [m.offset for m in job.moves],
+                      slot_bytes=slot_span(max(m.nbytes for m in job.moves)))
         handle = self.engine.save([moves])  # one bulk gather + copy, checksummed
         return PendingSave(job, handle, self.polls)
 
@@ -308,7 +315,7 @@ class WorkerSide:
             data = torch.stack([d for _, d in rows])
             self.groups[group].scatter([b for b, _ in rows], data)
             self.count("loaded_bytes", data.numel())
-        batch = [Moves(g, ids, offs, digs if self.cfg.checksum else None)
+        batch = [Moves(g, ids, offs, digs if self.cfg.checksum else None, slot_span(self.layout.object_bytes[g]))
                  for g, (ids, offs, digs) in sorted(task.slotted.items())]
         task.batch = batch
         task.handle = self.engine.load(batch) if batch else None
