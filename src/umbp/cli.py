@@ -19,6 +19,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("demo",): ("umbp.tools.demo", "the seed's hybrid restore on real vLLM (tiny random-weight model)"),
     ("explain",): ("umbp.tools.explain", "why did a hybrid restore stop at T?"),
     ("replay",): ("umbp.tools.replay", "agentic traces on vLLM's real scheduler with umbp vs an oracle (no model)"),
+    ("stats",): ("umbp.tools.stats", "what umbp's SSD and shared tiers hold; a running vLLM's umbp counters"),
 }
 
 

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -693,6 +693,48 @@ class RedisTier(Pool):
         if not startswith:
             return esc(self.config.key_prefix) + "*"
         return f"{esc(self.config.key_prefix)}{tag}[dm]:{esc(startswith)}*"
+
+    def scan_objects(self, startswith: str = "", sizes: bool = True, limit: int | None = None,
+                     batch: int = 1000) -> Iterator[tuple[str, int | None]]:
+        """(umbp key, stored value bytes or None) of every visible object (marker key present) on every
+        master, for operators (`umbp stats`); SCAN, so the server keeps serving. With sizes, one pipelined
+        STRLEN per `batch` keys; a value of 0 bytes means its marker has no value (healed on next put).
+        Stops after `limit` objects. Network errors raise: this is a tool, not the serving path."""
+        marker = _glob_escape(self.config.key_prefix) + ("{*}" if isinstance(self._backend, Cluster) else "")
+        pattern = f"{marker}m:{_glob_escape(startswith)}*"
+        seen = 0
+        for client in self._backend.primaries():
+            names: list[bytes] = []
+            for name in client.scan_iter(match=pattern, count=batch):
+                names.append(name)
+                if len(names) == batch:
+                    yield from self._sized(client, names, sizes)
+                    seen += len(names)
+                    names = []
+                    if limit is not None and seen >= limit:
+                        return
+            yield from self._sized(client, names, sizes)
+            seen += len(names)
+            if limit is not None and seen >= limit:
+                return
+
+    def _sized(self, client: redis.Redis, names: list[bytes], sizes: bool) -> Iterator[tuple[str, int | None]]:
+        split = [self._split_marker(n) for n in names]  # (everything before "m:", the umbp key)
+        lengths: list[int | None] = [None] * len(names)
+        if sizes and names:
+            pipe = client.pipeline(transaction=False)
+            for head, key in split:
+                pipe.strlen(head + b"d:" + key)
+            lengths = pipe.execute()
+        for (_, key), n in zip(split, lengths, strict=True):
+            yield key.decode(errors="replace"), n
+
+    def _split_marker(self, name: bytes) -> tuple[bytes, bytes]:
+        """`<prefix>[{tag}]m:<key>` -> (`<prefix>[{tag}]`, `<key>`)."""
+        at = len(self.config.key_prefix.encode())
+        if name[at:at + 1] == b"{":
+            at = name.index(b"}", at) + 1
+        return name[:at], name[at + 2:]
 
     # ---- stats / lifecycle ---------------------------------------------------------------------------
 

@@ -1,0 +1,246 @@
+"""`umbp stats`: what umbp's tiers hold, and what a running vLLM's connector has done.
+
+    umbp stats --ssd /mnt/nvme/umbp                      # every <namespace>/<rank> directory (read-only)
+    umbp stats --remote redis://127.0.0.1:6379/0         # the shared tier (SCAN: the server keeps serving)
+    umbp stats --metrics http://127.0.0.1:8000/metrics   # a running vLLM's vllm:umbp_* counters
+    umbp stats ... --json                                # the same, machine-readable
+
+Why per namespace and rank: a restore needs every rank's shard of an object, so "complete" objects (held
+by every rank found for that namespace) are what a restarted or second engine can actually restore.
+Nothing here takes the SSD tier's lock or writes anything, so it is safe beside a running vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from umbp.identity import parse_key
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+_NAMESPACE = re.compile(r"^[0-9a-f]{32}$")
+_METRIC = re.compile(r"^(vllm:umbp_[A-Za-z0-9_]+?)(?:_total)?(?:\{[^}]*\})?\s+(\S+)\s*$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ssd", action="append", default=[], metavar="DIR",
+                        help="an ssd_dirs entry of the connector's config (repeatable)")
+    parser.add_argument("--remote", default=None, metavar="URL|JSON",
+                        help="the shared tier: a redis:// URL or the connector's remote options as JSON")
+    parser.add_argument("--metrics", default=None, metavar="URL", help="a vLLM /metrics endpoint")
+    parser.add_argument("--no-sizes", action="store_true", help="remote: count objects only (no STRLEN)")
+    parser.add_argument("--max-keys", type=int, default=1_000_000, help="remote: stop after this many objects")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+@dataclass
+class Shard:
+    """One rank's share of one namespace in one tier."""
+
+    namespace: str
+    rank: str
+    objects: int = 0
+    payload_bytes: int = 0
+    groups: Counter = field(default_factory=Counter)
+    boundaries: set = field(default_factory=set, repr=False)  # (group, prefix hash): for "complete"
+    segments: int = 0
+    disk_bytes: int = 0
+    markers_without_value: int = 0
+
+    def add(self, group: int, prefix_hash: bytes, nbytes: int) -> None:
+        self.objects += 1
+        self.payload_bytes += nbytes
+        self.groups[group] += 1
+        self.boundaries.add((group, prefix_hash))
+
+
+@dataclass
+class TierReport:
+    tier: str  # "ssd <dir>" | "remote <url>"
+    shards: list[Shard] = field(default_factory=list)
+    foreign: int = 0  # records/keys that are not umbp object keys
+    notes: list[str] = field(default_factory=list)
+
+    def complete(self) -> dict[str, tuple[int, int]]:
+        """namespace -> (objects every rank found holds, ranks found)."""
+        out = {}
+        for ns in sorted({s.namespace for s in self.shards}):
+            shards = [s for s in self.shards if s.namespace == ns]
+            both = set.intersection(*(s.boundaries for s in shards))
+            out[ns] = (len(both), len(shards))
+        return out
+
+
+# ---- collection ---------------------------------------------------------------------------------------
+
+
+def ssd_report(base: str) -> TierReport:
+    from umbp.pool.ssd_format import scan
+
+    if not os.path.isdir(base):
+        raise StatsError(f"umbp stats: {base} is not a directory; pass an ssd_dirs entry of the connector's "
+                         "kv_connector_extra_config")
+    report = TierReport(f"ssd {base}")
+    for ns in sorted(os.listdir(base)):
+        if not _NAMESPACE.match(ns) or not os.path.isdir(os.path.join(base, ns)):
+            continue
+        for rank in sorted(os.listdir(os.path.join(base, ns))):
+            path = os.path.join(base, ns, rank)
+            if not os.path.isdir(path):
+                continue
+            found = scan(path)
+            shard = Shard(ns, rank.replace("-", ":"), segments=len(found.segments),
+                          disk_bytes=sum(s.size for s in found.segments))
+            for key, rec in found.records.items():
+                parsed = _parse(key)
+                if parsed is None:
+                    report.foreign += 1
+                else:
+                    shard.add(parsed.group, parsed.prefix_hash, rec.length)
+            report.notes += [f"{ns}/{rank}: discarded {d}" for d in found.discarded]
+            report.shards.append(shard)
+    if not report.shards:
+        report.notes.append("no <namespace>/<rank> directories here (nothing stored yet?)")
+    return report
+
+
+def remote_report(spec: str, sizes: bool, max_keys: int) -> TierReport:
+    import redis
+
+    from umbp.pool.remote import RedisTier
+    from umbp.pool.remote_config import redact_url
+    from umbp.pool.remote_format import HEADER_SIZE
+
+    options = json.loads(spec) if spec.lstrip().startswith("{") else {"url": spec}
+    tier = RedisTier.from_options(options)
+    name = redact_url(options["url"]) if "url" in options else ",".join(map(redact_url, options.get("urls", [])))
+    report = TierReport(f"remote {name}")
+    shards: dict[tuple[str, str], Shard] = {}
+    seen = 0
+    try:
+        for key, length in tier.scan_objects(sizes=sizes, limit=max_keys):
+            seen += 1
+            parsed = _parse(key)
+            if parsed is None:
+                report.foreign += 1
+                continue
+            shard = shards.setdefault((parsed.namespace, parsed.rank.tag()), Shard(parsed.namespace, parsed.rank.tag()))
+            if length == 0:
+                shard.markers_without_value += 1
+                continue
+            shard.add(parsed.group, parsed.prefix_hash, max(0, (length or HEADER_SIZE) - HEADER_SIZE))
+    except (redis.RedisError, OSError) as exc:
+        raise StatsError(f"umbp stats: cannot read {name}: {exc}; is the server up and the URL right?") from None
+    finally:
+        tier.close()
+    report.shards = [shards[k] for k in sorted(shards)]
+    if seen >= max_keys:
+        report.notes.append(f"stopped after {max_keys} objects (--max-keys)")
+    if not sizes:
+        report.notes.append("sizes not read (--no-sizes)")
+    return report
+
+
+def metrics_report(url: str) -> dict[str, float]:
+    """Every vllm:umbp_* counter, summed over label sets (engines, models)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - an operator-given URL
+            text = resp.read().decode()
+    except OSError as exc:
+        raise StatsError(f"umbp stats: cannot read {url}: {exc}; is vLLM running with --kv-transfer-config "
+                         "UMBPConnector, and is this its /metrics URL?") from None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m and not m.group(1).endswith("_created"):
+            name = m.group(1).removeprefix("vllm:umbp_")
+            out[name] = out.get(name, 0.0) + float(m.group(2))
+    return dict(sorted(out.items()))
+
+
+class StatsError(Exception):
+    pass
+
+
+def _parse(key: str):
+    try:
+        return parse_key(key)
+    except ValueError:
+        return None
+
+
+# ---- output -------------------------------------------------------------------------------------------
+
+
+def _size(n: int) -> str:
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if n >= unit:
+            return f"{n / unit:.1f} {name}"
+    return f"{n} B"
+
+
+def print_tier(report: TierReport) -> None:
+    print(report.tier)
+    for s in report.shards:
+        groups = ", ".join(f"g{g} {n}" for g, n in sorted(s.groups.items()))
+        line = (f"  {s.namespace}  {s.rank:<22} {s.objects:>9,} objects ({groups or '-'})  "
+                f"payload {_size(s.payload_bytes)}")
+        if report.tier.startswith("ssd"):
+            line += f"  {s.segments} segments, {_size(s.disk_bytes)} on disk"
+        if s.markers_without_value:
+            line += f"  {s.markers_without_value} markers without a value"
+        print(line)
+    for ns, (n, ranks) in report.complete().items():
+        print(f"  {ns}  complete on all {ranks} rank(s) found: {n:,} objects")
+    if report.foreign:
+        print(f"  {report.foreign} entries that are not umbp object keys (ignored)")
+    for note in report.notes:
+        print(f"  note: {note}")
+
+
+def _jsonable(report: TierReport) -> dict[str, Any]:
+    shards = []
+    for s in report.shards:
+        d = asdict(s)
+        d.pop("boundaries")
+        d["groups"] = {f"g{g}": n for g, n in sorted(s.groups.items())}
+        shards.append(d)
+    complete = {ns: {"objects": n, "ranks": r} for ns, (n, r) in report.complete().items()}
+    return {"tier": report.tier, "shards": shards, "complete": complete, "foreign": report.foreign,
+            "notes": report.notes}
+
+
+def run(args: argparse.Namespace) -> int:
+    if not (args.ssd or args.remote or args.metrics):
+        print("umbp stats: nothing to inspect; give --ssd DIR, --remote URL and/or --metrics URL", file=sys.stderr)
+        return 2
+    try:
+        tiers = [ssd_report(d) for d in args.ssd]
+        if args.remote:
+            tiers.append(remote_report(args.remote, not args.no_sizes, args.max_keys))
+        metrics = metrics_report(args.metrics) if args.metrics else None
+    except StatsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.json:
+        out: dict[str, Any] = {"tiers": [_jsonable(t) for t in tiers]}
+        if metrics is not None:
+            out["metrics"] = metrics
+        print(json.dumps(out, indent=1))
+        return 0
+    for t in tiers:
+        print_tier(t)
+    if metrics is not None:
+        print(f"vLLM {args.metrics}: umbp counters since start (summed over engines)")
+        for name, value in metrics.items():
+            print(f"  {name:<28} {value:>16,.0f}")
+        if not metrics:
+            print("  none: is the connector UMBPConnector, and has vLLM served a request yet?")
+    return 0

@@ -1,0 +1,129 @@
+"""`umbp stats` on real tiers: SSD rank directories written by SsdTier, a real redis-server on 127.0.0.1,
+and a /metrics endpoint served on 127.0.0.1 in the Prometheus text format vLLM exposes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from redis_servers import require_redis, start_server  # noqa: E402
+from umbp.cli import main  # noqa: E402
+from umbp.identity import RankCoord, object_key  # noqa: E402
+from umbp.pool.ssd import SsdTier  # noqa: E402
+from umbp.vllm.tiers import rank_dir  # noqa: E402
+
+NS = "0123456789abcdef0123456789abcdef"
+R0, R1 = RankCoord(tp=0), RankCoord(tp=1)
+
+
+def _objects(rank: RankCoord, spec: dict[int, int], size: int = 10_000) -> tuple[list[str], list[np.ndarray]]:
+    keys, bufs = [], []
+    for group, n in spec.items():
+        for i in range(n):
+            keys.append(object_key(NS, rank, group, bytes([i + 1]) * 32))
+            bufs.append(np.full(size, i, np.uint8))
+    return keys, bufs
+
+
+def _stats(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["stats", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_ssd_rank_directories(tmp_path, capsys):
+    base = str(tmp_path / "ssd")
+    for rank, spec in ((R0, {0: 3, 1: 2}), (R1, {0: 2})):  # rank 1 lacks one g0 object and every g1
+        tier = SsdTier(rank_dir(base, NS, rank), 64 << 20)
+        assert all(tier.put(*_objects(rank, spec)))
+        assert tier.flush(30)
+        tier.close()
+    rc, out, _ = _stats(capsys, "--ssd", base, "--json")
+    assert rc == 0
+    (report,) = json.loads(out)["tiers"]
+    shards = {s["rank"]: s for s in report["shards"]}
+    assert shards["tp0:pcp0:dcp0:pp0"]["objects"] == 5 and shards["tp0:pcp0:dcp0:pp0"]["groups"] == {"g0": 3, "g1": 2}
+    assert shards["tp1:pcp0:dcp0:pp0"]["payload_bytes"] == 2 * 10_000
+    assert all(s["segments"] >= 1 and s["disk_bytes"] > s["payload_bytes"] for s in shards.values())
+    assert report["complete"] == {NS: {"objects": 2, "ranks": 2}}
+    rc, out, _ = _stats(capsys, "--ssd", base)
+    assert rc == 0 and "complete on all 2 rank(s) found: 2 objects" in out and "g0 3, g1 2" in out
+
+
+def test_missing_ssd_directory_is_one_clear_error(tmp_path, capsys):
+    rc, out, err = _stats(capsys, "--ssd", str(tmp_path / "nope"))
+    assert rc == 2 and "is not a directory" in err and out == ""
+    rc, _, err = _stats(capsys)
+    assert rc == 2 and "nothing to inspect" in err
+
+
+def test_remote_tier(tmp_path, capsys):
+    require_redis()
+    from umbp.pool.remote import RedisTier
+
+    server = start_server(tmp_path / "redis")
+    try:
+        tier = RedisTier.from_options({"url": server.url})
+        for rank, spec in ((R0, {0: 4, 1: 1}), (R1, {0: 4, 1: 1})):
+            assert all(tier.put(*_objects(rank, spec, size=5000)))
+        tier.close()
+        raw = server.client()
+        raw.set("umbp:m:" + object_key(NS, R0, 2, b"\x09" * 32), b"1")  # a marker whose value is gone
+        raw.set("umbp:m:not-an-object-key", b"1")
+        raw.set("other-app:key", b"x")  # outside umbp's prefix: never looked at
+        rc, out, _ = _stats(capsys, "--remote", server.url, "--json")
+        assert rc == 0
+        (report,) = json.loads(out)["tiers"]
+        shards = {s["rank"]: s for s in report["shards"]}
+        assert shards["tp0:pcp0:dcp0:pp0"]["objects"] == 5 and shards["tp0:pcp0:dcp0:pp0"]["payload_bytes"] == 25_000
+        assert shards["tp0:pcp0:dcp0:pp0"]["markers_without_value"] == 1
+        assert report["complete"] == {NS: {"objects": 5, "ranks": 2}} and report["foreign"] == 1
+        rc, out, _ = _stats(capsys, "--remote", server.url, "--no-sizes", "--max-keys", "3")
+        assert rc == 0 and "stopped after 3 objects" in out
+    finally:
+        server.stop()
+    rc, _, err = _stats(capsys, "--remote", server.url)  # the server is gone now
+    assert rc == 2 and "cannot read" in err
+
+
+EXPOSITION = """# HELP vllm:umbp_restored_tokens_total umbp connector counter restored_tokens
+# TYPE vllm:umbp_restored_tokens_total counter
+vllm:umbp_restored_tokens_total{engine="0",model_name="m"} 832.0
+vllm:umbp_restored_tokens_total{engine="1",model_name="m"} 768.0
+vllm:umbp_restored_tokens_created{engine="0",model_name="m"} 1.7e+09
+vllm:umbp_load_failures_total{engine="0",model_name="m"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+"""
+
+
+def test_metrics_endpoint(capsys):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = EXPOSITION.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
+    try:
+        rc, out, _ = _stats(capsys, "--metrics", url, "--json")
+        assert rc == 0 and json.loads(out)["metrics"] == {"load_failures": 1.0, "restored_tokens": 1600.0}
+        rc, out, _ = _stats(capsys, "--metrics", url)
+        assert rc == 0 and "restored_tokens" in out and "1,600" in out
+    finally:
+        httpd.shutdown()
+    rc, _, err = _stats(capsys, "--metrics", url)
+    assert rc == 2 and "cannot read" in err
