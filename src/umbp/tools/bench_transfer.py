@@ -361,6 +361,11 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{res['env']['gpu']}: scattered GPU blocks <-> page-locked arena")
     ax.legend(fontsize=7)
     sw = [r for r in res["ctas_sweep"] if r["block"] == 1024 and r["num_warps"] == 4 and r["ctas"]]
+    if not sw:  # --sweep-ctas ""
+        ax2.set_visible(False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
     ax2.plot([r["ctas"] for r in sw], [r["save"] for r in sw], "o-", label="save (D2H)")
     ax2.plot([r["ctas"] for r in sw], [r["load"] for r in sw], "s-", label="load (H2D)")
     ax2.axhline(base["d2h"], color="gray", ls="--", lw=1)

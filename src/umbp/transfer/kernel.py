@@ -59,17 +59,12 @@ class DeviceHandle(Handle):
         return [int(v) for v in vals.view(np.uint64)]
 
 
-def _signed(v: int) -> int:
-    v &= (1 << 64) - 1
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
 class KernelEngine(TransferEngine):
     backend = "kernel"
 
     def __init__(self, arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
                  piece_bytes: int = PIECE_BYTES, ctas: int | None = None, block: int = 1024,
-                 num_warps: int = 4, max_staging_bytes: int = 256 << 20, save_path: str = "auto",
+                 num_warps: int = 4, max_staging_bytes: int = 128 << 20, save_path: str = "auto",
                  load_path: str = "auto", dma_min_run_bytes: int = 4 << 20):
         super().__init__(arena, groups, piece_bytes)
         cuda = self.device.type == "cuda"
@@ -94,10 +89,15 @@ class KernelEngine(TransferEngine):
         rows = max((geom.object_bytes for geom in self.groups.values()), default=0) // ROW_BYTES + 2
         self.wtab = torch.from_numpy(_weights(rows)[:rows].view(np.int64).copy()).to(self.device)
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
+        # dma rounds: gathers (save) / verify + scatter (load) run on these, so round r's kernels overlap
+        # round r-1's (or r+1's) copy-engine transfer on the direction's main stream
+        self.aux = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
+        self._ring: dict[int, list[list]] = {SAVE: [], LOAD: []}  # per direction: [[staging, free event]]
+        self._turn = {SAVE: 0, LOAD: 0}
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     def synchronize(self) -> None:
-        for s in self.streams or ():
+        for s in (*(self.streams or ()), *(self.aux or ())):
             s.synchronize()
 
     def fence_saves(self) -> None:
@@ -110,11 +110,12 @@ class KernelEngine(TransferEngine):
             self.synchronize()
             return staged_save(self.arena, self.device, batch)
         keep: list[torch.Tensor] = []
+        caller = self._caller()
         with self._on(SAVE):
             if self._path(batch, self.save_path, self.dma_min_run_bytes) == "zero-copy":
                 digests = self._save_zero_copy(batch, keep)
             else:
-                digests = torch.cat([self._save_dma(r, keep) for r in self._rounds(batch)])
+                digests = self._save_dma(batch, keep, caller)
             return self._finish(batch, digests, keep, as_bool=False)
 
     def _save_zero_copy(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
@@ -125,17 +126,30 @@ class KernelEngine(TransferEngine):
         keep += [desc, partial]
         return self._digests(desc, partial, batch, nobj)
 
-    def _save_dma(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
-        """KV pages -> device staging (kernel, HBM speed, checksums) -> arena (copy engine, one copy per
-        run of adjacent slots)."""
-        stg, rows, runs = self._staging(batch)
-        desc, n, nobj = self._desc(batch, None, rows)
-        partial = torch.empty(n, dtype=torch.int64, device=self.device)
-        self._launch(desc, n, self._align16(batch, rows), partial=partial)
-        for a, s, size in runs:
-            self.arena_tensor[a:a + size].copy_(stg[s:s + size], non_blocking=True)
-        keep += [stg, desc, partial]
-        return self._digests(desc, partial, batch, nobj)
+    def _save_dma(self, batch: Batch, keep: list[torch.Tensor], caller) -> torch.Tensor:
+        """Per round: KV pages -> staging (kernel on the gather stream, HBM speed, checksums), then
+        staging -> arena on the save stream (copy engine, one copy per run of adjacent slots). Round r's
+        gather runs while round r-1's copy does; two staging buffers take turns."""
+        gather, save = self._side(SAVE), self._main(SAVE)
+        if gather is not None:
+            gather.wait_stream(caller)
+        digests = []
+        for r in self._rounds(batch):
+            stg, rows, runs, slot = self._staging(r, SAVE)
+            with self._stream(gather):
+                self._acquire(slot, gather)
+                desc, n, nobj = self._desc(r, None, rows)
+                partial = torch.empty(n, dtype=torch.int64, device=self.device)
+                self._launch(desc, n, self._align16(r, rows), partial=partial)
+                gathered = self._event(gather)
+            if gathered is not None:
+                save.wait_event(gathered)
+            for a, s, size in runs:
+                self.arena_tensor[a:a + size].copy_(stg[s:s + size], non_blocking=True)
+            digests.append(self._digests(desc, partial, r, nobj))
+            self._release(slot, save)
+            keep += [stg, desc, partial]
+        return torch.cat(digests)
 
     def _load(self, batch: Batch) -> Handle:
         if not self._fast(batch):
@@ -143,12 +157,16 @@ class KernelEngine(TransferEngine):
             return staged_load(self.arena, self.device, batch)
         keep: list[torch.Tensor] = []
         dma = self._path(batch, self.load_path, self.dma_min_run_bytes) == "dma"
+        caller, last = self._caller(), None
         with self._on(LOAD):
-            if not dma and all(m.digests is None for _g, m, _i, _o in batch):
+            if dma:
+                oks, last = self._load_dma(batch, keep, caller), self._side(LOAD)
+            elif all(m.digests is None for _g, m, _i, _o in batch):
                 oks = [self._load_direct(batch, keep)]
             else:
-                oks = [self._load_staged(r, keep, dma) for r in self._rounds(batch)]
-            return self._finish(batch, torch.cat(oks), keep, as_bool=True)
+                oks = [self._load_staged(r, keep) for r in self._rounds(batch)]
+            with self._stream(last):  # the handle completes after the last scatter
+                return self._finish(batch, torch.cat(oks), keep, as_bool=True)
 
     def _load_direct(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
@@ -157,42 +175,108 @@ class KernelEngine(TransferEngine):
         keep.append(desc)
         return torch.ones(nobj, dtype=torch.int8, device=self.device)
 
-    def _load_staged(self, batch: Batch, keep: list[torch.Tensor], dma: bool) -> torch.Tensor:
-        """arena -> device staging (copy engine, or the kernel with checksums), checksums compared on the
-        GPU, then staging -> KV pages for the objects that matched (all, when no digests were given)."""
-        stg, rows, runs = self._staging(batch)
+    def _load_staged(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
+        """Verified zero-copy load: arena -> device staging by the kernel (with checksums), checksums
+        compared on the GPU, then staging -> KV pages for the objects that matched."""
+        stg, rows, _runs, slot = self._staging(batch, LOAD)
+        self._acquire(slot, self._main(LOAD))
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
-        verified = any(m.digests is not None for _g, m, _i, _o in batch)
-        ok = None
-        if dma:
+        d1, n1, nobj = self._desc(batch, arena, rows)
+        partial = torch.empty(n1, dtype=torch.int64, device=self.device)
+        self._launch(d1, n1, self._align16(batch, arena + rows), partial=partial)
+        ok = self._verify(batch, self._digests(d1, partial, batch, nobj))
+        d2, n2, _ = self._desc(batch, rows, None)
+        self._launch(d2, n2, self._align16(batch, rows), ok=ok)
+        self._release(slot, self._main(LOAD))
+        keep += [stg, d1, partial, d2]
+        return ok
+
+    def _load_dma(self, batch: Batch, keep: list[torch.Tensor], caller) -> list[torch.Tensor]:
+        """Per round: arena -> staging on the load stream (copy engine, one copy per run), then on the
+        scatter stream the checksums compared on the GPU (when digests are given) and staging -> KV
+        pages for the objects that matched. Round r's scatter runs while round r+1's copy does."""
+        copy, work = self._main(LOAD), self._side(LOAD)
+        if work is not None:
+            work.wait_stream(caller)
+        oks = []
+        for r in self._rounds(batch):
+            stg, rows, runs, slot = self._staging(r, LOAD)
+            self._acquire(slot, copy)
             for a, s, size in runs:
                 stg[s:s + size].copy_(self.arena_tensor[a:a + size], non_blocking=True)
-        if verified or not dma:
-            d1, n1, nobj = self._desc(batch, rows if dma else arena, rows)
-            partial = torch.empty(n1, dtype=torch.int64, device=self.device)
-            self._launch(d1, n1, self._align16(batch, arena + rows), partial=partial, store=not dma)
-            ok = self._verify(batch, self._digests(d1, partial, batch, nobj))
-            keep += [d1, partial]
-        d2, n2, nobj = self._desc(batch, rows, None)
-        self._launch(d2, n2, self._align16(batch, rows), ok=ok)
-        keep += [stg, d2]
-        return ok if ok is not None else torch.ones(nobj, dtype=torch.int8, device=self.device)
+            copied = self._event(copy)
+            with self._stream(work):
+                if copied is not None:
+                    work.wait_event(copied)
+                ok = None
+                if any(m.digests is not None for _g, m, _i, _o in r):
+                    d1, n1, nobj = self._desc(r, rows, rows)
+                    partial = torch.empty(n1, dtype=torch.int64, device=self.device)
+                    self._launch(d1, n1, self._align16(r, rows), partial=partial, store=False)
+                    ok = self._verify(r, self._digests(d1, partial, r, nobj))
+                    keep += [d1, partial]
+                d2, n2, nobj = self._desc(r, rows, None)
+                self._launch(d2, n2, self._align16(r, rows), ok=ok)
+                self._release(slot, work)
+            keep += [stg, d2]
+            oks.append(ok if ok is not None else torch.ones(nobj, dtype=torch.int8, device=self.device))
+        return oks
 
     def _verify(self, batch: Batch, got: torch.Tensor) -> torch.Tensor:
-        expect = np.array([_signed(int(e)) for _g, m, ids, _o in batch
-                           for e in (m.digests if m.digests is not None else [0] * ids.size)], dtype=np.int64)
+        expect = np.concatenate([np.zeros(ids.size, np.uint64) if m.digests is None
+                                 else np.asarray(m.digests, dtype=np.uint64) for _g, m, ids, _o in batch]).view(np.int64)
         unchecked = np.concatenate([np.full(ids.size, m.digests is None) for _g, m, ids, _o in batch])
         return ((got == self._upload(expect)) | self._upload(unchecked)).to(torch.int8)
 
-    def _staging(self, batch: Batch) -> tuple[torch.Tensor, list[np.ndarray], list[tuple[int, int, int]]]:
-        """A device staging buffer laid out like the batch's runs of adjacent arena slots (pads between
-        objects included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, per-Moves
-        row addresses, copy runs as (arena offset, staging offset, bytes))."""
+    def _staging(self, batch: Batch, direction: int) -> tuple[torch.Tensor, list[np.ndarray], list[tuple[int, int, int]], list]:
+        """Device staging laid out like the batch's runs of adjacent arena slots (pads between objects
+        included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, per-Moves row
+        addresses, copy runs as (arena offset, staging offset, bytes), its ring slot: see _acquire)."""
         pos, runs, total = _plan_runs(batch)
-        raw = torch.empty(total + 16, dtype=torch.uint8, device=self.device)
-        stg = raw[(-raw.data_ptr()) % 16:]
-        rows = np.split(stg.data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
-        return stg, list(rows), runs
+        slot = self._ring_slot(direction, total)
+        rows = np.split(slot[0].data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
+        return slot[0], list(rows), runs, slot
+
+    def _ring_slot(self, direction: int, nbytes: int) -> list:
+        """[buffer, event after which it is free]: one of two per direction, taken in turn (rounds are cut
+        to fit, see _rounds); a one-off buffer on CPU or for a round that does not fit."""
+        ring = self._ring[direction]
+        if self.streams is None or nbytes > self.max_staging_bytes:
+            return [_aligned(nbytes, self.device), None]
+        if len(ring) < 2:
+            ring.append([_aligned(self.max_staging_bytes, self.device), None])
+        self._turn[direction] += 1
+        return ring[self._turn[direction] % len(ring)]
+
+    @staticmethod
+    def _acquire(slot: list, stream) -> None:
+        """Order `stream` after the last round that used this staging buffer (on the device)."""
+        if slot[1] is not None and stream is not None:
+            stream.wait_event(slot[1])
+
+    def _release(self, slot: list, stream) -> None:
+        slot[1] = self._event(stream)
+
+    def _caller(self):
+        return torch.cuda.current_stream(self.device) if self.streams is not None else None
+
+    def _main(self, direction: int):
+        return self.streams[direction] if self.streams is not None else None
+
+    def _side(self, direction: int):
+        return self.aux[direction] if self.aux is not None else None
+
+    @staticmethod
+    def _stream(stream) -> AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    @staticmethod
+    def _event(stream) -> torch.cuda.Event | None:
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def _path(self, batch: Batch, choice: str, min_run_bytes: int) -> str:
         """'auto': the copy engines when the batch's arena slots form runs of adjacent slots averaging
@@ -208,11 +292,12 @@ class KernelEngine(TransferEngine):
         return "dma" if nbytes >= min_run_bytes * _sorted_runs(batch)[0].size else "zero-copy"
 
     def _rounds(self, batch: Batch) -> list[Batch]:
-        """Cut the batch, in order, into rounds whose staging fits max_staging_bytes."""
+        """Cut the batch, in order, into rounds whose staging fits max_staging_bytes (one round's kernels
+        run beside the next one's copy: see _save_dma / _load_dma)."""
         rounds: list[Batch] = [[]]
         used = 0
         for geom, m, ids, offs in batch:
-            reach = slot_reach(geom.object_bytes, m)
+            reach = slot_reach(geom.object_bytes, m) + 16  # + the worst case of _plan_runs' alignment pad
             per = max(1, self.max_staging_bytes // reach)
             for s in range(0, ids.size, per):
                 digests = None if m.digests is None else list(m.digests)[s:s + per]
@@ -236,20 +321,36 @@ class KernelEngine(TransferEngine):
         return all(int(np.bitwise_or.reduce(s)) % 16 == 0 for s in sides if s.size)
 
     def _desc(self, batch: Batch, src: list[Side] | None, dst: list[Side] | None) -> tuple[torch.Tensor, int, int]:
-        """Piece table (see kernels.py) on the device; a side of None means the KV pages."""
-        cols, first = [], 0
+        """Piece table (see kernels.py) on the device; a side of None means the KV pages. Built in place in
+        page-locked memory (no intermediate arrays: for 4,096 objects of 8 pieces this is the host's
+        main cost of a call, and the first call's cost is not hidden behind an earlier transfer)."""
+        total = sum(ids.size * g.template.obj.size for g, _m, ids, _o in batch)
+        host = self._host_buffer((5, total))
+        desc = host.numpy()
+        col = first = 0
         for k, (geom, _m, ids, _o) in enumerate(batch):
-            t = geom.template
-            shape = (ids.size, t.obj.size)
-            kv = t.src[None, :] + ids[:, None] * t.stride[None, :]
-            s = kv if src is None else src[k][:, None] + t.obj[None, :]
-            d = kv if dst is None else dst[k][:, None] + t.obj[None, :]
-            obj = first + np.arange(ids.size, dtype=np.int64)[:, None]
-            cols.append(np.stack([s, d, np.broadcast_to(t.nbytes // 8, shape), np.broadcast_to(t.obj // 8, shape),
-                                  np.broadcast_to(obj, shape)]).reshape(5, -1))
-            first += ids.size
-        desc = np.ascontiguousarray(np.concatenate(cols, axis=1)) if cols else np.zeros((5, 0), np.int64)
-        return self._upload(desc), desc.shape[1], first
+            t, n = geom.template, ids.size
+            view = desc[:, col:col + n * t.obj.size].reshape(5, n, t.obj.size)
+            kv = view[0] if src is None else view[1]
+            np.multiply(ids[:, None], t.stride[None, :], out=kv)
+            kv += t.src
+            for side, out in ((src, view[0]), (dst, view[1])):
+                if side is not None:
+                    np.add(side[k][:, None], t.obj[None, :], out=out)
+            view[2] = t.nbytes // 8
+            view[3] = t.obj // 8
+            view[4] = np.arange(first, first + n, dtype=np.int64)[:, None]
+            col += n * t.obj.size
+            first += n
+        return self._to_device(host), total, first
+
+    def _host_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """int64 host memory to fill and send: page-locked on CUDA (the copy is then asynchronous; PyTorch's
+        host allocator keeps the block until the copy is done)."""
+        return torch.empty(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host if self.device.type != "cuda" else host.to(self.device, non_blocking=True)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array))
@@ -316,3 +417,8 @@ def _plan_runs(batch: Batch) -> tuple[np.ndarray, list[tuple[int, int, int]], in
     pos[order] = base[run_of] + so - start[run_of]
     runs = [(int(a), int(b), int(n)) for a, b, n in zip(start, base, length)]
     return pos, runs, int(padded.sum())
+
+
+def _aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    raw = torch.empty(nbytes + 16, dtype=torch.uint8, device=device)
+    return raw[(-raw.data_ptr()) % 16:]
