@@ -13,8 +13,7 @@ import json
 import sys
 import threading
 
-from umbp.tools import vllm_harness as H
-from umbp.tools.demo import umbp_scheduler
+from umbp.tools.demo_restart import one_turn
 
 
 def gate_tier_reads() -> dict:
@@ -45,15 +44,9 @@ def gate_tier_reads() -> dict:
 def main() -> None:
     arch, model_dir, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     gate = gate_tier_reads() if sys.argv[4:] == ["gate"] else None
-    transfer = {"kv_connector": "UMBPConnector", "kv_connector_module_path": "umbp.vllm",
-                "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    llm = H.make_llm_for_arch(arch, model_dir, kv_transfer_config=transfer)
-    turn = H.run_prompt(llm, H.random_prompt(840, seed=7), max_tokens=8)
-    totals = dict(umbp_scheduler(llm).totals)
-    H.shutdown_llm(llm)
-    print("RESULT " + json.dumps({"tokens": turn.token_ids, "logprobs": turn.logprobs,
-                                  "cached": turn.num_cached_tokens, "totals": totals,
-                                  "steps_while_reading": gate["steps_while_reading"] if gate else None}))
+    result = one_turn({"arch": arch, "model_dir": model_dir, "extra": extra, "prompt_tokens": 840, "seed": 7})
+    result["steps_while_reading"] = gate["steps_while_reading"] if gate else None
+    print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":

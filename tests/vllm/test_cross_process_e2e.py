@@ -25,15 +25,18 @@ def one_turn(arch: str, model_dir: Path, extra: dict, *flags: str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def test_new_process_restores_832_from_ssd(tiny_model_dir, tmp_path):
-    extra = {"dram_gb": 0.0625, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}
-    first = one_turn("granite", tiny_model_dir("granite"), extra)
-    assert first["cached"] == 0
-    second = one_turn("granite", tiny_model_dir("granite"), extra)
-    assert second["cached"] == 832
-    assert second["totals"]["restored_tokens"] == 832
-    assert second["tokens"] == first["tokens"]
-    assert max(abs(a - b) for a, b in zip(second["logprobs"], first["logprobs"])) <= 1e-5
+def test_new_process_restores_832_from_ssd(tiny_model_dir, tmp_path, capsys):
+    """Through `umbp demo --restart ssd`, which runs both engines as separate processes."""
+    from umbp.cli import main
+
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--restart", "ssd", "--workdir", str(tmp_path / "models"), "--out", str(out)])
+    assert rc == 0, capsys.readouterr().out[-3000:]
+    result = json.loads(out.read_text())
+    assert result["engine1"]["cached_tokens"] == 0 and result["engine1"]["stored_objects"] > 0
+    assert result["engine2"]["cached_tokens"] == 832 and result["engine2"]["restored_tokens"] == 832
+    assert result["tokens_identical"] and result["max_abs_logprob_diff"] <= 1e-5
+    assert "restored 832 tokens from the SSD tier; outputs identical" in capsys.readouterr().out
 
 
 def test_slow_ssd_read_does_not_stall_the_engine(tiny_model_dir, tmp_path):

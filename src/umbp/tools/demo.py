@@ -4,6 +4,8 @@ For each setting (umbp with the boundary page, and the old behaviour without it)
 runs: turn 1 computes an 840-token prompt (umbp stores it); vLLM's local prefix cache is dropped; turn 2
 resends the prompt (only umbp can supply a prefix now); turn 3 resends it once more with the local cache
 warm (the reference: a plain local GPU prefix hit). The table compares the three.
+
+`--restart ssd|redis` runs the cross-process version instead (umbp.tools.demo_restart).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/demo.json", help="JSON result path")
     parser.add_argument("--only", choices=["umbp", "old"], help="run one setting only")
+    parser.add_argument("--restart", choices=["ssd", "redis"],
+                        help="instead: engine 1 (a process) computes the prompt and exits, engine 2 (a new "
+                             "process, empty DRAM) restores it from the SSD tier or a shared Redis tier")
+    parser.add_argument("--redis-url", default=None,
+                        help="with --restart redis: this server (default: start redis-server on 127.0.0.1)")
 
 
 def run_setting(arch: str, model_dir: Path, prompt: list[int], args, boundary_page: bool) -> dict:
@@ -75,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).expanduser()
     print(f"umbp demo: building a tiny random-weight {args.arch} model in {workdir} ...", flush=True)
     model_dir = build_tiny_model(args.arch, workdir / args.arch)
+    if args.restart:
+        return _run_restart(args, model_dir, t0)
     prompt = H.random_prompt(args.prompt_tokens, seed=0)
     rows = []
     settings = [("old (no boundary page)", False), ("umbp", True)]
@@ -99,6 +108,19 @@ def run(args: argparse.Namespace) -> int:
         and (row["restored_from_umbp"] == row["gpu_prefix_hit"] if row["boundary_page"] else True)
         for _, row in rows
     )
+    return 0 if ok else 1
+
+
+def _run_restart(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
+    from umbp.tools import demo_restart
+
+    result, ok = demo_restart.run(args, model_dir)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    demo_restart.print_table(result)
+    print(f"\n(wall time {result['wall_s']} s; JSON in {out})")
     return 0 if ok else 1
 
 
