@@ -175,3 +175,32 @@ def _cycle(w, groups, job_base: int, check_async: bool) -> None:
         for b, d in zip(src, dst):
             assert torch.equal(back[g, d], want[g, b]), f"group {g} block {d}"
     print(f"save() of {len(jobs)} jobs returned in {issued * 1e3:.2f} ms (check_async={check_async})")
+
+
+@pytest.mark.parametrize("fence", [True, False])
+def test_only_fenced_saves_hold_up_the_next_forward(worker, fence):
+    """A save of mutable pages (SaveJob.fence) makes the next forward wait on the GPU; a save of full
+    blocks does not: the forward's first kernel finishes while that save's copies are still queued."""
+    from umbp.vllm.metadata import PageMove, SaveJob, UMBPConnectorMetadata
+
+    w, groups = worker
+    _cycle(w, groups, job_base=0, check_async=False)  # warm-up: compile the kernels
+    g = sorted(groups)[0]
+    nbytes = w.groups[g].object_bytes
+    job = SaveJob(500, g, [PageMove(b, b * SLOT, nbytes, bytes([b]) * 32) for b in range(1, 5)], fence=fence)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # the save is ordered after ~0.5 s of work on the stream it is issued from
+        torch.cuda._sleep(SLEEP_CYCLES)
+        w.save(UMBPConnectorMetadata(saves=[job]))
+    assert w.pending_saves
+    w.before_forward()  # on the default stream: "the next forward" starts here
+    t0 = time.perf_counter()
+    forward = torch.ones(1, device="cuda").add_(1)  # noqa: F841 - the forward's first kernel
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    waited = time.perf_counter() - t0
+    assert (waited > 0.2) == fence, f"the forward waited {waited:.3f} s (fence={fence})"
+    w.take_worker_meta()
+    w.take_worker_meta()
+    assert not w.pending_saves

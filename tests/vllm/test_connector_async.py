@@ -109,6 +109,7 @@ class _LateEngine:
     def __init__(self, engine, polls: int = 3):
         self.engine, self.polls = engine, polls
         self.fences = 0
+        self.unfenced = 0  # save jobs of full blocks only
         self.most_pending = 0
         self.worker = None
 
@@ -118,7 +119,9 @@ class _LateEngine:
     def load(self, batch):
         return _LateHandle(self.engine.load(batch), self.polls)
 
-    def fence_saves(self) -> None:
+    def fence(self, handle) -> None:
+        job = next(p.job for p in self.worker.pending_saves if p.handle is handle)
+        assert job.fence, "a save of full blocks only must not hold up the next forward"
         self.fences += 1
 
 
@@ -128,6 +131,7 @@ def test_late_copies_are_confirmed_late_and_restore_exactly(tmp_path, tp):
     engines = []
     for w in h.workers:
         late = _LateEngine(w._worker.engine)
+        late.worker = w._worker
         w._worker.engine = late
         engines.append(late)
         real_save = w._worker.save
@@ -135,10 +139,12 @@ def test_late_copies_are_confirmed_late_and_restore_exactly(tmp_path, tp):
         def save(meta, worker=w._worker, late=late, real_save=real_save):
             real_save(meta)
             late.most_pending = max(late.most_pending, len(worker.pending_saves))
+            late.unfenced += sum(not job.fence for job in meta.saves)
 
         w._worker.save = save
     assert compute_then_drop(h, "A", PROMPT) == 832
     assert all(e.most_pending > 0 for e in engines)  # saves really were in flight past wait_for_save
-    assert all(e.fences > 0 for e in engines)  # and the next forward was ordered after them
+    assert all(e.fences > 0 for e in engines)  # and the next forward was ordered after the mutable ones
+    assert all(e.unfenced > 0 for e in engines)  # while full blocks were left to copy beside it
     assert restore(h, "B", PROMPT) == (832, [])
     assert h.leaks() == NO_LEAKS

@@ -100,10 +100,10 @@ class TransferEngine:
     def synchronize(self) -> None:
         """Wait for every transfer this engine started."""
 
-    def fence_saves(self) -> None:
-        """Order the caller's current stream after every save started so far, on the device (the host
-        does not wait): the next forward may rewrite a block that a save is still reading (the boundary
-        page and the recurrent state of a running request)."""
+    def fence(self, handle: Handle) -> None:
+        """Order the caller's current stream after this transfer, on the device (the host does not wait):
+        the next forward may rewrite a block that a save is still reading (the boundary page and the
+        recurrent state of a running request). Nothing to do where handles complete synchronously."""
 
     def _save(self, batch: list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]) -> Handle:
         raise NotImplementedError

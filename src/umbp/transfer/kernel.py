@@ -100,9 +100,10 @@ class KernelEngine(TransferEngine):
         for s in (*(self.streams or ()), *(self.aux or ())):
             s.synchronize()
 
-    def fence_saves(self) -> None:
-        if self.streams is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.streams[SAVE])
+    def fence(self, handle: Handle) -> None:
+        event = getattr(handle, "_event", None)
+        if event is not None:  # recorded after the transfer's last copy (a save's gathers precede it)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     # ------------------------------------------------------------------ save / load
     def _save(self, batch: Batch) -> Handle:

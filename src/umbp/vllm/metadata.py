@@ -31,6 +31,7 @@ class SaveJob:
     group: int
     moves: list[PageMove]
     ssd: bool = False  # also write through to this rank's SSD tier
+    fence: bool = True  # the next forward may rewrite these pages (boundary page, state): it waits for the copy
 
 
 @dataclass

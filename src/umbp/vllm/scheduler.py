@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from umbp.hybrid import RequestStorePlanner, StorePlan, explain, longest_hit
+from umbp.hybrid.planner import BOUNDARY_PAGE, BOUNDARY_STATE
 from umbp.identity import object_key
 from umbp.pool import DramIndex
 from umbp.vllm.config import ARENA_PAGE, UMBPConfig
@@ -30,7 +31,8 @@ from umbp.vllm.tiers import logical_key, scan_ssd
 
 logger = logging.getLogger("umbp.vllm")
 
-SAVE_CONFIRM_STEPS = 64  # steps after which an unconfirmed save is given up (its keys never become visible)
+SAVE_CONFIRM_STEPS = 64
+MUTABLE = (BOUNDARY_PAGE, BOUNDARY_STATE)  # plans whose pages a running request's next forward may rewrite  # steps after which an unconfirmed save is given up (its keys never become visible)
 
 
 @dataclass
@@ -283,16 +285,20 @@ class SchedulerSide:
             self.queue_saves(request, plans)
 
     def queue_saves(self, request, plans: Sequence[StorePlan]) -> None:
-        """One save job per group. A group's slots are reserved together, adjacent when the arena has a
-        long enough free run: the workers then copy each run in one piece."""
-        wanted: dict[int, dict[str, StorePlan]] = {}
+        """One save job per group and kind: pages the next forward may still rewrite (the boundary page
+        and the state of a running request) apart from full blocks, so that only the former hold up the
+        next forward on the GPU (SaveJob.fence). A job's slots are reserved together, adjacent when the
+        arena has a long enough free run: the workers then copy each run in one piece."""
+        wanted: dict[tuple[int, bool], dict[str, StorePlan]] = {}
         for plan in plans:
             key = self.key(plan.group, request, plan.key_end)
             if key in self.in_flight_keys or key in self.ssd_keys or self.index.lookup([key])[0]:
                 continue
-            wanted.setdefault(plan.group, {}).setdefault(key, plan)
-        by_group: dict[int, tuple[list[PageMove], list[str]]] = {}
-        for group, plan_of in sorted(wanted.items()):
+            if any(key in w for w in wanted.values()):
+                continue
+            wanted.setdefault((plan.group, plan.reason in MUTABLE), {})[key] = plan
+        by_job: dict[tuple[int, bool], tuple[list[PageMove], list[str]]] = {}
+        for (group, mutable), plan_of in sorted(wanted.items()):
             nbytes = self.layout.object_bytes[group]
             slots = self.index.reserve_many(list(plan_of), nbytes)
             for (key, plan), slot in zip(plan_of.items(), slots):
@@ -301,12 +307,12 @@ class SchedulerSide:
                     continue
                 self.in_flight_keys.add(key)
                 prefix_hash = request.block_hashes[plan.key_end // self.layout.unit - 1]
-                moves, keys = by_group.setdefault(group, ([], []))
+                moves, keys = by_job.setdefault((group, mutable), ([], []))
                 moves.append(PageMove(plan.block_id, slot.offset, nbytes, prefix_hash))
                 keys.append(key)
         self._count_evictions()
-        for group, (moves, keys) in sorted(by_group.items()):
-            job = SaveJob(next(self.job_ids), group, moves, ssd=bool(self.cfg.ssd_dirs))
+        for (group, mutable), (moves, keys) in sorted(by_job.items()):
+            job = SaveJob(next(self.job_ids), group, moves, ssd=bool(self.cfg.ssd_dirs), fence=mutable)
             blocks = [m.block_id for m in moves]
             self._pin_gpu_blocks(blocks)
             self.saves[job.job_id] = PendingSave(job, keys, blocks)

@@ -143,9 +143,11 @@ class WorkerSide:
 
     # ---------------------------------------------------------------- saves
     def before_forward(self) -> None:
-        """Called before each forward: it must not rewrite a page a save started earlier still reads."""
-        if self.pending_saves:
-            self.engine.fence_saves()
+        """Called before each forward: it must not rewrite a page a save started earlier still reads. Only
+        jobs of such pages (SaveJob.fence) make it wait; full blocks copy on beside the forward."""
+        for pending in self.pending_saves:
+            if pending.job.fence:
+                self.engine.fence(pending.handle)
 
     def save(self, meta: UMBPConnectorMetadata) -> None:
         """Start every job's copies; each is finished (slots recorded, tiers fed, confirmed) once its
