@@ -84,3 +84,30 @@ def test_corrupt_remote_value_is_a_recompute(tmp_path, server):
     assert json.dumps(h2.leaks()) == json.dumps(
         {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0})
     shut(h2)
+
+
+def test_a_waiting_request_does_not_ask_the_shared_tier_every_step(tmp_path, server):
+    """vLLM repeats the lookup every step a request waits; within REMOTE_REUSE_S the answers are reused,
+    after it they are asked again (and a restore still happens, byte-exact)."""
+    import time
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from umbp.vllm.scheduler import REMOTE_REUSE_S
+
+    h1 = build(tmp_path, GROUPS, unit=16, tp=2, extra=extra(server.url))
+    assert compute_then_drop(h1, "A", PROMPT) == 832
+    shut(h1)
+    h2 = build(tmp_path, GROUPS, unit=16, tp=2, extra=extra(server.url))
+    req = Request(request_id="probe", prompt_token_ids=list(PROMPT), pooling_params=None,
+                  block_hasher=h2.hasher, sampling_params=SamplingParams(max_tokens=1))
+    asked = lambda: h2.umbp.remote.stats()["exists_keys"]  # noqa: E731
+    assert h2.umbp.lookup(req, 0) == (832, True)
+    first = asked()
+    assert first > 0
+    assert h2.umbp.lookup(req, 0) == (832, True) and asked() == first  # reused
+    time.sleep(REMOTE_REUSE_S + 0.05)
+    assert h2.umbp.lookup(req, 0) == (832, True) and asked() == 2 * first  # asked again
+    assert restore(h2, "B", PROMPT) == (832, [])
+    shut(h2)

@@ -19,6 +19,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from umbp.hybrid import RequestStorePlanner, StorePlan, explain, longest_hit
 from umbp.hybrid.planner import BOUNDARY_PAGE, BOUNDARY_STATE
 from umbp.identity import object_key
@@ -32,6 +34,7 @@ from umbp.vllm.tiers import logical_key, scan_ssd
 logger = logging.getLogger("umbp.vllm")
 
 SAVE_CONFIRM_STEPS = 64
+REMOTE_REUSE_S = 0.5  # a request's shared-tier answers are reused this long (see _add_remote)
 MUTABLE = (BOUNDARY_PAGE, BOUNDARY_STATE)  # plans whose pages a running request's next forward may rewrite  # steps after which an unconfirmed save is given up (its keys never become visible)
 
 
@@ -65,6 +68,12 @@ class TrackedRequest:
     hit: object | None = None  # last lookup result (umbp.hybrid Hit), consumed at allocation
     hit_local: int = 0
     keys: list[list[str]] = field(default_factory=list)  # per group: logical key of each unit boundary
+    hexes: list[str] = field(default_factory=list)  # hex of each unit boundary's prefix hash
+    remote: dict = field(default_factory=dict)  # (group, token end) -> (time asked, every rank holds it)
+
+    def forget_hashes(self) -> None:
+        """A resumed request may carry different hashes: nothing derived from the old ones stays."""
+        self.keys, self.hexes, self.remote = [], [], {}
 
 
 class SchedulerSide:
@@ -84,6 +93,7 @@ class SchedulerSide:
         self.ssd_keys: set[str] = set()  # logical objects every rank's SSD tier holds
         self.remote = cfg.remote_tier()  # the shared tier (Redis/Valkey), queried at lookup
         self.quarantine: dict[str, float] = {}  # logical key -> time until which it is not offered
+        self._prefixes: list[str] | None = None  # per rank: its object keys' prefix (see _rank_prefixes)
         if cfg.ssd_dirs:
             self.ssd_keys = scan_ssd(cfg.ssd_dirs, layout.namespace, layout.ranks)
             logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
@@ -142,20 +152,56 @@ class SchedulerSide:
             self._drop_quarantined(all_keys, present)
         return present
 
-    def rank_keys(self, group: int, prefix_hash: bytes) -> list[str]:
-        return [object_key(self.layout.namespace, r, group, prefix_hash) for r in self.layout.ranks]
-
     def _add_remote(self, request, ends, present: list[set[int]]) -> None:
-        """One pipelined round trip for every (boundary, group) the local tiers miss; all ranks must hold it."""
-        asks = [(g, t) for g in range(len(present)) for t in ends if t not in present[g]]
-        keys = [k for g, t in asks for k in self.rank_keys(g, request.block_hashes[t // self.layout.unit - 1])]
-        if not keys:
+        """One pipelined round trip for every (boundary, group) the local tiers miss; all ranks must hold it.
+
+        vLLM asks again every step a request waits for budget or blocks: answers younger than
+        REMOTE_REUSE_S are reused (a key that vanished meanwhile is a failed load and a recompute; one that
+        appeared is found on a later lookup). Keys are built from cached parts: object_key() per key cost
+        13 ms for 8,192 keys here, more than the round trip itself."""
+        tracked = self.track(request)
+        now = time.monotonic()
+        unit, cached = self.layout.unit, tracked.remote
+        asks = []
+        for g in range(len(present)):
+            for t in ends:
+                if t in present[g]:
+                    continue
+                hit = cached.get((g, t))
+                if hit is not None and now - hit[0] < REMOTE_REUSE_S:
+                    if hit[1]:
+                        present[g].add(t)
+                else:
+                    asks.append((g, t))
+        if not asks:
             return
-        found = self.remote.exists(keys)
-        n = len(self.layout.ranks)
-        for i, (g, t) in enumerate(asks):
-            if all(found[i * n : (i + 1) * n]):
+        hexes = self._hexes(tracked)
+        cut = [hexes[t // unit - 1] for _g, t in asks]
+        heads = [f"{g}:" for g, _t in asks]
+        prefixes = self._rank_prefixes()
+        keys = [p + head + x for p in prefixes for head, x in zip(heads, cut)]  # rank-major
+        held = np.asarray(self.remote.exists(keys), dtype=bool).reshape(len(prefixes), len(asks)).all(axis=0)
+        for (g, t), ok in zip(asks, held.tolist()):
+            cached[(g, t)] = (now, ok)
+            if ok:
                 present[g].add(t)
+
+    def _hexes(self, tracked: TrackedRequest) -> list[str]:
+        hashes, hexes = tracked.request.block_hashes, tracked.hexes
+        hexes.extend(bytes(h).hex() for h in hashes[len(hexes):])
+        return hexes
+
+    def _rank_prefixes(self) -> list[str]:
+        """Per rank, the part of its object keys before the group number (checked against object_key)."""
+        if self._prefixes is None:
+            out = []
+            for r in self.layout.ranks:
+                probe = object_key(self.layout.namespace, r, 0, b"\x00")
+                out.append(probe[: probe.rindex(":g0:") + 2])
+                if out[-1] + "0:00" != probe:
+                    raise RuntimeError(f"umbp: unexpected object key layout {probe!r}")
+            self._prefixes = out
+        return self._prefixes
 
     def _drop_quarantined(self, all_keys: list[list[str]], present: list[set[int]]) -> None:
         now = time.monotonic()
@@ -264,7 +310,7 @@ class SchedulerSide:
         for req_id in sorted(scheduler_output.preempted_req_ids or ()):
             if req_id in self.requests:
                 self.requests[req_id].planner.reset()
-                self.requests[req_id].keys = []  # a resumed request may carry different hashes
+                self.requests[req_id].forget_hashes()
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens or {}
         for req_id in sorted(state.req_ids):
             tracked = self.requests.get(req_id)
