@@ -55,7 +55,7 @@ def test_round_trip_staged_on_disk_and_after_restart(tmp_path, direct):
 
 @pytest.mark.parametrize("max_io", [64 * KiB, 8 * MiB])
 def test_read_paths_aligned_unaligned_large_and_batched(tmp_path, max_io):
-    """Aligned destinations of >= 1 MiB are read straight into (zero copy); others through a bounce
+    """Aligned destinations of records larger than a run are read straight into (zero copy); others through a bounce
     buffer; records larger than a run in chunks; many keys per call pipelined."""
     blobs = [_blob(n, i) for i, n in enumerate([2 * MiB + 3, 1 * MiB, 300 * KiB, 64 * KiB] * 3)]
     keys = [f"r{i}" for i in range(len(blobs))]

@@ -6,8 +6,9 @@ the tier
 stores the same bytes as objects (put, then flush(): written and synced) and reads them back with
 get_into in batches. Both sides use O_DIRECT where the filesystem allows, so the page cache inflates
 neither; where it does not, both fall back to buffered I/O and the page cache of the files is dropped
-(posix_fadvise) before every read pass. Baseline and tier alternate which goes first each repetition, and
-the figure is the median of the per-repetition ratios. Both sides write fresh files, and each repetition
+(posix_fadvise) before every read pass. Writes: baseline and tier alternate which goes first each
+repetition. Reads: the two sides take turns slice by slice (32 MiB), so a disk whose own rate drifts
+within a pass drifts for both alike. The figure is the median of the per-repetition ratios. Both sides write fresh files, and each repetition
 first deletes both sides' old files and syncs, outside the timed steps: on a filesystem mounted with
 `discard`, deleting a file inside a timed write (or truncating one) put the TRIM in that side's window and
 made it up to ~30% slower, which flattered whichever side it was not. The first repetition checks every
@@ -106,11 +107,11 @@ class _Bench:
         finally:
             os.close(fd)
 
-    def seq_read(self) -> None:
+    def seq_read(self, lo: int = 0, hi: int | None = None) -> None:
         io, ws = self.cfg["io_bytes"], self.cfg["working_set_bytes"]
         fd = os.open(self.seq_path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         try:
-            for off in range(0, ws, io):
+            for off in range(lo, ws if hi is None else hi, io):
                 os.preadv(fd, [self.dst[off : off + io]], off)
         finally:
             os.close(fd)
@@ -144,10 +145,31 @@ class _Bench:
             if not tier.flush(timeout=600):
                 raise RuntimeError("umbp bench ssd: flush timed out")
 
-        def tier_read() -> None:
+        def tier_read(lo: int = 0, hi: int = ws) -> None:
             for b in batches:
-                if not all(tier.get_into(keys[b], outs[b])):
+                if lo <= b.start * size < hi and not all(tier.get_into(keys[b], outs[b])):
                     raise RuntimeError("umbp bench ssd: a get missed; every key was just stored")
+
+        def read_interleaved(rep: int) -> tuple[float, float]:
+            """Tier and disk read the working set slice by slice, back to back (who goes first alternates),
+            so a disk whose own rate drifts within a pass (this bench's VM disk moved 1.1-2.3 GB/s) drifts
+            for both sides alike. Returns (disk seconds, tier seconds), each summed over the slices."""
+            if not self.direct:
+                _drop_cache([self.seq_path, *tier_dir.glob("seg-*")])
+            step = max(cfg["batch_bytes"] // size * size, size) * max(1, cfg["read_slice_bytes"] // cfg["batch_bytes"])
+            step = max(step // cfg["io_bytes"], 1) * cfg["io_bytes"]
+            disk = tier_s = 0.0
+            for k, lo in enumerate(range(0, ws, step)):
+                hi = min(ws, lo + step)
+                pair = [("disk", lambda lo=lo, hi=hi: self.seq_read(lo, hi)),
+                        ("tier", lambda lo=lo, hi=hi: tier_read(lo, hi))]
+                for side, fn in (pair if (k + rep) % 2 == 0 else pair[::-1]):
+                    t = timed(fn)
+                    if side == "disk":
+                        disk += t
+                    else:
+                        tier_s += t
+            return disk, tier_s
 
         times: dict[str, list[float]] = {"write": [], "seq_write": [], "read": [], "seq_read": []}
         try:
@@ -157,14 +179,12 @@ class _Bench:
                 tier.clear()
                 self.seq_path.unlink(missing_ok=True)
                 os.sync()
-                steps = [("seq_write", self.seq_write), ("write", tier_write),
-                         ("seq_read", self.seq_read), ("read", tier_read)]
-                if rep % 2:  # alternate who goes first, keeping write before read for each side
-                    steps = [steps[1], steps[0], steps[3], steps[2]]
-                for name, fn in steps:
-                    if name.endswith("read") and not self.direct:
-                        _drop_cache([self.seq_path, *tier_dir.glob("seg-*")])
+                steps = [("seq_write", self.seq_write), ("write", tier_write)]
+                for name, fn in (steps if rep % 2 == 0 else steps[::-1]):  # alternate who goes first
                     times[name].append(timed(fn))
+                disk, tier_s = read_interleaved(rep)
+                times["seq_read"].append(disk)
+                times["read"].append(tier_s)
                 if rep == 0:  # untimed honesty check: the tier's reads alone reproduce every byte
                     self.dst.fill(0)
                     tier_read()
@@ -214,7 +234,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "quick": bool(args.quick), "dir": args.dir, "working_set_bytes": ws_bytes,
         "reps": args.reps or (1 if args.quick else 3), "batch_bytes": max(1, args.batch_mib) * MiB, "io_bytes": io,
-        "direct_io": args.direct_io, "sizes": list(SIZES),
+        "direct_io": args.direct_io, "sizes": list(SIZES), "read_slice_bytes": 32 * MiB,
     }
 
 
