@@ -24,16 +24,15 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from umbp.tools.benchutil import Progress, human
+from umbp.tools.local_redis import LocalRedis
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -53,51 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="objects per put/get_into call (default 16)")
     parser.add_argument("--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per exists() call (default 8192)")
     parser.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark reference")
-
-
-# ---- a private redis-server ---------------------------------------------------------------------------
-
-
-class _Server:
-    """redis-server on a free loopback port, in a temp dir, no persistence; stopped by `stop()`."""
-
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("umbp bench remote: redis-server not found; apt-get install redis-server, or pass --url")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="umbp-bench-redis-")
-        argv = [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                "--dir", self.dir, "--logfile", os.path.join(self.dir, "redis.log"), "--protected-mode", "yes"]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._wait()
-
-    def _wait(self, timeout: float = 10.0) -> None:
-        import redis
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"umbp bench remote: redis-server exited; see {self.dir}/redis.log")
-            try:
-                if redis.Redis(port=self.port, socket_connect_timeout=0.2).ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("umbp bench remote: redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ---- measurement helpers ------------------------------------------------------------------------------
@@ -331,10 +285,10 @@ def _print_table(report: dict[str, Any]) -> None:
               f"  {r['verdict']:<6}{f'{one:.2f}' if one is not None else '-':>10}")
 
 
-def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, _Server | None]:
+def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedis | None]:
     from umbp.pool.remote import RedisTier, RemoteConfig
 
-    server = None if args.url else _Server()
+    server = None if args.url else LocalRedis("umbp bench remote", "--url")
     url = args.url or server.url
     rc = RemoteConfig.from_options({"url": url, "key_prefix": "umbp-bench:", "quarantine_s": 0,
                                     "timeout_s": 30, "write_queue_bytes": 2 * cfg["working_set_bytes"]})

@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from umbp.tools.local_redis import LocalRedis
+
 
 def one_turn(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine, one prompt, in this process: tokens, logprobs, vLLM's cached-token count, umbp counters."""
@@ -59,8 +61,11 @@ def run(args, model_dir: Path) -> tuple[dict[str, Any], bool]:
         else:
             url = args.redis_url
             if url is None:
-                server = _start_redis(scratch)
-                url = server[1]
+                try:
+                    server = LocalRedis("umbp demo --restart redis", "--redis-url redis://host:port/db")
+                except RuntimeError as exc:
+                    raise SystemExit(str(exc)) from None
+                url = server.url
             where = url
             extra = {"dram_gb": 0.0625, "remote": {"url": url}}
         spec = {"arch": args.arch, "model_dir": str(model_dir), "extra": extra, "unit": args.unit,
@@ -71,8 +76,7 @@ def run(args, model_dir: Path) -> tuple[dict[str, Any], bool]:
         second = run_turn_process(spec)
     finally:
         if server is not None:
-            server[0].kill()
-            server[0].wait()
+            server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     dlp = max((abs(a - b) for a, b in zip(first["logprobs"], second["logprobs"])), default=0.0)
     result = {"arch": args.arch, "prompt_tokens": args.prompt_tokens, "prefix_match_unit": args.unit,
@@ -104,29 +108,6 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"{'engine 2 (new process, empty DRAM)':36} {e2['cached_tokens']:>13}  restored {e2['restored_tokens']} "
           f"tokens from {tier}; {verdict} (max |dlogprob| {result['max_abs_logprob_diff']:.1e})")
     sys.stdout.flush()
-
-
-def _start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    """A throwaway redis-server on 127.0.0.1 (never beyond loopback), no persistence."""
-    import socket
-    import time
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("umbp demo --restart redis: needs redis-server (apt-get install redis-server), "
-                         "or pass --redis-url redis://host:port/db of a server to use")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc, f"redis://127.0.0.1:{port}/0"
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("umbp demo --restart redis: redis-server did not start on 127.0.0.1")
 
 
 if __name__ == "__main__":
