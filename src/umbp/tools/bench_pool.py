@@ -11,7 +11,6 @@ every byte read back equals what was written.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -21,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from umbp.tools.benchutil import Progress, human, timed
+from umbp.tools.benchutil import Progress, human, timed, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -245,9 +244,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     targets = [r["verdict"] for r in results if r["target_ratio"] is not None] + [report["exists"]["verdict"]]
     report["all_targets_met"] = all(v == "PASS" for v in targets)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report)
     print(f"wrote {out}")
     cands = report["checksum"]["candidates_cache_hot_gbps"]
     print("checksum candidates, GB/s on cache-hot 256 KiB: " + ", ".join(f"{k} {v:.1f}" for k, v in cands.items()))

@@ -20,7 +20,6 @@ Method (why it is honest):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -28,10 +27,9 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from umbp.tools.benchutil import Progress, human
+from umbp.tools.benchutil import Progress, human, write_json
 from umbp.tools.local_redis import LocalRedis
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -324,9 +322,7 @@ def run(args: argparse.Namespace) -> int:
     report["config"] = cfg
     verdicts = [report["lookup"]["verdict"]] + [r["verdict"] for r in report["results"] if r["target_ratio"]]
     report["all_targets_met"] = all(v == "PASS" for v in verdicts) and rb is not None
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report)
     print(f"wrote {out}")
     _print_table(report)
     return 0

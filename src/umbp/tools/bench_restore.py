@@ -16,13 +16,13 @@ the prefill (FLOPs of the dense layers at the measured bf16 matmul rate) is repo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from umbp.tools.bench_transfer import _env, _wall
+from umbp.tools.benchutil import write_json
 
 TARGET = 20.0  # prefill / restore at 8K tokens
 
@@ -192,9 +192,7 @@ def _row(model: Any, restore: Restore, n: int, reps: int, tflops: float) -> dict
 
 
 def _write(args: argparse.Namespace, res: dict[str, Any]) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    out = write_json(args.out, res, indent=1)
     try:
         plot(res, Path(args.png) if args.png else out.with_suffix(".png"))
     except ImportError as exc:

@@ -18,7 +18,6 @@ byte read back.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from umbp.tools.benchutil import human, timed
+from umbp.tools.benchutil import human, timed, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -276,9 +275,7 @@ def run(args: argparse.Namespace) -> int:
         "all_targets_met": all(r["verdict"] == "PASS" for r in results),
         "seconds": time.perf_counter() - t0,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report)
     print(f"wrote {out}")
     _print_table(report)
     return 0

@@ -15,7 +15,6 @@ streams at once. A sample of objects is checked byte-for-byte and by digest on e
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -23,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from umbp.tools.benchutil import write_json
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB)
@@ -327,9 +328,7 @@ def _sweep(args: argparse.Namespace, arena: Any, payload: int, reps: int) -> lis
 
 
 def _write(args: argparse.Namespace, res: dict[str, Any]) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    out = write_json(args.out, res, indent=1)
     png = Path(args.png) if args.png else out.with_suffix(".png")
     try:
         plot(res, png)

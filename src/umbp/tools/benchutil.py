@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -55,3 +57,11 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def human(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def write_json(path: str | Path, payload: Any, indent: int = 2) -> Path:
+    """A tool's JSON result, its folder made first; returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=indent) + "\n")
+    return out

@@ -11,10 +11,11 @@ warm (the reference: a plain local GPU prefix hit). The table compares the three
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
+
+from umbp.tools.benchutil import write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,9 +100,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": {label: row for label, row in rows},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print_table(result, rows)
     ok = all(
         row["tokens_identical"] and row["logprobs_identical"]
@@ -116,9 +115,7 @@ def _run_restart(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
 
     result, ok = demo_restart.run(args, model_dir)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(args.out, result)
     demo_restart.print_table(result)
     print(f"\n(wall time {result['wall_s']} s; JSON in {out})")
     return 0 if ok else 1
