@@ -93,7 +93,11 @@ class SchedulerSide:
         self.ssd_keys: set[str] = set()  # logical objects every rank's SSD tier holds
         self.remote = cfg.remote_tier()  # the shared tier (Redis/Valkey), queried at lookup
         self.quarantine: dict[str, float] = {}  # logical key -> time until which it is not offered
-        self._prefixes: list[str] | None = None  # per rank: its object keys' prefix (see _rank_prefixes)
+        # keys are a fixed head + the prefix hash's hex (cached per request): built once here
+        ns = layout.namespace
+        self._logical_heads = [key_head(logical_key(ns, g, b"\x00")) for g in range(len(layout.groups))]
+        self._rank_heads = [[key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))]
+                            for r in layout.ranks]
         if cfg.ssd_dirs:
             self.ssd_keys = scan_ssd(cfg.ssd_dirs, layout.namespace, layout.ranks)
             logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
@@ -129,11 +133,11 @@ class SchedulerSide:
     def boundary_keys(self, request) -> list[list[str]]:
         """Logical keys of every unit boundary, per group; cached per request (hashes only grow)."""
         tracked = self.track(request)
-        hashes, ns = request.block_hashes, self.layout.namespace
+        hexes = self._hexes(tracked)
         if not tracked.keys:
             tracked.keys = [[] for _ in self.layout.groups]
-        for g, keys in enumerate(tracked.keys):
-            keys.extend(logical_key(ns, g, h) for h in hashes[len(keys):])
+        for head, keys in zip(self._logical_heads, tracked.keys):
+            keys.extend(head + hx for hx in hexes[len(keys):])
         return tracked.keys
 
     def present_sets(self, request, limit: int) -> list[set[int]]:
@@ -157,8 +161,8 @@ class SchedulerSide:
 
         vLLM asks again every step a request waits for budget or blocks: answers younger than
         REMOTE_REUSE_S are reused (a key that vanished meanwhile is a failed load and a recompute; one that
-        appeared is found on a later lookup). Keys are built from cached parts: object_key() per key cost
-        13 ms for 8,192 keys here, more than the round trip itself."""
+        appeared is found on a later lookup). Keys are built from cached parts (`key_head`): object_key()
+        per key cost 13 ms for 8,192 keys here, more than the round trip itself."""
         tracked = self.track(request)
         now = time.monotonic()
         unit, cached = self.layout.unit, tracked.remote
@@ -176,11 +180,9 @@ class SchedulerSide:
         if not asks:
             return
         hexes = self._hexes(tracked)
-        cut = [hexes[t // unit - 1] for _g, t in asks]
-        heads = [f"{g}:" for g, _t in asks]
-        prefixes = self._rank_prefixes()
-        keys = [p + head + x for p in prefixes for head, x in zip(heads, cut)]  # rank-major
-        held = np.asarray(self.remote.exists(keys), dtype=bool).reshape(len(prefixes), len(asks)).all(axis=0)
+        cut = [(g, hexes[t // unit - 1]) for g, t in asks]
+        keys = [heads[g] + hx for heads in self._rank_heads for g, hx in cut]  # rank-major
+        held = np.asarray(self.remote.exists(keys), dtype=bool).reshape(len(self._rank_heads), len(asks)).all(axis=0)
         for (g, t), ok in zip(asks, held.tolist()):
             cached[(g, t)] = (now, ok)
             if ok:
@@ -190,18 +192,6 @@ class SchedulerSide:
         hashes, hexes = tracked.request.block_hashes, tracked.hexes
         hexes.extend(bytes(h).hex() for h in hashes[len(hexes):])
         return hexes
-
-    def _rank_prefixes(self) -> list[str]:
-        """Per rank, the part of its object keys before the group number (checked against object_key)."""
-        if self._prefixes is None:
-            out = []
-            for r in self.layout.ranks:
-                probe = object_key(self.layout.namespace, r, 0, b"\x00")
-                out.append(probe[: probe.rindex(":g0:") + 2])
-                if out[-1] + "0:00" != probe:
-                    raise RuntimeError(f"umbp: unexpected object key layout {probe!r}")
-            self._prefixes = out
-        return self._prefixes
 
     def _drop_quarantined(self, all_keys: list[list[str]], present: list[set[int]]) -> None:
         now = time.monotonic()
@@ -503,8 +493,10 @@ class SchedulerSide:
         return True
 
 
-def _fill_offsets(moves: dict[int, list[PageMove]], slots: list) -> None:
-    """`slots` follow the order `_load_moves` produced keys in: groups ascending, token ends ascending."""
-    flat = [m for g in sorted(moves) for m in moves[g]]
-    for move, slot in zip(flat, slots):
-        move.offset = slot.offset
+def key_head(probe: str) -> str:
+    """A key built with the one-byte prefix hash b"\\x00", minus that hash's hex "00": any prefix hash's
+    hex completes it into the same key the key function would build."""
+    if not probe.endswith(":00"):
+        raise RuntimeError(f"umbp: unexpected key layout {probe!r}")
+    return probe[:-2]
+
