@@ -372,11 +372,11 @@ class WorkerSide:
         return None if meta.is_empty() else meta
 
     def close(self) -> None:
-        """Finish what is in flight (loads are reported failed: nobody will read them), then flush tiers."""
-        if self.arena is not None:
-            self.poll_saves(wait_older=True)
-            self.polls += 1
-            self.poll_saves(wait_older=True)
+        """Finish the saves in flight (so their tier writes are queued), wait for the loads in flight and
+        drop them (nobody will read them), then flush the tiers."""
+        for pending in self.pending_saves:
+            self._finish_save(pending)  # waits for its copies
+        self.pending_saves = []
         for task in self.pending_loads:
             if task.reads is not None and not task.reads.cancel():
                 task.reads.exception()  # wait: that thread may be writing into the arena
