@@ -139,3 +139,41 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     assert path(None, gaps, "auto", 1 << 20) == "zero-copy"
     assert path(None, padded, "auto", 8 << 20) == "zero-copy"  # a run shorter than the bar
     assert path(None, gaps, "dma", 1 << 20) == "dma"  # an explicit choice stands
+
+
+def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
+    """A batch of exactly two staging buffers' worth is two rounds (a sliver of a third made the next
+    batch's first round wait at every batch boundary on the H200); uneven batches are cut evenly."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from umbp.transfer import Moves
+    from umbp.transfer.kernel import KernelEngine
+
+    obj, cap = 64 << 10, 128 << 20
+
+    def rounds(counts, ring_bytes, digests=False):
+        batch, first = [], 0
+        for g, n in enumerate(counts):
+            ids = np.arange(first, first + n)
+            d = [int(i) for i in ids] if digests else None
+            batch.append((SimpleNamespace(object_bytes=obj), Moves(g, ids, ids * obj, d), ids, ids * obj))
+            first += n
+        engine = SimpleNamespace(_ring_bytes=ring_bytes)
+        return KernelEngine._rounds(engine, batch)
+
+    ring = cap + cap // 128
+    two = rounds([2 * cap // obj], ring)
+    assert [sum(p[2].size for p in r) for r in two] == [2049, 2047]
+    for counts in ([2 * cap // obj], [700, 1, 3000, 2], [5], [4096 * 3 + 1]):
+        cut = rounds(counts, ring, digests=True)
+        sizes = [sum(p[2].size for p in r) for r in cut]
+        assert len(cut) == -(-sum(counts) * (obj + 16) // ring)  # as few rounds as fit
+        assert max(sizes) - min(sizes) <= 2 * (ring // (obj + 16)) // len(cut) + 2 or len(cut) == 1
+        assert all(sum(p[2].size for p in r) * (obj + 16) <= ring for r in cut)
+        flat = np.concatenate([p[2] for r in cut for p in r])
+        assert list(flat) == list(range(sum(counts)))  # every object once, in order
+        assert all(list(p[1].digests) == list(p[2]) for r in cut for p in r)  # digests follow their objects
+    huge = rounds([3], ring_bytes=obj // 2)  # objects over the budget: one round each
+    assert [sum(p[2].size for p in r) for r in huge] == [1, 1, 1]

@@ -11,7 +11,8 @@ The kernel also serves the DMA path (kernel.py): there it only moves pages betwe
 contiguous device staging buffer, at HBM speed, and the copy engines move staging <-> arena.
 
 Descriptor table `desc`: int64 [5, n] rows = src address, dst address, length in 8-byte words, offset of
-the piece inside its object in words, object index. This module imports Triton, so only the kernel path
+the piece inside its object in words, object index. On CUDA the table is built in page-locked host
+memory and brought to the device by `fetch_words` (SM loads, not a copy-engine copy: see kernel.py). This module imports Triton, so only the kernel path
 imports it. With TRITON_INTERPRET=1 set before Triton is first imported, the kernel runs on CPU tensors
 (Triton's interpreter; the tests use it).
 """
@@ -58,3 +59,12 @@ def copy_pieces(desc, n, wtab, partial, ok, BLOCK: tl.constexpr, CHECKSUM: tl.co
                 acc += x * wt
         if CHECKSUM:
             tl.store(partial + p, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def fetch_words(src, dst, n, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n] for int64 words, one block per program: how a piece table in page-locked host
+    memory reaches the device without queueing on a copy engine behind bulk transfers."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
