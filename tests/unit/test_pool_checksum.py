@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umbp.pool import Arena, checksum
-from umbp.pool.psum import CHUNK_BYTES, ROW_BYTES, copy_many, copy_with_checksum
+from umbp.pool.psum import CHUNK_BYTES, ROW_BYTES, ROW_WORDS, _combine, copy_many, copy_with_checksum
 
 RNG = np.random.default_rng(1234)
 
@@ -63,6 +63,19 @@ def test_random_corruption_is_detected():
         bad[start : start + 64] = _data(64, seed=100 + i)
         if not np.array_equal(bad, data):
             assert checksum(bad) != base
+
+
+def test_values_are_pinned():
+    # stored values carry this checksum (remote tier, SSD records): a faster path must not change it
+    assert checksum(_data(64 * 1024, seed=11)) == 0x8CF5669390E46CC3  # whole rows
+    assert checksum(_data(ROW_BYTES + 8, seed=12)) == 0x3E980C9B905162A8  # a tail after the rows
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 65, 2 * CHUNK_BYTES // ROW_BYTES, 4096])
+def test_whole_row_fast_path_equals_the_general_one(rows):
+    data = _data(rows * ROW_BYTES, seed=rows)
+    sums = np.add.reduce(data.view("<u8").reshape(-1, ROW_WORDS), axis=1)
+    assert checksum(data) == _combine(sums, data, data.size)
 
 
 def test_buffer_types_agree():

@@ -1,10 +1,11 @@
-"""RemoteConfig validation, the value header and the RESP helpers: no server needed."""
+"""RemoteConfig validation, the value header, the RESP helpers and the get window: no server needed."""
 
 import pytest
 
 pytest.importorskip("redis")
 
 from umbp.pool.errors import OptionValueError, UnknownOptionError  # noqa: E402
+from umbp.pool.remote import GET_WINDOW_BYTES, _GetWindow  # noqa: E402
 from umbp.pool.remote_config import RemoteConfig, parse_url, redact_url  # noqa: E402
 from umbp.pool.remote_format import HEADER_SIZE, header_problem, pack_header, stored_checksum  # noqa: E402
 from umbp.pool.resp import ProtocolError, bulk_keys, multi_key_command, scan_markers  # noqa: E402
@@ -101,3 +102,35 @@ def test_marker_scan_needs_whole_reply_and_rejects_foreign_values():
         scan_markers(b"$1\r\nX\r\n$-1\r\n", 2)
     with pytest.raises(ProtocolError):
         scan_markers(b"$-1\r\n$7\r\n$1\r\n1\r\n\r\n", 2)
+
+
+class _Sends:
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def send(self, parts: list[bytes]) -> None:
+        self.sizes.append(len(parts))
+
+
+def _replay_window(sizes: list[int]) -> list[int]:
+    """Drive a _GetWindow as RedisTier's get job does; check that every reply was asked for before it is
+    read and that the pipeline never holds more than the window plus one value. Returns the sends."""
+    w, sends = _GetWindow([b"GET"] * len(sizes), sizes), _Sends()
+    w.top_up(sends, 0)  # the send phase
+    for r in range(len(sizes)):
+        if r >= w.due:
+            w.top_up(sends, r)
+        assert w.sent > r
+        assert sum(sizes[r : w.sent]) <= GET_WINDOW_BYTES + max(sizes)
+    assert w.sent == len(sizes) and sum(sends.sizes) == len(sizes)
+    return sends.sizes
+
+
+def test_get_window_sends_in_half_windows():
+    kib, mib = 1 << 10, 1 << 20
+    assert _replay_window([64 * kib] * 16) == [16]  # a batch within the window: one send
+    sends = _replay_window([64 * kib] * 1024)  # 64 MiB of small values: refilled half a window at a time
+    assert sends[0] == GET_WINDOW_BYTES // (64 * kib) and len(sends) <= 1 + 1024 // (GET_WINDOW_BYTES // (128 * kib))
+    assert _replay_window([4 * mib] * 5) == [1] * 5  # a value as large as the window: one at a time
+    assert _replay_window([mib, 8 * mib, mib, kib, 3 * mib]) == [2, 3]  # the big one drains first
+    assert _replay_window([7]) == [1]

@@ -169,6 +169,29 @@ def test_foreign_wrong_size_and_moved_values_are_misses(tier, raw):
     assert s["hits"] == 0
 
 
+def test_one_batch_mixes_hits_with_every_kind_of_miss(tier, raw):
+    """Replies that are not the expected value sit between good ones in one pipelined batch: each is
+    named by its counter, the values after it still land intact, and the connection stays usable."""
+    good = {f"g{i}": blob(n, i) for i, n in enumerate([4096, 10_000, 65_536, 5])}
+    assert all(tier.put(list(good), list(good.values())))
+    raw.rpush("umbp:d:list", "x")  # GET answers -WRONGTYPE
+    raw.set("umbp:d:foreign", b"y" * (HEADER_SIZE + 100))  # the expected length, not umbp's header
+    assert tier.put(["short", "bad"], [b"12345678", blob(8192, 9)]) == [True, True]
+    raw.setrange("umbp:d:bad", HEADER_SIZE + 100, b"\xff\x00")  # a damaged payload
+    raw.copy("umbp:d:g1", "umbp:d:moved")  # a value under another key
+    keys = ["g0", "list", "g1", "absent", "foreign", "g2", "short", "bad", "moved", "g3"]
+    sizes = {"list": 10, "absent": 10, "foreign": 100, "short": 9, "bad": 8192, "moved": 10_000}
+    outs = {k: np.zeros(sizes.get(k) or good[k].size, np.uint8) for k in keys}
+    assert tier.get_into(keys, [outs[k] for k in keys]) == [k in good for k in keys]
+    assert all(np.array_equal(outs[k], v) for k, v in good.items())
+    s = tier.stats()
+    assert (s["hits"], s["misses"], s["load_errors"], s["reply_errors"], s["misses_absent"]) == (4, 6, 1, 1, 1)
+    assert (s["header_failures"], s["size_mismatches"], s["checksum_failures"], s["key_mismatches"]) == (1, 1, 1, 1)
+    assert s["connection_errors"] == 0 and not s["servers_down"]
+    again = np.zeros(good["g2"].size, np.uint8)
+    assert tier.get_into(["g2"], [again]) == [True] and np.array_equal(again, good["g2"])
+
+
 def test_marker_without_value_heals(tier, raw):
     assert tier.put(["k"], [b"v"]) == [True]
     raw.delete("umbp:d:k")  # as if evicted apart from its marker

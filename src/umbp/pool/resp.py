@@ -173,6 +173,20 @@ class Wire:
                 raise ConnectionError("umbp: the server closed the connection")
             got += k
 
+    def value_head(self, head: bytes, extra: int) -> bytes | None:
+        """The hot path of a bulk reply whose length the caller knows: if the stream continues with
+        exactly `head` ("$<len>" CRLF), consume it and return the `extra` bytes after it (a value's
+        header); otherwise consume nothing and return None, for a reply-by-reply parse. Usually one
+        buffer check instead of line() + int() + take(); reads more only while what is buffered still
+        matches `head`, so it never waits for bytes that will not come."""
+        start, n = self.start, len(head)
+        if self.end - start >= n + extra and self.buf.startswith(head, start, self.end):
+            self.start = start + n + extra
+            return bytes(self.mv[start + n : start + n + extra])
+        if not self.try_consume(head):
+            return None
+        return self.take(extra)
+
     def discard(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
         while n:
@@ -195,6 +209,9 @@ class Wire:
             self._fill()
 
     def expect_crlf(self) -> None:
+        if self.buf.startswith(CRLF, self.start, self.end):  # the usual case: already buffered
+            self.start += 2
+            return
         if self.line() != b"":
             raise ProtocolError("umbp: a bulk reply did not end where its length said")
 
