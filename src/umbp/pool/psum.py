@@ -94,14 +94,9 @@ def _combine(rows: np.ndarray, region: np.ndarray, full: int) -> int:
 
 def checksum_u8(region: np.ndarray) -> int:
     """psum64 of a flat uint8 array (one pass, no copy)."""
-    nbytes = region.size
-    if nbytes % ROW_BYTES == 0 and nbytes // ROW_BYTES < _weights_table.size:
-        # whole rows (the usual object): no tail and the fewest numpy calls; same value as below
-        rows = np.add.reduce(region.view(_LE_U64).reshape(-1, ROW_WORDS), axis=1)
-        return (int(rows.dot(_weights_table[: rows.size])) ^ (nbytes * _GOLDEN)) & _M64
-    full = nbytes // ROW_BYTES * ROW_BYTES
-    rows = np.empty(full // ROW_BYTES, np.uint64)
-    np.add.reduce(region[:full].view(_LE_U64).reshape(-1, ROW_WORDS), axis=1, out=rows)
+    full = region.size // ROW_BYTES * ROW_BYTES
+    body = region if full == region.size else region[:full]  # whole rows, the usual object: no slice
+    rows = np.add.reduce(body.view(_LE_U64).reshape(-1, ROW_WORDS), axis=1)
     return _combine(rows, region, full)
 
 

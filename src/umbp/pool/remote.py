@@ -469,12 +469,7 @@ class RedisTier(Pool):
         header = wire.value_head(b"$%d\r\n" % (HEADER_SIZE + dst.size), HEADER_SIZE)
         if header is None:
             return self._read_other(wire, key, dst)
-        digest = _recv_with_checksum(wire, dst)
-        wire.expect_crlf()
-        problem, stored = inspect_header(header, key, dst.size)
-        if problem is None and digest != stored:
-            problem = "checksum_failures"
-        return problem or True
+        return _take_payload(wire, header, key, dst)
 
     def _read_other(self, wire: Wire, key: str, dst: np.ndarray) -> Any:
         """A reply that is not the expected value: an error, nil, another length, or a header that
@@ -491,13 +486,7 @@ class RedisTier(Pool):
             wire.discard(n)
             wire.expect_crlf()
             return "size_mismatches"
-        header = wire.take(HEADER_SIZE)
-        digest = _recv_with_checksum(wire, dst)
-        wire.expect_crlf()
-        problem, stored = inspect_header(header, key, dst.size)
-        if problem is None and digest != stored:
-            problem = "checksum_failures"
-        return problem or True
+        return _take_payload(wire, wire.take(HEADER_SIZE), key, dst)
 
     def _get_slow(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> None:
         """Keys that met MOVED/ASK: fetched through redis-py's cluster client, which follows redirects."""
@@ -798,6 +787,17 @@ class RedisTier(Pool):
         self._closed = True
         self._writer.close(5.0 if timeout is None else timeout)
         self._backend.close()
+
+
+def _take_payload(wire: Wire, header: bytes, key: str, dst: np.ndarray) -> Any:
+    """The rest of a value whose length matched: payload into dst (checksummed on the way), the closing
+    CRLF; True, or the counter naming what the header or checksum says is wrong."""
+    digest = _recv_with_checksum(wire, dst)
+    wire.expect_crlf()
+    problem, stored = inspect_header(header, key, dst.size)
+    if problem is None and digest != stored:
+        problem = "checksum_failures"
+    return problem or True
 
 
 def _recv_with_checksum(wire: Wire, dst: np.ndarray) -> int:
