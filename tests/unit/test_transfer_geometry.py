@@ -115,7 +115,7 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     import numpy as np
 
     from umbp.transfer import Moves
-    from umbp.transfer.kernel import KernelEngine, _plan_runs
+    from umbp.transfer.kernel import KernelEngine, _plan_runs, _sorted_runs
 
     geom = SimpleNamespace(object_bytes=60 << 10)
 
@@ -124,21 +124,26 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
         return [(geom, Moves(0, [], [], None, slot_bytes), np.arange(offs.size), offs)]
 
     def runs(b):
-        return len(_plan_runs(b)[1])
+        return len(_plan_runs(_sorted_runs(b))[1])
 
     exact = batch(np.arange(64) * (60 << 10))  # 64 objects end to start: one run
     padded = batch(np.arange(64) * (64 << 10), slot_bytes=64 << 10)  # 64 KiB slots, 60 KiB objects
     gaps = batch(np.arange(64) * (64 << 10))  # the same, but the pads are not the slots' to write
     assert runs(exact) == 1 and runs(padded) == 1 and runs(gaps) == 64
     assert runs(batch(list(reversed(range(0, 64 * (60 << 10), 60 << 10))))) == 1  # order does not matter
-    pos, spans, total = _plan_runs(padded)
+    pos, spans, total = _plan_runs(_sorted_runs(padded))
     assert list(pos) == list(np.arange(64) * (64 << 10)) and spans == [(0, 0, 63 * (64 << 10) + (60 << 10))]
     assert total % 16 == 0 and total >= spans[0][2]
-    path = KernelEngine._path
-    assert path(None, padded, "auto", 1 << 20) == "dma"
-    assert path(None, gaps, "auto", 1 << 20) == "zero-copy"
-    assert path(None, padded, "auto", 8 << 20) == "zero-copy"  # a run shorter than the bar
-    assert path(None, gaps, "dma", 1 << 20) == "dma"  # an explicit choice stands
+    engine = SimpleNamespace(_last_sorted=None)
+    engine._sorted_runs = lambda b: KernelEngine._sorted_runs(engine, b)
+
+    def path(b, choice, bar):
+        return KernelEngine._path(engine, b, choice, bar)
+
+    assert path(padded, "auto", 1 << 20) == "dma"
+    assert path(gaps, "auto", 1 << 20) == "zero-copy"
+    assert path(padded, "auto", 8 << 20) == "zero-copy"  # a run shorter than the bar
+    assert path(gaps, "dma", 1 << 20) == "dma"  # an explicit choice stands
 
 
 def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
@@ -153,15 +158,15 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
 
     obj, cap = 64 << 10, 128 << 20
 
-    def rounds(counts, ring_bytes, digests=False):
+    def rounds(counts, ring_bytes, digests=False, cold=False):
         batch, first = [], 0
         for g, n in enumerate(counts):
             ids = np.arange(first, first + n)
             d = [int(i) for i in ids] if digests else None
             batch.append((SimpleNamespace(object_bytes=obj), Moves(g, ids, ids * obj, d), ids, ids * obj))
             first += n
-        engine = SimpleNamespace(_ring_bytes=ring_bytes)
-        return KernelEngine._rounds(engine, batch)
+        engine = SimpleNamespace(_ring_bytes=ring_bytes, RAMP=4)
+        return KernelEngine._rounds(engine, batch, cold)
 
     ring = cap + cap // 128
     two = rounds([2 * cap // obj], ring)
@@ -177,3 +182,13 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
         assert all(list(p[1].digests) == list(p[2]) for r in cut for p in r)  # digests follow their objects
     huge = rounds([3], ring_bytes=obj // 2)  # objects over the budget: one round each
     assert [sum(p[2].size for p in r) for r in huge] == [1, 1, 1]
+    # an idle engine: a quarter-buffer first round, then the rest cut evenly; a batch that fits is whole
+    for counts in ([2 * cap // obj], [700, 1, 3000, 2], [4096 * 3 + 1]):
+        cut = rounds(counts, ring, digests=True, cold=True)
+        sizes = [sum(p[2].size for p in r) for r in cut]
+        assert sizes[0] == ring // 4 // (obj + 16)
+        assert len(cut) == 1 + -(-(sum(counts) * (obj + 16) - ring // 4) // ring)
+        assert max(sizes[1:]) - min(sizes[1:]) <= 2 * (ring // (obj + 16)) // (len(cut) - 1) + 2
+        assert list(np.concatenate([p[2] for r in cut for p in r])) == list(range(sum(counts)))
+        assert all(list(p[1].digests) == list(p[2]) for r in cut for p in r)
+    assert [sum(p[2].size for p in r) for r in rounds([5], ring, cold=True)] == [5]

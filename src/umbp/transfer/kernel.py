@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,7 @@ class DeviceHandle(Handle):
 
 class KernelEngine(TransferEngine):
     backend = "kernel"
+    RAMP = 4  # a dma batch that finds the engine idle: its first round is 1/RAMP of a buffer (see _rounds)
 
     def __init__(self, arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
                  piece_bytes: int = PIECE_BYTES, ctas: int | None = None, block: int = 1024,
@@ -77,7 +79,7 @@ class KernelEngine(TransferEngine):
         if not cuda and not kernels.interpreting():
             raise ValueError("umbp: the kernel path on CPU tensors runs only under TRITON_INTERPRET=1 (tests); "
                              "use backend='staged' on CPU")
-        self.kernel, self.fetch = kernels.copy_pieces, kernels.fetch_words
+        self.kernel, self.fetch = kernels.copy_objects, kernels.fetch_words
         self.block, self.num_warps, self.max_staging_bytes = block, num_warps, max_staging_bytes
         # a ring buffer holds max_staging_bytes of slots plus their runs' alignment pads (_plan_runs), so
         # that a batch of exactly 2 x max_staging_bytes is two rounds, not two and a sliver (see _rounds)
@@ -93,6 +95,7 @@ class KernelEngine(TransferEngine):
         self.align = {g: geom.alignment() for g, geom in self.groups.items()}
         rows = max((geom.object_bytes for geom in self.groups.values()), default=0) // ROW_BYTES + 2
         self.wtab = torch.from_numpy(_weights(rows)[:rows].view(np.int64).copy()).to(self.device)
+        self.tmpl, self.toff = _templates(self.groups, self.device)
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
         # dma rounds: gathers (save) / verify + scatter (load) run on these, so round r's kernels overlap
         # round r-1's (or r+1's) copy-engine transfer on the direction's main stream
@@ -101,6 +104,8 @@ class KernelEngine(TransferEngine):
         self._turn = {SAVE: 0, LOAD: 0}
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = _TablePool()
+        self._last_sorted: tuple[Batch, tuple[np.ndarray, ...]] | None = None
+        self._last: dict[int, torch.cuda.Event | None] = {SAVE: None, LOAD: None}  # each direction's newest
 
     def synchronize(self) -> None:
         for s in (*(self.streams or ()), *(self.aux or ())):
@@ -122,18 +127,17 @@ class KernelEngine(TransferEngine):
             if self._path(batch, self.save_path, self.dma_min_run_bytes) == "zero-copy":
                 digests = self._save_zero_copy(batch, keep)
             else:
-                digests = self._save_dma(batch, keep, caller)
-            return self._finish(batch, digests, keep, mix=_mix(batch))
+                digests = self._save_dma(batch, keep, caller, self._idle())
+            return self._track(SAVE, self._finish(batch, digests, keep, mix=_mix(batch)))
 
     def _save_zero_copy(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
-        desc, n, nobj = self._desc(batch, None, arena)
-        partial = torch.empty(n, dtype=torch.int64, device=self.device)
-        table = self._launch(desc, n, self._align16(batch, arena), partial=partial)
-        keep += [desc, partial]
-        return self._sums(table, partial, nobj)
+        plan = self._plan(batch, [arena], sums=True)
+        self._copy(plan, None, 0, self._align16(batch, arena), checksum=True)
+        keep.append(plan.buf)
+        return plan.sums()
 
-    def _save_dma(self, batch: Batch, keep: list[torch.Tensor], caller) -> torch.Tensor:
+    def _save_dma(self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool) -> torch.Tensor:
         """Per round: KV pages -> staging (kernel on the gather stream, HBM speed, checksums), then
         staging -> arena on the save stream (copy engine, one copy per run of adjacent slots). Round r's
         gather runs while round r-1's copy does; two staging buffers take turns."""
@@ -141,21 +145,20 @@ class KernelEngine(TransferEngine):
         if gather is not None:
             gather.wait_stream(caller)
         digests = []
-        for r in self._rounds(batch):
+        for r in self._rounds(batch, cold):
             stg, rows, runs, slot = self._staging(r, SAVE)
             with self._stream(gather):
                 self._acquire(slot, gather)
-                desc, n, nobj = self._desc(r, None, rows)
-                partial = torch.empty(n, dtype=torch.int64, device=self.device)
-                table = self._launch(desc, n, self._align16(r, rows), partial=partial)
+                plan = self._plan(r, [rows], sums=True)
+                self._copy(plan, None, 0, self._align16(r, rows), checksum=True)
                 gathered = self._event(gather)
             if gathered is not None:
                 save.wait_event(gathered)
             for a, s, size in runs:
                 self.arena_tensor[a:a + size].copy_(stg[s:s + size], non_blocking=True)
-            digests.append(self._sums(table, partial, nobj))
+            digests.append(plan.sums())
             self._release(slot, save)
-            keep += [stg, desc, partial, table]  # table: made on the gather stream, read on this one
+            keep += [stg, plan.buf]  # plan: made on the gather stream, read on this one
         return torch.cat(digests)
 
     def _load(self, batch: Batch) -> Handle:
@@ -167,20 +170,20 @@ class KernelEngine(TransferEngine):
         caller, last = self._caller(), None
         with self._on(LOAD):
             if dma:
-                oks, last = self._load_dma(batch, keep, caller), self._side(LOAD)
+                oks, last = self._load_dma(batch, keep, caller, self._idle()), self._side(LOAD)
             elif all(m.digests is None for _g, m, _i, _o in batch):
                 oks = [self._load_direct(batch, keep)]
             else:
                 oks = [self._load_staged(r, keep) for r in self._rounds(batch)]
             with self._stream(last):  # the handle completes after the last scatter
-                return self._finish(batch, torch.cat(oks), keep, mix=None)
+                return self._track(LOAD, self._finish(batch, torch.cat(oks), keep, mix=None))
 
     def _load_direct(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
-        desc, n, nobj = self._desc(batch, arena, None)
-        self._launch(desc, n, self._align16(batch, arena))
-        keep.append(desc)
-        return torch.ones(nobj, dtype=torch.int8, device=self.device)
+        plan = self._plan(batch, [arena], sums=False)
+        self._copy(plan, 0, None, self._align16(batch, arena))
+        keep.append(plan.buf)
+        return torch.ones(plan.nobj, dtype=torch.int8, device=self.device)
 
     def _load_staged(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
         """Verified zero-copy load: arena -> device staging by the kernel (with checksums), checksums
@@ -189,17 +192,15 @@ class KernelEngine(TransferEngine):
         self._acquire(slot, self._main(LOAD))
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
         want = self._expected(batch)
-        d1, n1, nobj = self._desc(batch, arena, rows)
-        partial = torch.empty(n1, dtype=torch.int64, device=self.device)
-        table = self._launch(d1, n1, self._align16(batch, arena + rows), partial=partial)
-        ok = self._verify(self._sums(table, partial, nobj), want)
-        d2, n2, _ = self._desc(batch, rows, None)
-        self._launch(d2, n2, self._align16(batch, rows), ok=ok)
+        plan = self._plan(batch, [arena, rows], sums=True)
+        self._copy(plan, 0, 1, self._align16(batch, arena + rows), checksum=True)
+        ok = self._verify(plan.sums(), want)
+        self._copy(plan, 1, None, self._align16(batch, rows), ok=ok)
         self._release(slot, self._main(LOAD))
-        keep += [stg, d1, partial, d2]
+        keep += [stg, plan.buf]
         return ok
 
-    def _load_dma(self, batch: Batch, keep: list[torch.Tensor], caller) -> list[torch.Tensor]:
+    def _load_dma(self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool) -> list[torch.Tensor]:
         """Per round: arena -> staging on the load stream (copy engine, one copy per run), then on the
         scatter stream the checksums compared on the GPU (when digests are given) and staging -> KV
         pages for the objects that matched. Round r's scatter runs while round r+1's copy does."""
@@ -207,7 +208,7 @@ class KernelEngine(TransferEngine):
         if work is not None:
             work.wait_stream(caller)
         oks = []
-        for r in self._rounds(batch):
+        for r in self._rounds(batch, cold):
             stg, rows, runs, slot = self._staging(r, LOAD)
             self._acquire(slot, copy)
             want = self._expected(r)  # uploaded ahead of the bulk copy: see _upload
@@ -218,21 +219,19 @@ class KernelEngine(TransferEngine):
                 if copied is not None:
                     work.wait_event(copied)
                 ok = None
+                plan = self._plan(r, [rows], sums=want is not None)
                 if want is not None:
-                    d1, n1, nobj = self._desc(r, rows, rows)
-                    partial = torch.empty(n1, dtype=torch.int64, device=self.device)
-                    table = self._launch(d1, n1, self._align16(r, rows), partial=partial, store=False)
-                    ok = self._verify(self._sums(table, partial, nobj), want)
-                    keep += [d1, partial, want, table]  # want: made on the copy stream, read on this one
-                d2, n2, nobj = self._desc(r, rows, None)
-                self._launch(d2, n2, self._align16(r, rows), ok=ok)
+                    self._copy(plan, 0, 0, self._align16(r, rows), checksum=True, store=False)
+                    ok = self._verify(plan.sums(), want)
+                    keep.append(want)  # made on the copy stream, read on this one
+                self._copy(plan, 0, None, self._align16(r, rows), ok=ok)
                 self._release(slot, work)
-            keep += [stg, d2]
-            oks.append(ok if ok is not None else torch.ones(nobj, dtype=torch.int8, device=self.device))
+            keep += [stg, plan.buf]
+            oks.append(ok if ok is not None else torch.ones(plan.nobj, dtype=torch.int8, device=self.device))
         return oks
 
     def _expected(self, batch: Batch) -> torch.Tensor | None:
-        """The given digests on the device as [2, objects] int64: digest (as _sums gives it), and 1 where
+        """The given digests on the device as [2, objects] int64: digest (as _Plan.sums gives it), and 1 where
         none was given (the object is then not checked); None when no object of the batch has one."""
         if all(m.digests is None for _g, m, _i, _o in batch):
             return None
@@ -240,7 +239,7 @@ class KernelEngine(TransferEngine):
                                if m.digests is None else
                                np.stack([np.asarray(m.digests, np.uint64) ^ _mix([(g, m, ids, o)]),
                                          np.zeros(ids.size, np.uint64)])
-                               for g, m, ids, o in batch], axis=1)  # digests less their length term: _sums
+                               for g, m, ids, o in batch], axis=1)  # digests less their length term: _Plan.sums
         return self._upload(want.view(np.int64))
 
     @staticmethod
@@ -253,7 +252,7 @@ class KernelEngine(TransferEngine):
         """Device staging laid out like the batch's runs of adjacent arena slots (pads between objects
         included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, per-Moves row
         addresses, copy runs as (arena offset, staging offset, bytes), its ring slot: see _acquire)."""
-        pos, runs, total = _plan_runs(batch)
+        pos, runs, total = _plan_runs(self._sorted_runs(batch))
         slot = self._ring_slot(direction, total)
         rows = np.split(slot[0].data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
         return slot[0], list(rows), runs, slot
@@ -277,6 +276,17 @@ class KernelEngine(TransferEngine):
 
     def _release(self, slot: list, stream) -> None:
         slot[1] = self._event(stream)
+
+    def _idle(self) -> bool:
+        """Nothing of this engine is still running on the device: a batch's first copy waits for its
+        planning and gather alone, so _rounds cuts that round small. Not when the other direction is
+        busy: the host is then the bottleneck (H200, saves and loads at once: a ramped round there cost
+        1-3 GB/s both ways, while saves alone gained 0.02-0.04 of the page-locked rate)."""
+        return all(e is None or e.query() for e in self._last.values())
+
+    def _track(self, direction: int, handle: Handle) -> Handle:
+        self._last[direction] = getattr(handle, "_event", None)
+        return handle
 
     def _caller(self):
         return torch.cuda.current_stream(self.device) if self.streams is not None else None
@@ -310,28 +320,40 @@ class KernelEngine(TransferEngine):
         nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
         if nbytes < min_run_bytes:
             return "zero-copy"
-        return "dma" if nbytes >= min_run_bytes * _sorted_runs(batch)[0].size else "zero-copy"
+        return "dma" if nbytes >= min_run_bytes * self._sorted_runs(batch)[0].size else "zero-copy"
 
-    def _rounds(self, batch: Batch) -> list[Batch]:
+    def _sorted_runs(self, batch: Batch) -> tuple[np.ndarray, ...]:
+        """_sorted_runs(batch), kept for the batch seen last: a call that is one round sorts its slots once
+        for _path and _staging (each sort was ~0.1 ms of the H200 host's time per call)."""
+        if self._last_sorted is None or self._last_sorted[0] is not batch:
+            self._last_sorted = (batch, _sorted_runs(batch))
+        return self._last_sorted[1]
+
+    def _rounds(self, batch: Batch, cold: bool = False) -> list[Batch]:
         """Cut the batch, in order, into rounds that each fit a ring buffer and are all about one size. One
         round's kernels run beside the next one's copy (see _save_dma / _load_dma); with two buffers taking
         turns, a small last round would make the next batch's first round wait for the buffer of the round
         before it, a gap of one gather or scatter on the copy engine at every batch boundary (measured:
-        0.2-0.3 ms per 256 MiB batch on the H200)."""
+        0.2-0.3 ms per 256 MiB batch on the H200). `cold` (see _idle): the first round is 1/RAMP of a
+        buffer, so the copy engine starts after planning and gathering that much; the next round is planned
+        while it copies."""
         cost = [slot_reach(geom.object_bytes, m) + 16 for geom, m, _i, _o in batch]  # + worst-case run pad
         total = sum(c * part[2].size for c, part in zip(cost, batch, strict=True))
-        fewest = -(-total // self._ring_bytes)  # rounds needed
+        if total <= self._ring_bytes:
+            return [batch]
+        first = self._ring_bytes // self.RAMP if cold and self.RAMP > 1 else 0
+        fewest = -(-(total - first) // self._ring_bytes)  # rounds needed after the first
         # an even share, plus one object so that the greedy cut below needs no extra round
-        budget = min(self._ring_bytes, -(-total // fewest) + max(cost))
+        budget = min(self._ring_bytes, -(-(total - first) // fewest) + max(cost))
         rounds: list[Batch] = [[]]
-        used = 0
+        used, room_of = 0, first or budget
         for c, (geom, m, ids, offs) in zip(cost, batch, strict=True):
             s = 0
             while s < ids.size:
-                room = (budget - used) // c
+                room = (room_of - used) // c
                 if room <= 0 and rounds[-1]:
                     rounds.append([])
-                    used = 0
+                    used, room_of = 0, budget
                     continue
                 e = min(ids.size, s + max(1, room))  # an object over the budget gets a round of its own
                 digests = None if m.digests is None else list(m.digests)[s:e]
@@ -350,36 +372,48 @@ class KernelEngine(TransferEngine):
             return False
         return all(int(np.bitwise_or.reduce(s)) % 16 == 0 for s in sides if s.size)
 
-    def _desc(self, batch: Batch, src: list[Side] | None, dst: list[Side] | None) -> tuple[torch.Tensor, int, int]:
-        """Piece table (see kernels.py); a side of None means the KV pages. Built in place in page-locked
-        memory (no intermediate arrays: for 4,096 objects of 8 pieces this is the host's main cost of a
-        call); _launch brings it to the device."""
-        total = sum(ids.size * g.template.obj.size for g, _m, ids, _o in batch)
-        host = self._host_buffer((5, total))
-        desc = host.numpy()
-        col = first = 0
-        for k, (geom, _m, ids, _o) in enumerate(batch):
-            t, n = geom.template, ids.size
-            view = desc[:, col:col + n * t.obj.size].reshape(5, n, t.obj.size)
-            kv = view[0] if src is None else view[1]
-            np.multiply(ids[:, None], t.stride[None, :], out=kv)
-            kv += t.src
-            for side, out in ((src, view[0]), (dst, view[1])):
-                if side is not None:
-                    np.add(side[k][:, None], t.obj[None, :], out=out)
-            view[2] = t.nbytes // 8
-            view[3] = t.obj // 8
-            view[4] = np.arange(first, first + n, dtype=np.int64)[:, None]
-            col += n * t.obj.size
-            first += n
-        return host, total, first
+    def _plan(self, batch: Batch, rows: list[list[np.ndarray]], sums: bool) -> _Plan:
+        """The launch's plan (see kernels.py): a segment per Moves, each object's block id and its
+        addresses on each side in `rows` (per Moves, one address per object), zeroed checksum words. Built
+        in place in page-locked memory and brought to the device by _fetch."""
+        nseg, counts = len(batch), np.array([ids.size for _g, _m, ids, _o in batch], np.int64)
+        nobj = int(counts.sum())
+        host = self._host_buffer(4 * nseg + nobj * (1 + len(rows) + sums))
+        words = host.numpy()
+        seg = words[:4 * nseg].reshape(4, nseg)
+        per = np.array([g.template.obj.size for g, _m, _i, _o in batch], np.int64)
+        seg[0] = np.cumsum(counts * per) - counts * per
+        seg[1] = np.cumsum(counts) - counts
+        seg[2] = per
+        seg[3] = [self.toff[m.group] for _g, m, _i, _o in batch]
+        at = 4 * nseg
+        for column in ([ids for _g, _m, ids, _o in batch], *rows):
+            np.concatenate(column, out=words[at:at + nobj])
+            at += nobj
+        words[at:] = 0
+        if self.device.type == "cuda":
+            host = self._fetch(host)
+        return _Plan(host, nseg, int((counts * per).sum()), nobj, len(rows), sums)
 
-    def _host_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """int64 host memory for a piece table: on CUDA page-locked, from the engine's own pool (see
-        _TablePool), and handed back to the pool by _fetch once the device has read it."""
+    def _copy(self, plan: _Plan, src: int | None, dst: int | None, align16: bool, checksum: bool = False,
+              ok: torch.Tensor | None = None, store: bool = True) -> None:
+        """Run the copy kernel over a plan; src / dst: the plan's row column, or None for the KV pages."""
+        if plan.n == 0:
+            return
+        col = [plan.at(c) if c is not None else 0 for c in (src, dst)]
+        self.kernel[(min(plan.n, self.ctas),)](
+            plan.buf, plan.nseg, plan.n, self.tmpl, self.tmpl.shape[1], 4 * plan.nseg, col[0], col[1],
+            plan.sums_at(), self.wtab, self._dummy if ok is None else ok, BLOCK=self.block, SRC_KV=src is None,
+            DST_KV=dst is None, CHECKSUM=checksum, GUARD=ok is not None, ALIGN16=align16, STORE=store,
+            num_warps=self.num_warps,
+        )
+
+    def _host_buffer(self, words: int) -> torch.Tensor:
+        """int64 host memory for a plan: on CUDA page-locked, from the engine's own pool (see _TablePool),
+        and handed back to the pool by _fetch once the device has read it."""
         if self.device.type != "cuda":
-            return torch.empty(shape, dtype=torch.int64)
-        return self._tables.take(int(np.prod(shape))).view(shape)
+            return torch.empty(words, dtype=torch.int64)
+        return self._tables.take(words)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         """A host-to-device copy on the current stream; it queues on the copy engine behind bulk copies
@@ -389,36 +423,17 @@ class KernelEngine(TransferEngine):
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _launch(self, desc: torch.Tensor, n: int, align16: bool, partial: torch.Tensor | None = None,
-                ok: torch.Tensor | None = None, store: bool = True) -> torch.Tensor:
-        """Run the copy kernel over a piece table; returns the table it read (on the device)."""
-        if n == 0:
-            return desc
-        if self.device.type == "cuda":
-            desc = self._fetch(desc)
-        self.kernel[(min(n, self.ctas),)](
-            desc, n, self.wtab, self._dummy if partial is None else partial, self._dummy if ok is None else ok,
-            BLOCK=self.block, CHECKSUM=partial is not None, GUARD=ok is not None, ALIGN16=align16, STORE=store,
-            num_warps=self.num_warps,
-        )
-        return desc
-
     def _fetch(self, host: torch.Tensor) -> torch.Tensor:
-        """The piece table, copied to the device by SM loads from page-locked memory. Not a copy-engine
+        """The plan, copied to the device by SM loads from page-locked memory. Not a copy-engine
         copy: that queues behind bulk copies already issued in its direction (H200 timeline, saves and
         loads at once: every gather waited for a whole 128 MiB load copy to finish, ~0.25 ms a round).
         Reading the table in place instead made each gather ~5x slower (one PCIe round trip per piece
-        on a saturated link); this is one parallel read."""
+        on a saturated link); this is one parallel read. (Plans were tables of pieces then.)"""
         dev = torch.empty_like(host, device=self.device)
         words = host.numel()
         self.fetch[(-(-words // FETCH_BLOCK),)](host, dev, words, BLOCK=FETCH_BLOCK)
         self._tables.give(host, self._event(torch.cuda.current_stream(self.device)))
         return dev
-
-    def _sums(self, table: torch.Tensor, partial: torch.Tensor, nobj: int) -> torch.Tensor:
-        """Each object's pieces' weighted sums added mod 2**64: its psum64 less the length term, which the
-        host xors in (DeviceHandle, _expected): two device ops per call however many groups it has."""
-        return torch.zeros(nobj, dtype=torch.int64, device=self.device).index_add_(0, table[4], partial)
 
     def _on(self, direction: int) -> AbstractContextManager:
         """Run on this direction's stream, after the work already queued on the caller's stream."""
@@ -429,7 +444,7 @@ class KernelEngine(TransferEngine):
         return torch.cuda.stream(s)
 
     def _finish(self, batch: Batch, values: torch.Tensor, keep: list[torch.Tensor], mix: np.ndarray | None) -> Handle:
-        """mix: for saves, each object's psum64 length term (xored in on the host: see _sums)."""
+        """mix: for saves, each object's psum64 length term (xored in on the host: see _Plan.sums)."""
         sizes = [ids.size for _g, _m, ids, _o in batch]
         if self.streams is None:
             return DeviceHandle(sizes, None, values.clone(), keep, mix)
@@ -440,12 +455,45 @@ class KernelEngine(TransferEngine):
         return DeviceHandle(sizes, event, host, keep, mix)
 
 
-class _TablePool:
-    """Page-locked int64 buffers for piece tables, each reused once the kernel that copies it to the
-    device has run (an event recorded after that launch). PyTorch's pinned allocator cost up to ~0.25 ms
-    per table on the H200 host in save calls (measured), a third of a round's host time."""
+class _Plan:
+    """A launch's plan on the device (layout: kernels.py). `sums()`: each object's pieces' weighted sums
+    added mod 2**64, i.e. its psum64 less the length term, which the host xors in (DeviceHandle,
+    _expected), so the device needs no extra op per group."""
 
-    MIN_WORDS = 1 << 17  # 1 MiB: one buffer fits a 128 MiB round of 16 KiB pieces (5 x 8,192 words)
+    def __init__(self, buf: torch.Tensor, nseg: int, n: int, nobj: int, ncols: int, has_sums: bool):
+        self.buf, self.nseg, self.n, self.nobj, self.ncols, self.has_sums = buf, nseg, n, nobj, ncols, has_sums
+
+    def at(self, column: int) -> int:
+        """Word offset of a row column (0-based; the block ids come before them)."""
+        return 4 * self.nseg + (1 + column) * self.nobj
+
+    def sums_at(self) -> int:
+        return self.at(self.ncols) if self.has_sums else 0
+
+    def sums(self) -> torch.Tensor:
+        at = self.sums_at()
+        return self.buf[at:at + self.nobj]
+
+
+def _templates(groups: Mapping[int, Any], device: torch.device) -> tuple[torch.Tensor, dict[int, int]]:
+    """Every group's piece template in one int64 [4, pieces] device table (see kernels.py), and the
+    column where each group's pieces start."""
+    toff, cols, at = {}, [], 0
+    for g, geom in groups.items():
+        t = geom.template
+        toff[g] = at
+        cols.append(np.stack([t.src, t.stride, t.obj, t.nbytes]))
+        at += t.obj.size
+    table = np.concatenate(cols, axis=1) if cols else np.zeros((4, 1), np.int64)
+    return torch.from_numpy(np.ascontiguousarray(table)).to(device), toff
+
+
+class _TablePool:
+    """Page-locked int64 buffers for plans, each reused once the kernel that copies it to the device has
+    run (an event recorded after that launch). PyTorch's pinned allocator cost up to ~0.25 ms per buffer
+    on the H200 host in save calls (measured, when plans were tables of pieces)."""
+
+    MIN_WORDS = 1 << 17  # 1 MiB: a plan of up to ~32K objects (4 words each) fits one buffer
     KEEP = 32  # buffers kept; more than the tables in flight at once
 
     def __init__(self) -> None:
@@ -485,11 +533,12 @@ def _sorted_runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     return np.concatenate([[0], cut]), np.concatenate([cut, [so.size]]) - 1, order, so, ss
 
 
-def _plan_runs(batch: Batch) -> tuple[np.ndarray, list[tuple[int, int, int]], int]:
+def _plan_runs(sorted_runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, list[tuple[int, int, int]], int]:
     """Objects sorted by arena offset and cut into runs where one slot ends exactly where the next
-    begins (a slot reaches its Moves' slot_bytes). Returns (each object's staging offset, in batch order;
-    runs as (arena offset, staging offset, bytes), the last object's pad left out; staging bytes)."""
-    first, last, order, so, ss = _sorted_runs(batch)
+    begins (a slot reaches its Moves' slot_bytes), from _sorted_runs. Returns (each object's staging
+    offset, in batch order; runs as (arena offset, staging offset, bytes), the last object's pad left out;
+    staging bytes)."""
+    first, last, order, so, ss = sorted_runs
     start, length = so[first], so[last] + ss[last] - so[first]
     padded = (length + 15) // 16 * 16  # keep every run's staging 16-byte aligned (the kernel's wide path)
     base = np.cumsum(padded) - padded
