@@ -55,6 +55,8 @@ ENGINES = [
     pytest.param("staged", "cuda", {}, id="staged-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", ZERO, id="kernel-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", DMA, id="kernel-dma-cuda", marks=_cuda),
+    # every slot apart: each object its own run, all of a round's runs in one batch copy (batchcopy.py)
+    pytest.param("kernel", "cuda", dict(DMA, slots="scattered"), id="kernel-dma-scattered-cuda", marks=_cuda),
 ]
 LAYOUTS = ["attn-kv-first-bf16", "attn-blocks-first-fp32", "kernel-split-fp16", "hybrid-padded-states",
            "hybrid-unaligned-state", "granite-4.0-h-350m", "attn-kv-first-64k-pages"]
@@ -85,14 +87,15 @@ def _same_view(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(flat.view(t.dtype), t.shape, t.stride(), t.storage_offset())
 
 
-def _plan(groups: L.Groups, rng: np.random.Generator, arena_bytes: int) -> list[Moves]:
+def _plan(groups: L.Groups, rng: np.random.Generator, arena_bytes: int, scattered: bool = False) -> list[Moves]:
     """Random blocks (distinct across groups too: hybrid groups share the backing pages, and vLLM never
-    gives one block to two groups) and random, scattered, non-overlapping arena slots."""
+    gives one block to two groups) and random, scattered, non-overlapping arena slots (half the time in
+    one run instead, unless `scattered`)."""
     sizes = {g: sum(_page(t, d, 0).numel() for t, d in layers) for g, layers in groups.items()}
     nslots = arena_bytes // SLOT
     free = list(rng.permutation(nslots))
     slot_bytes = None
-    if rng.random() < 0.5:  # slots in one run, as DramIndex.reserve_many hands them out (one DMA per run)
+    if not scattered and rng.random() < 0.5:  # slots in one run, as DramIndex.reserve_many hands them out (one DMA per run)
         span = max(-(-n // SLOT) for n in sizes.values())
         free = list(range(0, nslots - span, span))[::-1]
         slot_bytes = span * SLOT  # each slot's pad is its own: runs are copied whole, pads included
@@ -148,9 +151,13 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
         pytest.skip(f"{layout} is a GPU-sized layout")
     groups = layouts[layout]
     arena = _arena(device, 64 << 20 if device == "cuda" else 4 << 20)
+    options = dict(options)
+    scattered = options.pop("slots", None) == "scattered"
     opts = dict(options, max_staging_bytes=int(rng.choice([1 << 14, 64 << 20]))) if options else {}
+    if scattered:
+        opts["max_staging_bytes"] = 64 << 20  # whole batches per round: many runs per batch copy
     engine = make_engine(arena, groups, backend=backend, piece_bytes=int(rng.choice([1024, 4096, 64 << 10])), **opts)
-    batch = _plan(groups, rng, arena.capacity_bytes)
+    batch = _plan(groups, rng, arena.capacity_bytes, scattered)
     refs = {(m.group, b): _object(groups[m.group], b) for m in batch for b in m.block_ids}
 
     # save: poisoned arena, then every object byte, every digest, and nothing outside the slots (a slot's

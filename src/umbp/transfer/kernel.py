@@ -8,7 +8,8 @@ load:  arena slots --kernel--> KV pages                                       (n
 
 Two ways to cross PCIe (`save_path` / `load_path`): "zero-copy" (the kernel reads/writes the mapped arena
 directly; any object size) and "dma" (kernel between KV pages and contiguous device staging, then one
-copy-engine copy per run of adjacent arena slots; good for large objects or slots in runs). Default
+copy-engine copy per run of adjacent arena slots, all runs of a round in one batch call where the CUDA
+runtime has it (batchcopy.py); good for objects >= 256 KiB or slots in runs). Default
 "auto" picks by the batch's bytes per run of adjacent slots (thresholds from the H200 measurements in
 docs/transfer.md).
 
@@ -30,6 +31,7 @@ import torch
 
 from umbp.pool import Arena
 from umbp.pool.psum import ROW_BYTES, _weights
+from umbp.transfer import batchcopy
 from umbp.transfer.api import Handle, Moves, TransferEngine, digest_mix, slot_reach
 from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.staged import Batch, staged_load, staged_save
@@ -69,7 +71,7 @@ class KernelEngine(TransferEngine):
     def __init__(self, arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
                  piece_bytes: int = PIECE_BYTES, ctas: int | None = None, block: int = 1024,
                  num_warps: int = 4, max_staging_bytes: int = 128 << 20, save_path: str = "auto",
-                 load_path: str = "auto", dma_min_run_bytes: int = 4 << 20):
+                 load_path: str = "auto", dma_min_run_bytes: int | None = None):
         super().__init__(arena, groups, piece_bytes)
         cuda = self.device.type == "cuda"
         if cuda and not arena.pinned:
@@ -88,6 +90,10 @@ class KernelEngine(TransferEngine):
             if p not in ("auto", "zero-copy", "dma"):
                 raise ValueError(f"umbp: transfer path must be 'auto', 'zero-copy' or 'dma', got {p!r}")
         self.save_path, self.load_path = save_path, load_path
+        # dma copies of scattered runs: one batch call (batchcopy.py) where the CUDA runtime has it
+        self._batch_copy = batchcopy.load() if cuda else None
+        if dma_min_run_bytes is None:  # below the bar zero-copy was faster (H200, docs/transfer.md)
+            dma_min_run_bytes = (256 << 10) if self._batch_copy is not None else (4 << 20)
         self.dma_min_run_bytes = dma_min_run_bytes  # one bar for both ways: mixing DMA one way with SM
         # traffic the other way ran at half the copy engines' both-ways rate (docs/transfer.md)
         self.ctas = ctas or (torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4)
@@ -154,8 +160,7 @@ class KernelEngine(TransferEngine):
                 gathered = self._event(gather)
             if gathered is not None:
                 save.wait_event(gathered)
-            for a, s, size in runs:
-                self.arena_tensor[a:a + size].copy_(stg[s:s + size], non_blocking=True)
+            self._copy_runs(runs, stg, to_arena=True)
             digests.append(plan.sums())
             self._release(slot, save)
             keep += [stg, plan.buf]  # plan: made on the gather stream, read on this one
@@ -212,8 +217,7 @@ class KernelEngine(TransferEngine):
             stg, rows, runs, slot = self._staging(r, LOAD)
             self._acquire(slot, copy)
             want = self._expected(r)  # uploaded ahead of the bulk copy: see _upload
-            for a, s, size in runs:
-                stg[s:s + size].copy_(self.arena_tensor[a:a + size], non_blocking=True)
+            self._copy_runs(runs, stg, to_arena=False)
             copied = self._event(copy)
             with self._stream(work):
                 if copied is not None:
@@ -248,14 +252,29 @@ class KernelEngine(TransferEngine):
             return torch.ones(got.shape, dtype=torch.int8, device=got.device)
         return ((got == want[0]) | (want[1] != 0)).to(torch.int8)
 
-    def _staging(self, batch: Batch, direction: int) -> tuple[torch.Tensor, list[np.ndarray], list[tuple[int, int, int]], list]:
+    def _staging(self, batch: Batch, direction: int) -> tuple[torch.Tensor, list[np.ndarray], tuple[np.ndarray, ...], list]:
         """Device staging laid out like the batch's runs of adjacent arena slots (pads between objects
         included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, per-Moves row
-        addresses, copy runs as (arena offset, staging offset, bytes), its ring slot: see _acquire)."""
+        addresses, copy runs as arrays (arena offset, staging offset, bytes), its ring slot: see _acquire)."""
         pos, runs, total = _plan_runs(self._sorted_runs(batch))
         slot = self._ring_slot(direction, total)
         rows = np.split(slot[0].data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
         return slot[0], list(rows), runs, slot
+
+    def _copy_runs(self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool) -> None:
+        """Staging <-> arena on the current stream, one copy-engine copy per run: all in one batch call
+        where the runtime has it and there are several runs (scattered slots), else run by run."""
+        arena, staging, size = runs
+        if self._batch_copy is not None and arena.size > 2:
+            a, s = self.arena_base + arena, stg.data_ptr() + staging
+            dsts, srcs = (a, s) if to_arena else (s, a)
+            self._batch_copy(dsts, srcs, size, torch.cuda.current_stream(self.device).cuda_stream)
+            return
+        for a, s, n in zip(arena.tolist(), staging.tolist(), size.tolist()):
+            if to_arena:
+                self.arena_tensor[a:a + n].copy_(stg[s:s + n], non_blocking=True)
+            else:
+                stg[s:s + n].copy_(self.arena_tensor[a:a + n], non_blocking=True)
 
     def _ring_slot(self, direction: int, nbytes: int) -> list:
         """[buffer, event after which it is free]: one of two per direction, taken in turn (rounds are cut
@@ -311,10 +330,10 @@ class KernelEngine(TransferEngine):
 
     def _path(self, batch: Batch, choice: str, min_run_bytes: int) -> str:
         """'auto': the copy engines when the batch's arena slots form runs of adjacent slots averaging
-        >= min_run_bytes (each run is one DMA of ~10 us fixed cost: one per 64 KiB object runs at 8.8 GB/s
-        on the H200, one per multi-MiB run at the copy engine's rate), else zero-copy (SM-issued PCIe
-        traffic, ~0.9 of a copy engine whatever the object size). Slots come in runs when the index hands
-        them out together (DramIndex.reserve_many). Thresholds: docs/transfer.md."""
+        >= min_run_bytes (each run is one DMA; in one batch call 256 KiB runs reach 0.96-0.98 of a plain
+        copy on the H200 and 64 KiB runs 0.81-0.89; run by run, without that call, ~10 us each), else
+        zero-copy (SM-issued PCIe traffic, ~0.9 of a copy engine whatever the object size). Slots come in
+        runs when the index hands them out together (DramIndex.reserve_many). Thresholds: docs/transfer.md."""
         if choice != "auto":
             return choice
         nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
@@ -533,11 +552,11 @@ def _sorted_runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     return np.concatenate([[0], cut]), np.concatenate([cut, [so.size]]) - 1, order, so, ss
 
 
-def _plan_runs(sorted_runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, list[tuple[int, int, int]], int]:
+def _plan_runs(sorted_runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, tuple[np.ndarray, ...], int]:
     """Objects sorted by arena offset and cut into runs where one slot ends exactly where the next
     begins (a slot reaches its Moves' slot_bytes), from _sorted_runs. Returns (each object's staging
-    offset, in batch order; runs as (arena offset, staging offset, bytes), the last object's pad left out;
-    staging bytes)."""
+    offset, in batch order; runs as arrays (arena offset, staging offset, bytes), the last object's pad
+    left out; staging bytes)."""
     first, last, order, so, ss = sorted_runs
     start, length = so[first], so[last] + ss[last] - so[first]
     padded = (length + 15) // 16 * 16  # keep every run's staging 16-byte aligned (the kernel's wide path)
@@ -545,8 +564,7 @@ def _plan_runs(sorted_runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, list[tu
     run_of = np.repeat(np.arange(first.size), last - first + 1)
     pos = np.empty_like(so)
     pos[order] = base[run_of] + so - start[run_of]
-    runs = [(int(a), int(b), int(n)) for a, b, n in zip(start, base, length)]
-    return pos, runs, int(padded.sum())
+    return pos, (start, base, length), int(padded.sum())
 
 
 def _aligned(nbytes: int, device: torch.device) -> torch.Tensor:
