@@ -122,3 +122,30 @@ def test_threaded_batch_copy_matches_one_shot():
         outs = [np.empty(n, np.uint8) for n in sizes]
         assert copy_many(list(zip(regions, outs, strict=True)), False, pool, 4) == [checksum(s) for s in srcs]
     assert all(np.array_equal(o, s) for o, s in zip(outs, srcs, strict=True))
+
+
+@pytest.mark.parametrize("nrows", [1, 2, 16, 64, 300])
+def test_batched_combine_equals_one_shot(nrows):
+    """combine_rows (the remote tier's batched get) gives checksum()'s value for every object, and a
+    changed word changes only its own object's value."""
+    from umbp.pool.psum import as_rows, combine_rows, row_sums_into
+
+    rng = np.random.default_rng(nrows)
+    objs = rng.integers(0, 256, (5, nrows * ROW_BYTES), dtype=np.uint8)
+    objs[1] = 0  # all-zero and all-ones rows too
+    objs[2] = 255
+    rows = np.zeros((5, nrows), np.uint64)
+    for i in range(5):
+        row_sums_into(as_rows(objs[i]), rows[i])
+    assert combine_rows(rows, nrows * ROW_BYTES).tolist() == [checksum(o) for o in objs]
+    objs[3, -8] ^= 1
+    row_sums_into(as_rows(objs[3]), rows[3])
+    digests = combine_rows(rows, nrows * ROW_BYTES).tolist()
+    assert digests == [checksum(o) for o in objs] and digests[3] != digests[4]
+
+
+def test_batched_combine_needs_whole_rows():
+    from umbp.pool.psum import combine_rows
+
+    with pytest.raises(ValueError):
+        combine_rows(np.zeros((2, 1), np.uint64), ROW_BYTES + 8)

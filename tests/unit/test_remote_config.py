@@ -7,7 +7,16 @@ pytest.importorskip("redis")
 from umbp.pool.errors import OptionValueError, UnknownOptionError  # noqa: E402
 from umbp.pool.remote import GET_WINDOW_BYTES, _GetWindow  # noqa: E402
 from umbp.pool.remote_config import RemoteConfig, parse_url, redact_url  # noqa: E402
-from umbp.pool.remote_format import HEADER_SIZE, header_problem, pack_header, stored_checksum  # noqa: E402
+from umbp.pool.remote_format import (  # noqa: E402
+    CHECKSUM_AT,
+    CHECKSUM_SIZE,
+    HEADER_SIZE,
+    header_after_checksum,
+    header_before_checksum,
+    header_problem,
+    pack_header,
+    stored_checksum,
+)
 from umbp.pool.resp import ProtocolError, bulk_keys, multi_key_command, scan_markers  # noqa: E402
 
 
@@ -134,3 +143,14 @@ def test_get_window_sends_in_half_windows():
     assert _replay_window([4 * mib] * 5) == [1] * 5  # a value as large as the window: one at a time
     assert _replay_window([mib, 8 * mib, mib, kib, 3 * mib]) == [2, 3]  # the big one drains first
     assert _replay_window([7]) == [1]
+
+
+@pytest.mark.parametrize("key, n, digest", [("k", 0, 0), ("umbp:v1:x:tp0:g0:" + "ab" * 32, 65536, (1 << 64) - 1),
+                                            ("ключ", 12345, 0x0123456789ABCDEF)])
+def test_header_fields_around_the_checksum_rebuild_the_header(key, n, digest):
+    """get_into's batched path matches a header as these two pieces with any checksum between."""
+    header = pack_header(key, n, digest)
+    before, after = header_before_checksum(n), header_after_checksum(key)
+    assert len(before) == CHECKSUM_AT and len(before) + CHECKSUM_SIZE + len(after) == HEADER_SIZE
+    assert header == before + digest.to_bytes(CHECKSUM_SIZE, "little") + after
+    assert header_after_checksum(key + "x") != after and header_before_checksum(n + 1) != before

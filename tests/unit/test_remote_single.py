@@ -192,6 +192,49 @@ def test_one_batch_mixes_hits_with_every_kind_of_miss(tier, raw):
     assert tier.get_into(["g2"], [again]) == [True] and np.array_equal(again, good["g2"])
 
 
+def test_same_size_batch_mixes_hits_with_every_kind_of_miss(tier, raw):
+    """The batched path (one size, whole 4 KiB rows): every kind of miss between good values, each
+    named by its counter; a damaged payload fails its checksum and is removed; the values after each
+    miss land intact and the connection stays usable."""
+    n = 2 * 4096
+    good = {f"g{i}": blob(n, i) for i in range(4)}
+    assert all(tier.put(list(good), list(good.values())))
+    raw.rpush("umbp:d:list", "x")  # GET answers -WRONGTYPE
+    raw.set("umbp:d:foreign", b"y" * (HEADER_SIZE + n))  # the expected length, not umbp's header
+    assert tier.put(["short", "bad", "old"], [b"12345678", blob(n, 9), blob(n, 10)]) == [True] * 3
+    raw.setrange("umbp:d:bad", HEADER_SIZE + 100, b"\xff\x00")  # a damaged payload
+    raw.setrange("umbp:d:old", 4, b"\x07")  # another format version
+    raw.copy("umbp:d:g1", "umbp:d:moved")  # a value under another key
+    keys = ["g0", "list", "g1", "absent", "foreign", "g2", "short", "bad", "moved", "old", "g3"]
+    outs = {k: np.zeros(n, np.uint8) for k in keys}
+    assert tier.get_into(keys, [outs[k] for k in keys]) == [k in good for k in keys]
+    assert all(np.array_equal(outs[k], v) for k, v in good.items())
+    s = tier.stats()
+    assert (s["hits"], s["misses"], s["load_errors"], s["reply_errors"], s["misses_absent"]) == (4, 7, 1, 1, 1)
+    assert (s["header_failures"], s["size_mismatches"], s["checksum_failures"], s["key_mismatches"],
+            s["version_mismatches"]) == (1, 1, 1, 1, 1)
+    assert s["corrupt_removed"] == 1 and raw.exists("umbp:d:bad") == 0
+    assert s["connection_errors"] == 0 and not s["servers_down"]
+    again = np.zeros(n, np.uint8)
+    assert tier.get_into(["g2"], [again]) == [True] and np.array_equal(again, good["g2"])
+
+
+@pytest.mark.parametrize("n", [4096, 65536, 256 * 1024])
+def test_same_size_batch_round_trip_and_every_single_corruption(tier, raw, n):
+    """A batch of 20 same-size values (more than one receive buffer), one of them damaged at a time in
+    its first, middle or last word: exactly that one misses, every other arrives intact."""
+    keys = [f"k{i}" for i in range(20)]
+    data = [blob(n, i) for i in range(20)]
+    assert all(tier.put(keys, data))
+    for victim, at in [(0, 0), (9, n // 2), (19, n - 1)]:
+        raw.setrange(f"umbp:d:{keys[victim]}", HEADER_SIZE + at, bytes([data[victim][at] ^ 0x10]))
+        outs = [np.zeros(n, np.uint8) for _ in keys]
+        assert tier.get_into(keys, outs) == [i != victim for i in range(20)]
+        assert all(np.array_equal(o, d) for i, (o, d) in enumerate(zip(outs, data)) if i != victim)
+        assert tier.put([keys[victim]], [data[victim]]) == [True]  # removed as corrupt; store it again
+    assert tier.stats()["checksum_failures"] == 3
+
+
 def test_marker_without_value_heals(tier, raw):
     assert tier.put(["k"], [b"v"]) == [True]
     raw.delete("umbp:d:k")  # as if evicted apart from its marker

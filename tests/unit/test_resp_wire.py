@@ -4,12 +4,21 @@ untouched for the reply-by-reply parse, and truncated or garbled streams. No ser
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import numpy as np
 import pytest
 
 pytest.importorskip("redis")
 
-from umbp.pool.remote_format import HEADER_SIZE, pack_header  # noqa: E402
+from umbp.pool.remote_format import (  # noqa: E402
+    CHECKSUM_SIZE,
+    HEADER_SIZE,
+    header_after_checksum,
+    header_before_checksum,
+    pack_header,
+)
 from umbp.pool.resp import ProtocolError, ReplyError, Wire  # noqa: E402
 
 
@@ -120,3 +129,149 @@ def test_bytes_after_the_payload_must_be_crlf():
     w = wire(value_reply("a", b"z" * 40)[:-2] + b"XY\r\n")
     with pytest.raises(ProtocolError):
         read_value(w, "a", 40)
+
+
+# ---- framed_payload: the batched get's one call per value ------------------------------------------
+
+DIGEST = 0x1122334455667788
+
+
+def framed_reply(key: str, payload: bytes, digest: int = DIGEST) -> bytes:
+    return head(len(payload)) + pack_header(key, len(payload), digest) + payload + b"\r\n"
+
+
+def read_framed(w: Wire, key: str, n: int) -> tuple[bytes, bytes] | None:
+    """What RedisTier._read_same_size does on the wire for one value: (checksum field, payload)."""
+    out = np.zeros(n, np.uint8)
+    field = w.framed_payload(head(n) + header_before_checksum(n), CHECKSUM_SIZE, header_after_checksum(key),
+                             memoryview(out))
+    return None if field is None else (field, out.tobytes())
+
+
+FRAMED = {"a": bytes(range(64)), "b": bytes(range(100, 164)), "c": bytes(range(7, 71))}
+FRAMED_STREAM = b"".join(framed_reply(k, p) for k, p in FRAMED.items())
+
+
+@pytest.mark.parametrize("bufsize", [8, 64, 256 * 1024])
+def test_framed_values_split_at_every_offset(bufsize):
+    splits = [(cut, len(FRAMED_STREAM)) for cut in range(1, len(FRAMED_STREAM))] + [(1,), (5,), (41, 3)]
+    for steps in splits:
+        w = wire(FRAMED_STREAM, steps, bufsize)
+        for key, payload in FRAMED.items():
+            assert read_framed(w, key, len(payload)) == (DIGEST.to_bytes(8, "little"), payload), (steps, key)
+        assert w.drained and w.sock.pos == len(FRAMED_STREAM), steps
+
+
+def _other_header(key: str, n: int, at: int) -> bytes:
+    """A value reply of the expected length whose header differs from the expected one at byte `at`."""
+    header = bytearray(pack_header(key, n, DIGEST))
+    header[at] ^= 0x40
+    return head(n) + bytes(header) + bytes(n) + b"\r\n"
+
+
+@pytest.mark.parametrize("other", [
+    b"$-1\r\n", b"-WRONGTYPE x\r\n", b"$3\r\nabc\r\n", b"+OK\r\n",
+    head(64 + 1) + bytes(HEADER_SIZE + 65) + b"\r\n",  # another length
+    _other_header("a", 64, 0),  # magic
+    _other_header("a", 64, 4),  # version
+    _other_header("a", 64, 9),  # length field
+    _other_header("a", 64, 25),  # key crc (a value under another key)
+    _other_header("a", 64, 30),  # reserved
+])
+def test_framed_leaves_any_other_reply_whole(other):
+    """Anything but the expected value consumes nothing (the reply-by-reply parse then names it), and
+    never waits for bytes past that reply; the value after it still reads."""
+    for steps in [(1 << 30,), (1,), (3,)]:
+        w = wire(other + framed_reply("b", FRAMED["b"]), steps)
+        assert read_framed(w, "a", 64) is None
+        assert w.reply() is not None or other == b"$-1\r\n"
+        assert read_framed(w, "b", 64) == (DIGEST.to_bytes(8, "little"), FRAMED["b"])
+        assert w.drained
+        w = wire(other, steps)  # the stream ends right after the other reply: no wait for more
+        assert read_framed(w, "a", 64) is None
+
+
+def test_framed_truncated_stream_raises_at_every_cut():
+    whole = framed_reply("a", FRAMED["a"])
+    for cut in range(len(head(64)) + 1, len(whole)):  # past the head: the bulk's length is known
+        for steps in [(1 << 30,), (1,)]:
+            with pytest.raises(ConnectionError):
+                read_framed(wire(whole[:cut], steps), "a", 64)
+
+
+def test_framed_bytes_after_the_payload_must_be_crlf():
+    with pytest.raises(ProtocolError):
+        read_framed(wire(framed_reply("a", FRAMED["a"])[:-2] + b"XY\r\n"), "a", 64)
+
+
+# ---- a real socket: the non-blocking read first, the timed wait second; the Wire kept per connection ---
+
+
+class SockConn:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+
+def test_real_socket_reads_what_is_there_and_waits_for_the_rest():
+    """Bytes that are already there come from the descriptor without a wait; bytes that arrive later
+    are waited for with the socket's timeout; EOF is a ConnectionError."""
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    w = Wire(SockConn(a))
+    assert w.fd == a.fileno()
+    stream = FRAMED_STREAM * 50
+    b.sendall(stream[:1000])
+    sender = threading.Timer(0.05, lambda: (b.sendall(stream[1000:]), b.shutdown(socket.SHUT_WR)))
+    sender.start()
+    try:
+        for _ in range(50):
+            for key, payload in FRAMED.items():
+                assert read_framed(w, key, len(payload)) == (DIGEST.to_bytes(8, "little"), payload)
+        with pytest.raises(ConnectionError):
+            read_framed(w, "a", 64)
+    finally:
+        sender.join()
+        a.close()
+        b.close()
+
+
+def test_real_socket_times_out_when_nothing_comes():
+    a, b = socket.socketpair()
+    a.settimeout(0.05)
+    try:
+        with pytest.raises(TimeoutError):
+            read_framed(Wire(SockConn(a)), "a", 64)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_wire_is_kept_per_connection_only_while_drained_and_on_the_same_socket():
+    conn = SockConn(socket.socket())
+    try:
+        first = Wire.of(conn)
+        assert Wire.of(conn) is first
+        first.end = 3  # bytes left unread: never handed out again
+        assert Wire.of(conn) is not first
+        kept = Wire.of(conn)
+        conn._sock.close()
+        conn._sock = socket.socket()  # a reconnect
+        assert Wire.of(conn) is not kept and Wire.of(conn).sock is conn._sock
+    finally:
+        conn._sock.close()
+
+
+def test_descriptor_shortcut_only_on_a_socket_with_a_timeout():
+    """Without a timeout the descriptor blocks: the shortcut would wait forever, so it is not used
+    (also not by a kept Wire whose socket lost its timeout)."""
+    a, b = socket.socketpair()
+    try:
+        conn = SockConn(a)
+        assert Wire.of(conn).fd == -1
+        a.settimeout(1)
+        assert Wire.of(conn).fd == a.fileno()
+        a.settimeout(None)
+        assert Wire.of(conn).fd == -1
+    finally:
+        a.close()
+        b.close()

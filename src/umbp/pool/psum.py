@@ -100,6 +100,26 @@ def checksum_u8(region: np.ndarray) -> int:
     return _combine(rows, region, full)
 
 
+def as_rows(region: np.ndarray) -> np.ndarray:
+    """A region of whole rows as a (rows, ROW_WORDS) view of little-endian words, for row_sums_into."""
+    return region.view(_LE_U64).reshape(-1, ROW_WORDS)
+
+
+def row_sums_into(rows_view: np.ndarray, out: np.ndarray) -> None:
+    """The row sums of an as_rows view, into out (one uint64 per row)."""
+    np.add.reduce(rows_view, axis=1, out=out)
+
+
+def combine_rows(rows: np.ndarray, nbytes: int) -> np.ndarray:
+    """psum64 of several objects of `nbytes` each, all whole rows, from their row sums (one object per
+    row of `rows`): _combine for a batch as one matrix product instead of a Python step per object."""
+    nrows = rows.shape[1]
+    if nrows * ROW_BYTES != nbytes:
+        raise ValueError(f"umbp: combine_rows needs whole {ROW_BYTES}-byte rows, got {nbytes} bytes")
+    table = _weights_table if nrows < _weights_table.size else _weights(nrows + 1)
+    return (rows @ table[:nrows]) ^ np.uint64((nbytes * _GOLDEN) & _M64)
+
+
 def checksum(buffer: Any) -> int:
     """psum64 of any contiguous buffer (bytes, bytearray, memoryview, numpy array, CPU torch tensor):
     a 64-bit int that changes on any single-bit flip or changed byte (see the module docstring)."""

@@ -23,6 +23,9 @@ MAGIC = b"UMBP"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sHHQQI4x")
 HEADER_SIZE = HEADER.size  # 32
+CHECKSUM_AT, CHECKSUM_SIZE = 16, 8  # the one field a reader cannot know in advance
+_BEFORE_CHECKSUM = struct.Struct("<4sHHQ")
+_AFTER_CHECKSUM = struct.Struct("<I4x")
 
 
 def key_crc(key: str) -> int:
@@ -31,6 +34,18 @@ def key_crc(key: str) -> int:
 
 def pack_header(key: str, nbytes: int, checksum: int) -> bytes:
     return HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, nbytes, checksum, key_crc(key))
+
+
+def header_before_checksum(nbytes: int) -> bytes:
+    """The header's bytes before the checksum field, as written for an object of `nbytes`."""
+    return _BEFORE_CHECKSUM.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, nbytes)
+
+
+def header_after_checksum(key: str) -> bytes:
+    """The header's bytes after the checksum field, as written for `key`. With header_before_checksum,
+    a reader compares a header with what it expects in two byte comparisons, and only a header that
+    differs goes through inspect_header (to name the problem)."""
+    return _AFTER_CHECKSUM.pack(key_crc(key))
 
 
 def inspect_header(header: bytes | memoryview, key: str, nbytes: int) -> tuple[str | None, int]:

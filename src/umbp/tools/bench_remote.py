@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="objects per put/get_into call (default 16)")
     parser.add_argument("--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per exists() call (default 8192)")
     parser.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark reference")
+    parser.add_argument("--sizes", default=None,
+                        help="object sizes in KiB, comma-separated, a subset of 64,256,1024,4096 (default all)")
 
 
 # ---- measurement helpers ------------------------------------------------------------------------------
@@ -243,8 +245,18 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "lookup_reps": 5 if args.quick else 31,
         "batch": max(1, args.batch),
         "lookup_keys": max(1, args.lookup_keys),
-        "sizes": list(SIZES),
+        "sizes": _sizes(args.sizes),
     }
+
+
+def _sizes(text: str | None) -> list[int]:
+    """--sizes in KiB -> bytes; only the standard sizes, so a partial run's rows match a full run's."""
+    if not text:
+        return list(SIZES)
+    sizes = [int(s) * KiB for s in text.split(",") if s.strip()]
+    if not sizes or any(s not in SIZES for s in sizes):
+        raise SystemExit(f"umbp bench remote: --sizes takes a subset of {','.join(str(s // KiB) for s in SIZES)}")
+    return sizes
 
 
 def _machine() -> dict[str, Any]:
@@ -302,13 +314,13 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     tier, server = _open(args, cfg)
-    progress = Progress(1 + len(SIZES) * cfg["reps"])
+    progress = Progress(1 + len(cfg["sizes"]) * cfg["reps"])
     try:
         report: dict[str, Any] = {"tool": "umbp bench remote", "created_unix": time.time(), "machine": _machine(),
                                   "server": _server_info(tier.config.urls[0])}
         bench = _Bench(cfg, tier, progress)
         report["lookup"] = bench.run_lookup()
-        report["results"] = [row for size in SIZES for row in bench.run_size(size)]
+        report["results"] = [row for size in cfg["sizes"] for row in bench.run_size(size)]
         report["tier_stats"] = {k: v for k, v in tier.stats().items() if k != "config"}
     finally:
         progress.close()
