@@ -193,3 +193,19 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
         assert list(np.concatenate([p[2] for r in cut for p in r])) == list(range(sum(counts)))
         assert all(list(p[1].digests) == list(p[2]) for r in cut for p in r)
     assert [sum(p[2].size for p in r) for r in rounds([5], ring, cold=True)] == [5]
+
+
+def test_table_pool_hands_a_buffer_out_once():
+    """A buffer given back twice must not be idle twice: two plans in flight would share its memory
+    (a scratch script that did this faulted on the H200 with a misaligned address)."""
+    import torch
+
+    from umbp.transfer.kernel import _TablePool
+
+    pool = _TablePool()
+    buf = torch.empty(1 << 17, dtype=torch.int64)
+    pool.give(buf[:100], None)
+    pool.give(buf[:100], None)
+    first = pool.take(100)
+    assert first.data_ptr() == buf.data_ptr()
+    assert not pool._idle  # the second take would allocate a new buffer, not hand this one out again

@@ -530,6 +530,8 @@ class _TablePool:
 
     def give(self, table: torch.Tensor, done: torch.cuda.Event | None) -> None:
         base = table if table._base is None else table._base
+        if any(buf is base for buf, _ in self._idle):
+            return  # already idle: handing it out twice would let two plans share memory
         self._idle.append((base, done))
         while len(self._idle) > self.KEEP:
             self._idle.popleft()
