@@ -47,7 +47,8 @@ def copy_objects(plan, nseg, n, tmpl, ntmpl, ids_at, src_at, dst_at, sums_at, wt
     offs = tl.arange(0, BLOCK)
     for p in range(pid, n, tl.num_programs(0)):
         s = p * 0
-        for j in range(1, nseg):  # the segment holding piece p: the last one starting at or before it
+        for j in range(1, nseg):  # piece p's segment: the last starting at or before it (a scan: a batch
+            # has one segment per group share, a handful; cached loads, negligible beside an 8 KiB piece)
             s = tl.where(p >= tl.load(plan + j), j, s)
         q = p - tl.load(plan + s)
         per = tl.load(plan + 2 * nseg + s)
