@@ -84,7 +84,7 @@ def _combine(rows: np.ndarray, region: np.ndarray, full: int) -> int:
     """Weighted row sums + weighted tail + length. Mixing the length in keeps zero padding unambiguous;
     xor with a length constant is a bijection, so it cannot hide a difference."""
     nrows = rows.size
-    table = _weights_table if nrows < _weights_table.size else _weights(nrows + 1)
+    table = _weights(nrows + 1)
     h = int(rows.dot(table[:nrows])) if nrows else 0
     nbytes = region.size
     if full < nbytes:
@@ -96,12 +96,12 @@ def checksum_u8(region: np.ndarray) -> int:
     """psum64 of a flat uint8 array (one pass, no copy)."""
     full = region.size // ROW_BYTES * ROW_BYTES
     body = region if full == region.size else region[:full]  # whole rows, the usual object: no slice
-    rows = np.add.reduce(body.view(_LE_U64).reshape(-1, ROW_WORDS), axis=1)
+    rows = np.add.reduce(as_rows(body), axis=1)
     return _combine(rows, region, full)
 
 
 def as_rows(region: np.ndarray) -> np.ndarray:
-    """A region of whole rows as a (rows, ROW_WORDS) view of little-endian words, for row_sums_into."""
+    """A region of whole rows as a (rows, ROW_WORDS) view of little-endian words: what row sums reduce."""
     return region.view(_LE_U64).reshape(-1, ROW_WORDS)
 
 
@@ -113,11 +113,16 @@ def row_sums_into(rows_view: np.ndarray, out: np.ndarray) -> None:
 def combine_rows(rows: np.ndarray, nbytes: int) -> np.ndarray:
     """psum64 of several objects of `nbytes` each, all whole rows, from their row sums (one object per
     row of `rows`): _combine for a batch as one matrix product instead of a Python step per object."""
-    nrows = rows.shape[1]
-    if nrows * ROW_BYTES != nbytes:
+    if rows.shape[1] * ROW_BYTES != nbytes:
         raise ValueError(f"umbp: combine_rows needs whole {ROW_BYTES}-byte rows, got {nbytes} bytes")
-    table = _weights_table if nrows < _weights_table.size else _weights(nrows + 1)
-    return (rows @ table[:nrows]) ^ np.uint64((nbytes * _GOLDEN) & _M64)
+    return combine_padded_rows(rows, nbytes)
+
+
+def combine_padded_rows(rows: np.ndarray, nbytes: int) -> np.ndarray:
+    """psum64 of several objects of `nbytes` each from the row sums of their rows, the last one zero-padded
+    (a zero-padded tail's row sum is exactly what psum64 adds for the tail, with the next weight)."""
+    nrows = rows.shape[1]
+    return (rows @ _weights(nrows + 1)[:nrows]) ^ np.uint64((nbytes * _GOLDEN) & _M64)
 
 
 def checksum(buffer: Any) -> int:
@@ -134,8 +139,7 @@ def _copy_chunk(region: np.ndarray, other: np.ndarray, rows: np.ndarray, c0: int
         np.copyto(other[c0:c1], region[c0:c1])
     r0, r1 = c0 // ROW_BYTES, min(c1, rows.size * ROW_BYTES) // ROW_BYTES
     if r1 > r0:
-        words = region[r0 * ROW_BYTES : r1 * ROW_BYTES].view(_LE_U64).reshape(-1, ROW_WORDS)
-        np.add.reduce(words, axis=1, out=rows[r0:r1])
+        np.add.reduce(as_rows(region[r0 * ROW_BYTES : r1 * ROW_BYTES]), axis=1, out=rows[r0:r1])
 
 
 def copy_with_checksum(region: np.ndarray, other: np.ndarray, to_region: bool) -> int:

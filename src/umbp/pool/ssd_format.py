@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from umbp.pool.psum import _GOLDEN, _M64, ROW_WORDS, _weights, checksum_u8
+from umbp.pool.psum import as_rows, checksum_u8, combine_padded_rows
 
 BLOCK = 4096
 MAGIC = b"UMBP-REC"
@@ -133,7 +133,7 @@ def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
 def block_rows(buf: np.ndarray) -> np.ndarray:
     """Sum mod 2**64 of each 4 KiB block of `buf` (a multiple of 4 KiB long) as little-endian words:
     one numpy call for a whole run of records."""
-    return np.add.reduce(buf.view("<u8").reshape(-1, ROW_WORDS), axis=1)
+    return np.add.reduce(as_rows(buf), axis=1)
 
 
 def psum_of_rows(rows: np.ndarray, length: int) -> int:
@@ -142,19 +142,14 @@ def psum_of_rows(rows: np.ndarray, length: int) -> int:
     Equal to umbp.pool.psum.checksum of the payload because psum64 sums the bytes after the last full
     row zero-padded, with the next row's weight, which is exactly a zero-padded block's row sum; records
     are zero-padded on disk. (tests/unit/test_ssd_format.py checks the equality.)"""
-    n = rows.size
-    h = int(rows.dot(_weights(n + 1)[:n])) if n else 0
-    return (h ^ (length * _GOLDEN)) & _M64
+    return int(combine_padded_rows(rows[None, :], length)[0])
 
 
 def psums_of_records(rows: np.ndarray, count: int, length: int) -> list[int]:
     """psum64 of the payloads of `count` adjacent records that all hold `length` bytes, from the block
     sums of the run (headers included): one matrix-vector product instead of one call per record."""
     per = record_bytes(length) // BLOCK
-    mat = rows[: count * per].reshape(count, per)[:, 1:]
-    h = mat @ _weights(per)[: per - 1] if per > 1 else np.zeros(count, np.uint64)
-    mix = length * _GOLDEN
-    return [(int(x) ^ mix) & _M64 for x in h]
+    return combine_padded_rows(rows[: count * per].reshape(count, per)[:, 1:], length).tolist()
 
 
 # ---- summaries and trailers ----------------------------------------------------------------------------
