@@ -36,7 +36,6 @@ from umbp.transfer.api import Handle, Moves, TransferEngine, digest_mix, slot_re
 from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.staged import Batch, staged_load, staged_save
 
-Side = np.ndarray | None  # per object: base address of its flat bytes, or None for "the KV pages"
 SAVE, LOAD = 0, 1  # stream index per direction
 FETCH_BLOCK = 1024  # int64 words per program of kernels.fetch_words (8 KiB)
 
@@ -401,18 +400,20 @@ class KernelEngine(TransferEngine):
         words = host.numpy()
         seg = words[:4 * nseg].reshape(4, nseg)
         per = np.array([g.template.obj.size for g, _m, _i, _o in batch], np.int64)
-        seg[0] = np.cumsum(counts * per) - counts * per
+        pieces = counts * per
+        seg[0] = np.cumsum(pieces) - pieces
         seg[1] = np.cumsum(counts) - counts
         seg[2] = per
         seg[3] = [self.toff[m.group] for _g, m, _i, _o in batch]
-        at = 4 * nseg
+        plan = _Plan(host, nseg, int(pieces.sum()), nobj, len(rows), sums)
+        at = plan.ids_at
         for column in ([ids for _g, _m, ids, _o in batch], *rows):
             np.concatenate(column, out=words[at:at + nobj])
             at += nobj
         words[at:] = 0
         if self.device.type == "cuda":
-            host = self._fetch(host)
-        return _Plan(host, nseg, int((counts * per).sum()), nobj, len(rows), sums)
+            plan.buf = self._fetch(host)
+        return plan
 
     def _copy(self, plan: _Plan, src: int | None, dst: int | None, align16: bool, checksum: bool = False,
               ok: torch.Tensor | None = None, store: bool = True) -> None:
@@ -421,7 +422,7 @@ class KernelEngine(TransferEngine):
             return
         col = [plan.at(c) if c is not None else 0 for c in (src, dst)]
         self.kernel[(min(plan.n, self.ctas),)](
-            plan.buf, plan.nseg, plan.n, self.tmpl, self.tmpl.shape[1], 4 * plan.nseg, col[0], col[1],
+            plan.buf, plan.nseg, plan.n, self.tmpl, self.tmpl.shape[1], plan.ids_at, col[0], col[1],
             plan.sums_at(), self.wtab, self._dummy if ok is None else ok, BLOCK=self.block, SRC_KV=src is None,
             DST_KV=dst is None, CHECKSUM=checksum, GUARD=ok is not None, ALIGN16=align16, STORE=store,
             num_warps=self.num_warps,
@@ -482,9 +483,14 @@ class _Plan:
     def __init__(self, buf: torch.Tensor, nseg: int, n: int, nobj: int, ncols: int, has_sums: bool):
         self.buf, self.nseg, self.n, self.nobj, self.ncols, self.has_sums = buf, nseg, n, nobj, ncols, has_sums
 
+    @property
+    def ids_at(self) -> int:
+        """Word offset of the block ids (after the segment table)."""
+        return 4 * self.nseg
+
     def at(self, column: int) -> int:
         """Word offset of a row column (0-based; the block ids come before them)."""
-        return 4 * self.nseg + (1 + column) * self.nobj
+        return self.ids_at + (1 + column) * self.nobj
 
     def sums_at(self) -> int:
         return self.at(self.ncols) if self.has_sums else 0
