@@ -209,3 +209,31 @@ def test_table_pool_hands_a_buffer_out_once():
     first = pool.take(100)
     assert first.data_ptr() == buf.data_ptr()
     assert not pool._idle  # the second take would allocate a new buffer, not hand this one out again
+
+
+def test_table_pool_never_drops_a_buffer_the_device_still_reads():
+    """More plans in flight than the pool keeps (a caller far ahead of the device: the bench's sustained
+    both-ways row) must not drop a buffer whose fetch has not run: its memory would go back to the pinned
+    allocator and be handed out under the running kernel (H200: 'misaligned address' from the copy
+    kernel). Buffers the device is done with are pruned to KEEP."""
+    import torch
+
+    from umbp.transfer.kernel import _TablePool
+
+    class Event:
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    pool = _TablePool()
+    bufs = [torch.empty(8, dtype=torch.int64) for _ in range(pool.KEEP + 8)]
+    events = [Event() for _ in bufs]
+    for b, e in zip(bufs, events):
+        pool.give(b, e)
+    assert [id(b) for b, _e in pool._idle] == [id(b) for b in bufs]  # all still referenced
+    for e in events:
+        e.done = True
+    pool.give(torch.empty(8, dtype=torch.int64), None)
+    assert len(pool._idle) == pool.KEEP

@@ -212,6 +212,31 @@ def _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, 
         assert torch.equal(live, s), f"a load wrote bytes outside its pages (or a rejected object): {why}"
 
 
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="no CUDA")
+@pytest.mark.parametrize("options", [ZERO, DMA], ids=["zero-copy", "dma"])
+def test_many_transfers_in_flight(options: dict) -> None:
+    """A caller far ahead of the device: the device is held back while 96 saves are queued, more plans
+    in flight than the engine keeps spare buffers for. Every slot must still hold its block's bytes (a
+    plan buffer dropped while still being read was handed out again: 'misaligned address' on the H200)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    groups = {0: L.attention(2, 24, 16, 2, 64, device="cuda")}
+    for t, _ in groups[0]:
+        t.view(torch.uint8).random_(0, 256)
+    stride = -(-_object(groups[0], 0).size // SLOT) * SLOT
+    arena = _arena("cuda", 96 * stride)
+    engine = make_engine(arena, groups, backend="kernel", **options)
+    arena.view(0, arena.capacity_bytes)[:] = 0xEE
+    torch.cuda._sleep(200_000_000)  # the engine's streams wait for the caller's stream (~0.1 s)
+    calls = [(i % 24, i * stride) for i in range(96)]
+    handles = [engine.save([Moves(0, [b], [o])]) for b, o in calls]
+    digests = [h.result()[0][0] for h in handles]
+    for (b, o), d in zip(calls, digests):
+        want = _object(groups[0], b)
+        assert np.array_equal(arena.view(o, want.size), want), f"seed {seed}: slot {o} of block {b}"
+        assert d == checksum_u8(want), f"seed {seed}: digest of block {b}"
+
+
 @pytest.mark.skipif(INTERPRET or not triton_available(), reason="Triton not installed (or already interpreting)")
 def test_kernel_path_under_triton_interpreter() -> None:
     """The kernel path's tables, checksums and guards, on CPU: Triton's interpreter must be chosen before
