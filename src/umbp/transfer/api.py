@@ -134,8 +134,8 @@ class TransferEngine:
             starts.append(offs)
             ends.append(offs + reach)
             out.append((geom, m, ids, offs))
-        _check_disjoint(np.concatenate(starts) if starts else np.zeros(0, np.int64),
-                        np.concatenate(ends) if ends else np.zeros(0, np.int64), load)
+        if not load and starts:
+            _check_disjoint(_joined(starts), _joined(ends))
         return out
 
 
@@ -158,9 +158,13 @@ def _has_repeats(ids: np.ndarray) -> bool:
     return bool(np.any(s[1:] == s[:-1]))
 
 
-def _check_disjoint(starts: np.ndarray, ends: np.ndarray, load: bool) -> None:
-    """Slots written by one save must not overlap (two writers of one byte race); loads may share."""
-    if load or starts.size < 2:
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _check_disjoint(starts: np.ndarray, ends: np.ndarray) -> None:
+    """Slots written by one save must not overlap (two writers of one byte race); loads may share them."""
+    if starts.size < 2:
         return
     order = np.argsort(starts, kind="stable")
     if np.any(starts[order][1:] < ends[order][:-1]):

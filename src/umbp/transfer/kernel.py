@@ -128,16 +128,16 @@ class KernelEngine(TransferEngine):
             return staged_save(self.arena, self.device, batch)
         keep: list[torch.Tensor] = []
         caller = self._caller()
-        with self._on(SAVE):
+        with self._on(SAVE, caller):
             if self._path(batch, self.save_path, self.dma_min_run_bytes) == "zero-copy":
                 digests = self._save_zero_copy(batch, keep)
             else:
                 digests = self._save_dma(batch, keep, caller, self._idle(SAVE))
-            return self._track(SAVE, self._finish(batch, digests, keep, mix=_mix(batch)))
+            return self._track(SAVE, self._finish(batch, digests, keep, _mix(batch), self._main(SAVE)))
 
     def _save_zero_copy(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
-        plan = self._plan(batch, [arena], sums=True)
+        plan = self._plan(batch, [arena], sums=True, stream=self._main(SAVE))
         self._copy(plan, None, 0, self._align16(batch, arena), checksum=True)
         keep.append(plan.buf)
         return plan.sums()
@@ -154,16 +154,16 @@ class KernelEngine(TransferEngine):
             stg, rows, runs, slot = self._staging(r, SAVE)
             with self._stream(gather):
                 self._acquire(slot, gather)
-                plan = self._plan(r, [rows], sums=True)
+                plan = self._plan(r, [rows], sums=True, stream=gather)
                 self._copy(plan, None, 0, self._align16(r, rows), checksum=True)
                 gathered = self._event(gather)
             if gathered is not None:
                 save.wait_event(gathered)
-            self._copy_runs(runs, stg, to_arena=True)
+            self._copy_runs(runs, stg, to_arena=True, stream=save)
             digests.append(plan.sums())
             self._release(slot, save)
             keep += [stg, plan.buf]  # plan: made on the gather stream, read on this one
-        return torch.cat(digests)
+        return _cat(digests)
 
     def _load(self, batch: Batch) -> Handle:
         if not self._fast(batch):
@@ -171,20 +171,20 @@ class KernelEngine(TransferEngine):
             return staged_load(self.arena, self.device, batch)
         keep: list[torch.Tensor] = []
         dma = self._path(batch, self.load_path, self.dma_min_run_bytes) == "dma"
-        caller, last = self._caller(), None
-        with self._on(LOAD):
+        caller, last = self._caller(), self._main(LOAD)
+        with self._on(LOAD, caller):
             if dma:
                 oks, last = self._load_dma(batch, keep, caller, self._idle(LOAD)), self._side(LOAD)
             elif all(m.digests is None for _g, m, _i, _o in batch):
                 oks = [self._load_direct(batch, keep)]
             else:
                 oks = [self._load_staged(r, keep) for r in self._rounds(batch)]
-            with self._stream(last):  # the handle completes after the last scatter
-                return self._track(LOAD, self._finish(batch, torch.cat(oks), keep, mix=None))
+            with self._stream(last if dma else None):  # the handle completes after the last scatter
+                return self._track(LOAD, self._finish(batch, _cat(oks), keep, None, last))
 
     def _load_direct(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
-        plan = self._plan(batch, [arena], sums=False)
+        plan = self._plan(batch, [arena], sums=False, stream=self._main(LOAD))
         self._copy(plan, 0, None, self._align16(batch, arena))
         keep.append(plan.buf)
         return torch.ones(plan.nobj, dtype=torch.int8, device=self.device)
@@ -196,7 +196,7 @@ class KernelEngine(TransferEngine):
         self._acquire(slot, self._main(LOAD))
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
         want = self._expected(batch)
-        plan = self._plan(batch, [arena, rows], sums=True)
+        plan = self._plan(batch, [arena, rows], sums=True, stream=self._main(LOAD))
         self._copy(plan, 0, 1, self._align16(batch, arena + rows), checksum=True)
         ok = self._verify(plan.sums(), want)
         self._copy(plan, 1, None, self._align16(batch, rows), ok=ok)
@@ -216,13 +216,13 @@ class KernelEngine(TransferEngine):
             stg, rows, runs, slot = self._staging(r, LOAD)
             self._acquire(slot, copy)
             want = self._expected(r)  # uploaded ahead of the bulk copy: see _upload
-            self._copy_runs(runs, stg, to_arena=False)
+            self._copy_runs(runs, stg, to_arena=False, stream=copy)
             copied = self._event(copy)
             with self._stream(work):
                 if copied is not None:
                     work.wait_event(copied)
                 ok = None
-                plan = self._plan(r, [rows], sums=want is not None)
+                plan = self._plan(r, [rows], sums=want is not None, stream=work)
                 if want is not None:
                     self._copy(plan, 0, 0, self._align16(r, rows), checksum=True, store=False)
                     ok = self._verify(plan.sums(), want)
@@ -257,17 +257,18 @@ class KernelEngine(TransferEngine):
         addresses, copy runs as arrays (arena offset, staging offset, bytes), its ring slot: see _acquire)."""
         pos, runs, total = _plan_runs(self._sorted_runs(batch))
         slot = self._ring_slot(direction, total)
-        rows = np.split(slot[0].data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
+        at = slot[0].data_ptr() + pos
+        rows = [at] if len(batch) == 1 else np.split(at, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
         return slot[0], list(rows), runs, slot
 
-    def _copy_runs(self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool) -> None:
+    def _copy_runs(self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream) -> None:
         """Staging <-> arena on the current stream, one copy-engine copy per run: all in one batch call
         where the runtime has it and there are several runs (scattered slots), else run by run."""
         arena, staging, size = runs
         if self._batch_copy is not None and arena.size > 2:
             a, s = self.arena_base + arena, stg.data_ptr() + staging
             dsts, srcs = (a, s) if to_arena else (s, a)
-            self._batch_copy(dsts, srcs, size, torch.cuda.current_stream(self.device).cuda_stream)
+            self._batch_copy(dsts, srcs, size, stream.cuda_stream)
             return
         for a, s, n in zip(arena.tolist(), staging.tolist(), size.tolist()):
             if to_arena:
@@ -392,7 +393,7 @@ class KernelEngine(TransferEngine):
             return False
         return all(int(np.bitwise_or.reduce(s)) % 16 == 0 for s in sides if s.size)
 
-    def _plan(self, batch: Batch, rows: list[list[np.ndarray]], sums: bool) -> _Plan:
+    def _plan(self, batch: Batch, rows: list[list[np.ndarray]], sums: bool, stream) -> _Plan:
         """The launch's plan (see kernels.py): a segment per Moves, each object's block id and its
         addresses on each side in `rows` (per Moves, one address per object), zeroed checksum words. Built
         in place in page-locked memory and brought to the device by _fetch."""
@@ -414,7 +415,7 @@ class KernelEngine(TransferEngine):
             at += nobj
         words[at:] = 0
         if self.device.type == "cuda":
-            plan.buf = self._fetch(host)
+            plan.buf = self._fetch(host, stream)
         return plan
 
     def _copy(self, plan: _Plan, src: int | None, dst: int | None, align16: bool, checksum: bool = False,
@@ -445,7 +446,7 @@ class KernelEngine(TransferEngine):
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _fetch(self, host: torch.Tensor) -> torch.Tensor:
+    def _fetch(self, host: torch.Tensor, stream) -> torch.Tensor:
         """The plan, copied to the device by SM loads from page-locked memory. Not a copy-engine
         copy: that queues behind bulk copies already issued in its direction (H200 timeline, saves and
         loads at once: every gather waited for a whole 128 MiB load copy to finish, ~0.25 ms a round).
@@ -454,26 +455,28 @@ class KernelEngine(TransferEngine):
         dev = torch.empty_like(host, device=self.device)
         words = host.numel()
         self.fetch[(-(-words // FETCH_BLOCK),)](host, dev, words, BLOCK=FETCH_BLOCK)
-        self._tables.give(host, self._event(torch.cuda.current_stream(self.device)))
+        self._tables.give(host, self._event(stream))
         return dev
 
-    def _on(self, direction: int) -> AbstractContextManager:
+    def _on(self, direction: int, caller) -> AbstractContextManager:
         """Run on this direction's stream, after the work already queued on the caller's stream."""
         if self.streams is None:
             return nullcontext()
         s = self.streams[direction]
-        s.wait_stream(torch.cuda.current_stream(self.device))
+        s.wait_stream(caller)
         return torch.cuda.stream(s)
 
-    def _finish(self, batch: Batch, values: torch.Tensor, keep: list[torch.Tensor], mix: np.ndarray | None) -> Handle:
-        """mix: for saves, each object's psum64 length term (xored in on the host: see _Plan.sums)."""
+    def _finish(self, batch: Batch, values: torch.Tensor, keep: list[torch.Tensor], mix: np.ndarray | None,
+                stream) -> Handle:
+        """mix: for saves, each object's psum64 length term (xored in on the host: see _Plan.sums). Runs on
+        `stream` (the current one): the handle completes after everything queued there."""
         sizes = [ids.size for _g, _m, ids, _o in batch]
         if self.streams is None:
             return DeviceHandle(sizes, None, values.clone(), keep, mix)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(stream)
         return DeviceHandle(sizes, event, host, keep, mix)
 
 
@@ -550,14 +553,28 @@ def _passed(event: torch.cuda.Event | None) -> bool:
     return event is None or event.query()
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _mix(batch: Batch) -> np.ndarray:
     """Each object's psum64 length term (umbp.pool.psum), as uint64."""
+    if len(batch) == 1:
+        g, _m, ids, _o = batch[0]
+        return np.full(ids.size, digest_mix(g.object_bytes), np.int64).view(np.uint64)
     return np.concatenate([np.full(ids.size, digest_mix(g.object_bytes), np.int64)
                            for g, _m, ids, _o in batch]).view(np.uint64)
 
 
 def _sorted_runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(first and last index of each run, in offset order; the order; sorted offsets; sorted sizes)."""
+    if len(batch) == 1:  # the usual batch: one size, one reach (no per-object arrays for them)
+        g, m, _ids, offs = batch[0]
+        order = np.argsort(offs, kind="stable")
+        so = offs[order]
+        cut = np.flatnonzero(so[1:] != so[:-1] + slot_reach(g.object_bytes, m)) + 1
+        ss = np.broadcast_to(np.int64(g.object_bytes), so.shape)
+        return np.concatenate([[0], cut]), np.concatenate([cut, [so.size]]) - 1, order, so, ss
     offs = np.concatenate([o for _g, _m, _i, o in batch])
     size = np.concatenate([np.full(ids.size, g.object_bytes, np.int64) for g, _m, ids, _o in batch])
     reach = np.concatenate([np.full(ids.size, slot_reach(g.object_bytes, m), np.int64) for g, m, ids, _o in batch])
