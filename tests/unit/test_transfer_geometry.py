@@ -135,7 +135,7 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     assert list(pos) == list(np.arange(64) * (64 << 10))
     assert [list(a) for a in spans] == [[0], [0], [63 * (64 << 10) + (60 << 10)]]
     assert total % 16 == 0 and total >= spans[2][0]
-    engine = SimpleNamespace(_last_sorted=None)
+    engine = SimpleNamespace(_last_sorted=None, dma_min_batch_bytes=1 << 20)
     engine._sorted_runs = lambda b: KernelEngine._sorted_runs(engine, b)
 
     def path(b, choice, bar):
@@ -145,6 +145,9 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     assert path(gaps, "auto", 1 << 20) == "zero-copy"
     assert path(padded, "auto", 8 << 20) == "zero-copy"  # a run shorter than the bar
     assert path(gaps, "dma", 1 << 20) == "dma"  # an explicit choice stands
+    engine.dma_min_batch_bytes = 4 << 20  # padded: 3.75 MiB in one run, but under the batch floor
+    assert path(padded, "auto", 1 << 20) == "zero-copy"
+    assert path(padded, "dma", 1 << 20) == "dma"
 
 
 def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
