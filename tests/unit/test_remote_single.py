@@ -276,6 +276,66 @@ def test_remove(tier):
     assert tier.exists(["a", "b"]) == [False, False]
 
 
+def test_put_sends_each_object_before_summing_later_ones(tier, monkeypatch):
+    """The first object goes out before the second is checksummed, and every object of PUT_SEND_BYTES or
+    more goes out before the next is summed: the server stores while the client sums."""
+    import umbp.pool.remote as remote_mod
+    from umbp.pool.resp import Wire
+
+    events: list[str] = []
+    real_sum, real_send = remote_mod.checksum_u8, Wire.send
+    monkeypatch.setattr(remote_mod, "checksum_u8", lambda a: events.append("sum") or real_sum(a))
+    monkeypatch.setattr(Wire, "send", lambda self, parts: events.append("send") or real_send(self, parts))
+    big, small = remote_mod.PUT_SEND_BYTES, 4096
+    assert all(tier.put(["b0", "b1", "b2"], [blob(big, i) for i in range(3)]))
+    assert events == ["sum", "send"] * 3
+    events.clear()
+    n_small = 2 + 2 * big // small  # the first alone, then PUT_SEND_BYTES at a time
+    assert all(tier.put([f"s{i}" for i in range(n_small)], [blob(small, i) for i in range(n_small)]))
+    per_send = big // small
+    assert events == ["sum", "send"] + (["sum"] * per_send + ["send"]) * 2 + ["sum", "send"]
+    outs = [np.empty(big, np.uint8) for _ in range(3)]
+    assert tier.get_into(["b0", "b1", "b2"], outs) == [True] * 3
+    assert all(np.array_equal(o, blob(big, i)) for i, o in enumerate(outs))
+
+
+def test_put_interrupted_mid_batch_drops_the_connection(server, monkeypatch):
+    """An exception while a batch is being sent (here: in a checksum) leaves half a command on the wire:
+    that connection must be dropped and given back to the pool, not reused and not leaked (with two
+    connections allowed, three interrupted puts would otherwise exhaust the pool)."""
+    import umbp.pool.remote as remote_mod
+
+    tier = RedisTier(RemoteConfig.from_options({"url": server.url, "max_connections": 2, "quarantine_s": 0}))
+    real_sum = remote_mod.checksum_u8
+    calls = []
+
+    def failing_sum(a):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            raise KeyboardInterrupt
+        return real_sum(a)
+
+    data = [blob(remote_mod.PUT_SEND_BYTES, i) for i in range(3)]
+    try:
+        monkeypatch.setattr(remote_mod, "checksum_u8", failing_sum)
+        for _ in range(3):
+            calls.clear()
+            with pytest.raises(KeyboardInterrupt):
+                tier.put(["i0", "i1", "i2"], data)
+        monkeypatch.setattr(remote_mod, "checksum_u8", real_sum)
+        for _ in range(3):  # every pooled connection is clean
+            assert tier.put(["j0", "j1"], data[:2]) == [True, True]
+            outs = [np.empty(d.size, np.uint8) for d in data[:2]]
+            assert tier.get_into(["j0", "j1"], outs) == [True, True]
+            assert all(np.array_equal(o, d) for o, d in zip(outs, data, strict=False))
+        assert tier.exists(["i0", "i1", "i2"]) == [True, False, False]
+        s = tier.stats()
+        assert s["reply_errors"] == 0 and s["pool_exhausted"] == 0
+    finally:
+        tier.clear()
+        tier.close()
+
+
 def test_put_async_copies_and_writes_in_background(tier):
     data = blob(200_000, 3)
     keys = [f"async{i}" for i in range(8)]

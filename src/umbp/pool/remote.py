@@ -58,6 +58,7 @@ _NET_ERRORS = (OSError, redis.RedisError, ValueError)  # ValueError: a reply tha
 _REDIRECT = "redirect"  # a result slot whose key must go through redis-py's cluster client
 _HIT, _ABSENT, _UNANSWERED, _MOVED = 1, 0, -1, -2  # exists() result codes
 GET_WINDOW_BYTES = 4 << 20
+PUT_SEND_BYTES = 256 << 10  # a put sends whenever this much payload is ready (see _store_job)
 _STORED = b"+OK\r\n+OK\r\n"  # SET value, SET marker
 _HEAL = ("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end return 0")
 
@@ -74,11 +75,19 @@ _COUNTERS = (
 
 @dataclass
 class _Item:
-    """One object ready to send: header and payload kept apart so the payload is never concatenated."""
+    """One object to send: header and payload kept apart so the payload is never concatenated. A
+    synchronous put leaves the header (which holds the payload's psum64) to `framed_header`, called just
+    before the object is sent, so the server stores the objects already sent while the client sums the
+    next one; put_async has it from its checksummed copy."""
 
     key: str
-    header: bytes
     payload: np.ndarray
+    header: bytes | None = None
+
+    def framed_header(self) -> bytes:
+        if self.header is None:
+            self.header = pack_header(self.key, self.payload.size, checksum_u8(self.payload))
+        return self.header
 
 
 @dataclass
@@ -362,6 +371,10 @@ class RedisTier(Pool):
             except _NET_ERRORS as exc:
                 sess.fail()
                 self._node_failed(job.node, exc)
+            except BaseException:  # e.g. interrupted while summing a put's payload: half a command was sent
+                for _, s in [*open_, (job, sess)]:
+                    s.fail()
+                raise
         for job, sess in open_:
             try:
                 job.read(sess.wire)
@@ -599,7 +612,7 @@ class RedisTier(Pool):
         unavailable: counted). The payload is sent from the caller's buffer without a copy."""
         keys = list(keys)
         srcs = prepare_buffers("put", keys, buffers, writable=False)
-        items = [_Item(k, pack_header(k, s.size, checksum_u8(s)), s) for k, s in zip(keys, srcs, strict=True)]
+        items = [_Item(k, s) for k, s in zip(keys, srcs, strict=True)]
         return self._write(items)
 
     def put_async(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
@@ -627,7 +640,7 @@ class RedisTier(Pool):
         except BaseException:
             self._writer.unreserve(key, src.size)
             raise
-        self._writer.push(_Item(key, pack_header(key, src.size, digest), copy))
+        self._writer.push(_Item(key, copy, pack_header(key, src.size, digest)))
         self._count(async_accepted=1)
         return True
 
@@ -651,10 +664,19 @@ class RedisTier(Pool):
         order = [(g.prefix, j) for g in groups for j in g.indices]
 
         def send(wire: Wire) -> None:
+            """The first object goes out alone, the rest whenever PUT_SEND_BYTES of payload are ready: the
+            server starts storing while the client still sums the rest, at one sendmsg per object only
+            for objects of PUT_SEND_BYTES and more."""
             parts: list[bytes | memoryview] = []
-            for prefix, j in order:
+            ready = 0
+            for r, (prefix, j) in enumerate(order):
                 parts.extend(self._store_parts(prefix, items[j]))
-            wire.send(parts)
+                ready += items[j].payload.size
+                if r == 0 or ready >= PUT_SEND_BYTES:
+                    wire.send(parts)
+                    parts, ready = [], 0
+            if parts:
+                wire.send(parts)
 
         def read(wire: Wire) -> None:
             if wire.try_consume(_STORED * len(order)):
@@ -680,7 +702,7 @@ class RedisTier(Pool):
         invisible to lookups, completed by the next put of the key, reclaimed by TTL or eviction."""
         tail, set_ = self._set_tail, self._set_head
         return [
-            set_ + bulk(prefix + "d:" + item.key) + b"$%d\r\n" % (HEADER_SIZE + item.payload.size) + item.header,
+            set_ + bulk(prefix + "d:" + item.key) + b"$%d\r\n" % (HEADER_SIZE + item.payload.size) + item.framed_header(),
             memoryview(item.payload),
             b"\r\n" + tail + set_ + bulk(prefix + "m:" + item.key) + b"$1\r\n1\r\n" + tail,
         ]
@@ -695,7 +717,7 @@ class RedisTier(Pool):
             it = items[j]
             p = self._prefix_of(it.key)
             try:
-                fresh = rc.set(p + "d:" + it.key, it.header + it.payload.tobytes(), nx=True, px=px)
+                fresh = rc.set(p + "d:" + it.key, it.framed_header() + it.payload.tobytes(), nx=True, px=px)
                 rc.set(p + "m:" + it.key, b"1", nx=True, px=px)
                 res[j] = True if fresh else "dup"
             except _NET_ERRORS as exc:
