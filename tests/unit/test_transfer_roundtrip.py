@@ -237,6 +237,38 @@ def test_many_transfers_in_flight(options: dict) -> None:
         assert d == checksum_u8(want), f"seed {seed}: digest of block {b}"
 
 
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="no CUDA")
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_a_batch_failing_half_way_leaves_nothing_running(direction: str, monkeypatch) -> None:
+    """A batch that raises after its first round was queued (out of memory for a buffer, say): the
+    caller reports a failed load and vLLM frees the blocks, which the next forward writes, so the rounds
+    already queued must be over when the exception arrives. The device is held back so that, without
+    the drain, round 0 would still be pending at the raise."""
+    from umbp.transfer.kernel import KernelEngine
+
+    groups = {0: L.attention(2, 256, 64, 2, 64, device="cuda")}  # 32 KiB pages, 64 KiB objects
+    obj = _object(groups[0], 0).size
+    arena = _arena("cuda", 256 * obj + (1 << 20))
+    engine = make_engine(arena, groups, backend="kernel", max_staging_bytes=1 << 20, **DMA)
+    batch = [Moves(0, list(range(256)), [i * obj for i in range(256)], None, obj)]
+    engine.save(batch).wait()  # warm: kernels loaded (a module load synchronizes the device), rings made
+    engine.load(batch).wait()
+    real_plan, calls = KernelEngine._plan, []
+
+    def failing_plan(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("simulated: no memory for round 1")
+        return real_plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelEngine, "_plan", failing_plan)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s on the caller's stream, which the engine's streams wait for
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        getattr(engine, direction)(batch)
+    assert len(calls) == 2
+    assert all(s.query() for s in (*engine.streams, *engine.aux)), "a failed batch left work on the device"
+
+
 @pytest.mark.skipif(INTERPRET or not triton_available(), reason="Triton not installed (or already interpreting)")
 def test_kernel_path_under_triton_interpreter() -> None:
     """The kernel path's tables, checksums and guards, on CPU: Triton's interpreter must be chosen before

@@ -68,8 +68,13 @@ def load() -> BatchCopy | None:
 
 
 def _runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime torch already loaded (same soname, so the same library and context)."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+    """The CUDA runtime torch already loaded (same soname, so the same library and context): the major
+    version torch was built with first, so a second runtime of another version is never loaded beside it."""
+    import torch
+
+    major = (torch.version.cuda or "").split(".")[0]
+    names = [f"libcudart.so.{major}"] if major.isdigit() else []
+    for name in names + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
         try:
             return ctypes.CDLL(name)
         except OSError:

@@ -134,12 +134,16 @@ class KernelEngine(TransferEngine):
             return staged_save(self.arena, self.device, batch)
         keep: list[torch.Tensor] = []
         caller = self._caller()
-        with self._on(SAVE, caller):
-            if self._path(batch, self.save_path, self.dma_min_run_bytes) == "zero-copy":
-                digests = self._save_zero_copy(batch, keep)
-            else:
-                digests = self._save_dma(batch, keep, caller, self._idle(SAVE))
-            return self._track(SAVE, self._finish(batch, digests, keep, _mix(batch), self._main(SAVE)))
+        try:
+            with self._on(SAVE, caller):
+                if self._path(batch, self.save_path, self.dma_min_run_bytes) == "zero-copy":
+                    digests = self._save_zero_copy(batch, keep)
+                else:
+                    digests = self._save_dma(batch, keep, caller, self._idle(SAVE))
+                return self._track(SAVE, self._finish(batch, digests, keep, _mix(batch), self._main(SAVE)))
+        except BaseException:
+            self._drain(keep)
+            raise
 
     def _save_zero_copy(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
@@ -168,7 +172,9 @@ class KernelEngine(TransferEngine):
             self._copy_runs(runs, stg, to_arena=True, stream=save)
             digests.append(plan.sums())
             self._release(slot, save)
-            keep += [stg, plan.buf]  # plan: made on the gather stream, read on this one
+            if save is not None:
+                plan.buf.record_stream(save)  # made on the gather stream, read on this one
+            keep += [stg, plan.buf]
         return _cat(digests)
 
     def _load(self, batch: Batch) -> Handle:
@@ -178,15 +184,29 @@ class KernelEngine(TransferEngine):
         keep: list[torch.Tensor] = []
         dma = self._path(batch, self.load_path, self.dma_min_run_bytes) == "dma"
         caller, last = self._caller(), self._main(LOAD)
-        with self._on(LOAD, caller):
-            if dma:
-                oks, last = self._load_dma(batch, keep, caller, self._idle(LOAD)), self._side(LOAD)
-            elif all(m.digests is None for _g, m, _i, _o in batch):
-                oks = [self._load_direct(batch, keep)]
-            else:
-                oks = [self._load_staged(r, keep) for r in self._rounds(batch)]
-            with self._stream(last if dma else None):  # the handle completes after the last scatter
-                return self._track(LOAD, self._finish(batch, _cat(oks), keep, None, last))
+        try:
+            with self._on(LOAD, caller):
+                if dma:
+                    oks, last = self._load_dma(batch, keep, caller, self._idle(LOAD)), self._side(LOAD)
+                elif all(m.digests is None for _g, m, _i, _o in batch):
+                    oks = [self._load_direct(batch, keep)]
+                else:
+                    oks = [self._load_staged(r, keep) for r in self._rounds(batch)]
+                with self._stream(last if dma else None):  # the handle completes after the last scatter
+                    return self._track(LOAD, self._finish(batch, _cat(oks), keep, None, last))
+        except BaseException:
+            self._drain(keep)
+            raise
+
+    def _drain(self, keep: list[torch.Tensor]) -> None:
+        """A batch that fails half-way (out of memory for a buffer, a failed copy call) may have rounds
+        already queued that still write KV blocks (load) or arena slots (save). The caller reports the
+        failure and vLLM frees the blocks, which the next forward may write: the rounds must be over
+        first, and their buffers (`keep`) alive until then."""
+        try:
+            self.synchronize()
+        finally:
+            keep.clear()
 
     def _load_direct(self, batch: Batch, keep: list[torch.Tensor]) -> torch.Tensor:
         arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
@@ -232,11 +252,15 @@ class KernelEngine(TransferEngine):
                 if want is not None:
                     self._copy(plan, 0, 0, self._align16(r, rows), checksum=True, store=False)
                     ok = self._verify(plan.sums(), want)
-                    keep.append(want)  # made on the copy stream, read on this one
+                    if work is not None:
+                        want.record_stream(work)  # made on the copy stream, read on this one
+                    keep.append(want)
                 self._copy(plan, 0, None, self._align16(r, rows), ok=ok)
                 self._release(slot, work)
+                if ok is None:  # made on this stream, which the handle's event follows
+                    ok = torch.ones(plan.nobj, dtype=torch.int8, device=self.device)
             keep += [stg, plan.buf]
-            oks.append(ok if ok is not None else torch.ones(plan.nobj, dtype=torch.int8, device=self.device))
+            oks.append(ok)
         return oks
 
     def _expected(self, batch: Batch) -> torch.Tensor | None:
@@ -288,8 +312,8 @@ class KernelEngine(TransferEngine):
         ring = self._ring[direction]
         if self.streams is None or nbytes > self._ring_bytes:
             return [_aligned(nbytes, self.device), None]
-        if len(ring) < 2:
-            ring.append([_aligned(self._ring_bytes, self.device), None])
+        if not ring:  # both at once: never an allocation (which can fail) between a batch's rounds
+            ring += [[_aligned(self._ring_bytes, self.device), None] for _ in range(2)]
         self._turn[direction] += 1
         return ring[self._turn[direction] % len(ring)]
 

@@ -220,7 +220,7 @@ class WorkerSide:
             else:
                 self.count("ssd_saves_dropped", queued.count(False))
         if self.remote is not None:
-            sent = self.remote.put_async(keys, views)
+            sent = self.remote.put_async(keys, views, checksums=digests)
             self.count("remote_saves_queued", sent.count(True))
             self.count("remote_saves_dropped", sent.count(False))
 
