@@ -348,6 +348,27 @@ def test_put_async_copies_and_writes_in_background(tier):
     assert s["async_accepted"] == 8 and s["puts"] == 8 and s["write_queue_bytes"] == 0
 
 
+def test_put_async_with_checksums_publishes_only_matching_bytes(tier):
+    """The worker passes the digests its GPU save computed: an arena slot whose bytes changed since (a
+    later save already reusing it) must be dropped, not published under the old key with a checksum
+    computed from the new bytes."""
+    from umbp.pool import BufferSizeError
+    from umbp.pool.psum import checksum
+
+    good, changed = blob(100_000, 5), blob(100_000, 6)
+    digest = checksum(good)
+    assert tier.put_async(["ck-good", "ck-changed"], [good, changed], checksums=[digest, digest]) == [True, False]
+    assert tier.flush(10)
+    out = np.empty(100_000, np.uint8)
+    assert tier.get_into(["ck-good"], [out]) == [True] and np.array_equal(out, good)
+    assert tier.exists(["ck-changed"]) == [False]
+    s = tier.stats()
+    assert s["puts_dropped_checksum"] == 1 and s["puts_dropped"] == 1 and s["write_queue_bytes"] == 0
+    assert tier.put_async(["ck-changed"], [good], checksums=[digest]) == [True]  # its reservation was given back
+    with pytest.raises(BufferSizeError, match="checksums"):
+        tier.put_async(["a", "b"], [good, good], checksums=[digest])
+
+
 def test_put_async_full_queue_drops_and_counts(server):
     t = RedisTier(RemoteConfig.from_options({"url": server.url, "write_queue_bytes": 100_000, "timeout_s": 5}))
     server.pause(0.5)  # the writer's SETs wait: the queue cannot drain

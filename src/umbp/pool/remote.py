@@ -35,6 +35,7 @@ import redis
 from umbp.pool import psum
 from umbp.pool.base import Pool
 from umbp.pool.buffers import prepare_buffers
+from umbp.pool.errors import BufferSizeError
 from umbp.pool.psum import checksum_u8, copy_with_checksum
 from umbp.pool.remote_backend import Cluster, Group, Standalone
 from umbp.pool.remote_config import RemoteConfig, redact_url
@@ -67,7 +68,7 @@ _COUNTERS = (
     "hits", "misses", "misses_absent", "load_errors", "checksum_failures", "header_failures",
     "size_mismatches", "version_mismatches", "key_mismatches", "bytes_read",
     "puts", "put_duplicates", "puts_dropped", "puts_dropped_queue_full", "puts_dropped_unavailable",
-    "bytes_written", "async_accepted",
+    "puts_dropped_checksum", "bytes_written", "async_accepted",
     "connection_errors", "timeouts", "reply_errors", "pool_exhausted", "redirects", "quarantined", "stale_markers_removed",
     "corrupt_removed",
 )
@@ -615,18 +616,24 @@ class RedisTier(Pool):
         items = [_Item(k, s) for k, s in zip(keys, srcs, strict=True)]
         return self._write(items)
 
-    def put_async(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+    def put_async(self, keys: Sequence[str], buffers: Sequence[Any],
+                  checksums: Sequence[int] | None = None) -> list[bool]:
         """Copy each buffer (checksummed during the copy) into the write queue and return at once. True:
-        accepted (or already queued); False: dropped because the queue is full or the server is down."""
+        accepted (or already queued); False: dropped because the queue is full, the server is down, or
+        `checksums[i]` was given and the copied bytes do not match it. The worker passes the digests the
+        GPU computed while saving, so bytes that changed in the arena slot since (a slot already reused
+        by a later save) are never published under this key with a checksum of their own."""
         keys = list(keys)
         srcs = prepare_buffers("put_async", keys, buffers, writable=False)
+        if checksums is not None and len(checksums) != len(keys):
+            raise BufferSizeError(f"umbp: put_async got {len(keys)} keys but {len(checksums)} checksums")
         if isinstance(self._backend, Standalone) and self._is_down(self._backend.name):
             self._count(puts_dropped=len(keys), puts_dropped_unavailable=len(keys))
             return [False] * len(keys)
-        out = [self._enqueue(k, s) for k, s in zip(keys, srcs, strict=True)]
-        return out
+        expected = checksums if checksums is not None else [None] * len(keys)
+        return [self._enqueue(k, s, c) for k, s, c in zip(keys, srcs, expected, strict=True)]
 
-    def _enqueue(self, key: str, src: np.ndarray) -> bool:
+    def _enqueue(self, key: str, src: np.ndarray, expected: int | None) -> bool:
         state = self._writer.reserve(key, src.size)
         if state == "dup":
             self._count(put_duplicates=1)
@@ -640,6 +647,10 @@ class RedisTier(Pool):
         except BaseException:
             self._writer.unreserve(key, src.size)
             raise
+        if expected is not None and digest != int(expected) & ((1 << 64) - 1):
+            self._writer.unreserve(key, src.size)
+            self._count(puts_dropped=1, puts_dropped_checksum=1)
+            return False
         self._writer.push(_Item(key, copy, pack_header(key, src.size, digest)))
         self._count(async_accepted=1)
         return True
