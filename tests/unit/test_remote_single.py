@@ -369,6 +369,24 @@ def test_put_async_with_checksums_publishes_only_matching_bytes(tier):
         tier.put_async(["a", "b"], [good, good], checksums=[digest])
 
 
+def test_dram_evictions_demote_to_the_shared_tier_through_its_queue(tier):
+    """TieredPool([DRAM, RedisTier]): an eviction runs under DramPool's lock, so the demotion must be a
+    queued, checksum-checked copy (put_async), not a network round trip; every object stays readable."""
+    from umbp.pool import DramPool, TieredPool
+
+    dram = DramPool(capacity_bytes=64 * 1024, pinned=False, high_watermark=1.0, low_watermark=0.75)
+    pool = TieredPool([dram, tier])
+    blobs = {f"tier{i}": blob(8 * 1024, 100 + i) for i in range(16)}  # 128 KiB through 64 KiB of DRAM
+    for k, v in blobs.items():
+        assert pool.put([k], [v]) == [True]
+    assert pool.flush(10)
+    demoted = pool.stats()["demotions"]
+    assert demoted > 0 and tier.stats()["async_accepted"] == demoted
+    for k, v in blobs.items():
+        out = np.empty(v.size, np.uint8)
+        assert pool.get_into([k], [out]) == [True] and np.array_equal(out, v), k
+
+
 def test_put_async_full_queue_drops_and_counts(server):
     t = RedisTier(RemoteConfig.from_options({"url": server.url, "write_queue_bytes": 100_000, "timeout_s": 5}))
     server.pause(0.5)  # the writer's SETs wait: the queue cannot drain

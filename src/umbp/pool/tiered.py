@@ -5,7 +5,8 @@
 * When DRAM evicts an object, its bytes are handed to the next tier (demotion) before the DRAM pages are
   reused. For an SsdTier this is a copy into its staging buffer with the DRAM psum64 checked on the way
   (a DRAM copy that went bad is dropped, never demoted); a full staging buffer drops the object
-  (counted), it never blocks.
+  (counted), it never blocks. A tier with `put_async` (the shared Redis tier) gets the same checked copy
+  through its write queue, so no network round trip runs under DramPool's lock.
 * get_into tries the tiers in order and serves the first intact copy; a hit below the first tier is
   copied into the first tier (promotion). The SSD copy stays (tiers are inclusive), so evicting the
   promoted object again costs no second SSD write.
@@ -70,8 +71,12 @@ class TieredPool(Pool):
         lower = self.tiers[1]
         try:
             src = self.tiers[0].arena.view(slot.offset, slot.nbytes)
-            if isinstance(lower, SsdTier) and slot.checksum is not None:
-                ok = lower.put([key], [src], checksums=[slot.checksum])[0]
+            sums = None if slot.checksum is None else [slot.checksum]
+            put_async = getattr(lower, "put_async", None)
+            if put_async is not None:  # a networked tier: queue a checked copy, no I/O under DRAM's lock
+                ok = put_async([key], [src], checksums=sums)[0]
+            elif isinstance(lower, SsdTier) and sums is not None:
+                ok = lower.put([key], [src], checksums=sums)[0]
             else:
                 ok = lower.put([key], [src])[0]
         except UmbpError:  # too large for the lower tier, or it is closed
