@@ -380,8 +380,9 @@ def test_dram_evictions_demote_to_the_shared_tier_through_its_queue(tier):
     for k, v in blobs.items():
         assert pool.put([k], [v]) == [True]
     assert pool.flush(10)
-    demoted = pool.stats()["demotions"]
-    assert demoted > 0 and tier.stats()["async_accepted"] == demoted
+    demoted, s = pool.stats()["demotions"], tier.stats()
+    assert demoted > 0 and s["async_accepted"] == demoted and s["puts"] == demoted
+    assert s["write_queue_bytes"] == 0  # TieredPool.flush drained the shared tier's queue too
     for k, v in blobs.items():
         out = np.empty(v.size, np.uint8)
         assert pool.get_into([k], [out]) == [True] and np.array_equal(out, v), k

@@ -171,8 +171,8 @@ class TieredPool(Pool):
             tier.clear()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for every tier with a write queue (SsdTier) to drain."""
-        return all(t.flush(timeout) for t in self.tiers if isinstance(t, SsdTier))
+        """Wait for every tier with a write queue (SsdTier, RedisTier) to drain."""
+        return all([t.flush(timeout) for t in self.tiers if hasattr(t, "flush")])
 
     def stats(self) -> dict[str, Any]:
         tiers = [t.stats() for t in self.tiers]
