@@ -292,8 +292,8 @@ class KernelEngine(TransferEngine):
         return slot[0], list(rows), runs, slot
 
     def _copy_runs(self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream) -> None:
-        """Staging <-> arena on the current stream, one copy-engine copy per run: all in one batch call
-        where the runtime has it and there are several runs (scattered slots), else run by run."""
+        """Staging <-> arena on `stream` (the current one), one copy-engine copy per run: all in one batch
+        call where the runtime has it and there are several runs (scattered slots), else run by run."""
         arena, staging, size = runs
         if self._batch_copy is not None and arena.size > 2:
             a, s = self.arena_base + arena, stg.data_ptr() + staging
