@@ -120,14 +120,18 @@ def test_tp2_hit_needs_every_rank(tmp_path):
     assert h2.leaks() == {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0}
 
 
-def test_corrupt_page_is_a_recompute_not_a_wrong_token(tmp_path):
-    h = build(tmp_path, FA_MAMBA_400, unit=16)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_corrupt_page_is_a_recompute_not_a_wrong_token(tmp_path, tp):
+    h = build(tmp_path, FA_MAMBA_400, unit=16, tp=tp)  # corrupted on the last rank only
     compute_then_drop(h, "A", PROMPT)
     h.fail_next_load = True  # flip bytes in the arena slot right before the load reads it
+    held = len(h.umbp.index)
     req = h.add("B", PROMPT, max_tokens=4)
     h.admit("B")
     assert h.umbp.restored.get("B", 0) == 0
     assert req.status != RequestStatus.FINISHED_ERROR
+    # the worker named the one corrupt object: only it is dropped and quarantined, the rest stay offered
+    assert len(h.umbp.quarantine) == 1 and len(h.umbp.index) == held - 1
     h.run()
     assert h.umbp.totals["load_failures"] == 1
     # B recomputed and stored the prompt again, so C restores correct bytes

@@ -58,10 +58,12 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
     failed: dict[int, set[str]] = field(default_factory=dict)  # job id -> rank tags that could not
     ssd_saved: dict[int, set[str]] = field(default_factory=dict)  # job id -> ranks that queued it to SSD
     ssd_evicted: set[str] = field(default_factory=set)  # logical keys some rank's SSD tier no longer holds
+    load_failed: set[str] = field(default_factory=set)  # logical keys a failed load could not use, any rank
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPWorkerMetadata:
         assert isinstance(other, UMBPWorkerMetadata)
-        merged = UMBPWorkerMetadata(ssd_evicted=self.ssd_evicted | other.ssd_evicted)
+        merged = UMBPWorkerMetadata(ssd_evicted=self.ssd_evicted | other.ssd_evicted,
+                                    load_failed=self.load_failed | other.load_failed)
         for name in ("saved", "failed", "ssd_saved"):
             dst = getattr(merged, name)
             for src in (getattr(self, name), getattr(other, name)):
@@ -70,4 +72,4 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
         return merged
 
     def is_empty(self) -> bool:
-        return not (self.saved or self.failed or self.ssd_saved or self.ssd_evicted)
+        return not (self.saved or self.failed or self.ssd_saved or self.ssd_evicted or self.load_failed)

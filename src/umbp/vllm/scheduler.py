@@ -93,6 +93,7 @@ class SchedulerSide:
         self.ssd_keys: set[str] = set()  # logical objects every rank's SSD tier holds
         self.remote = cfg.remote_tier()  # the shared tier (Redis/Valkey), queried at lookup
         self.quarantine: dict[str, float] = {}  # logical key -> time until which it is not offered
+        self.load_failed: set[str] = set()  # logical keys ranks reported unusable, until their load's report
         # keys are a fixed head + the prefix hash's hex (cached per request): built once here
         ns = layout.namespace
         self._logical_heads = [key_head(logical_key(ns, g, b"\x00")) for g in range(len(layout.groups))]
@@ -387,6 +388,7 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, UMBPWorkerMetadata):
             self._confirm_saves(meta)
+            self.load_failed |= meta.load_failed  # a rank may report before vLLM reports the request
         failed = set(output.failed_recving or ())
         for req_id in output.finished_recving or ():
             load = self.loads.pop(req_id, None)
@@ -399,11 +401,15 @@ class SchedulerSide:
                 self.index.commit(key) if ok else self.index.abort(key)
             if req_id in failed:
                 # a corrupt or vanished object must not be offered again: drop it from every tier's view,
-                # and quarantine it so the shared tier's copy is not retried at once either
-                self.index.remove(load.all_keys)
-                self.ssd_keys.difference_update(load.all_keys)
+                # and quarantine it so the shared tier's copy is not retried at once either. Only the
+                # objects some rank named, when one did: the rest stay offered, and every later load
+                # verifies them again; all of them when no rank could tell (an exception, a poisoned load)
+                bad = [k for k in load.all_keys if k in self.load_failed] or load.all_keys
+                self.index.remove(bad)
+                self.ssd_keys.difference_update(bad)
                 until = time.monotonic() + self.cfg.quarantine_s
-                self.quarantine.update(dict.fromkeys(load.all_keys, until))
+                self.quarantine.update(dict.fromkeys(bad, until))
+                self.load_failed.difference_update(load.all_keys)
             if not ok:
                 self.count("load_failures")
                 logger.warning("umbp: load for request %s failed; vLLM recomputes it", req_id)
@@ -411,6 +417,8 @@ class SchedulerSide:
                 self.restored[req_id] = load.tokens
                 self.count("restored_tokens", load.new_tokens)
                 self.count("loaded_objects", len(load.keys))
+        if not self.loads:
+            self.load_failed.clear()  # nothing left to match them to
 
     def _confirm_saves(self, meta: UMBPWorkerMetadata) -> None:
         self.ssd_keys.difference_update(meta.ssd_evicted)

@@ -23,7 +23,7 @@ from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.pages import GroupPages, group_pages
 from umbp.vllm.stats import UMBPStats
-from umbp.vllm.tiers import logical_of, rank_dir
+from umbp.vllm.tiers import logical_key, logical_of, rank_dir
 
 logger = logging.getLogger("umbp.vllm")
 
@@ -68,6 +68,7 @@ class PendingLoad:
     slotted: dict[int, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)
     unslotted: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     batch: list[Moves] = field(default_factory=list)
+    bad: set[str] = field(default_factory=set)  # logical keys this load found missing or corrupt
 
     def add(self, group: int, block_id: int, offset: int, digest: int) -> None:
         ids, offs, digs = self.slotted.setdefault(group, ([], [], []))
@@ -98,6 +99,7 @@ class WorkerSide:
         self.failed: dict[int, set[str]] = {}
         self.finished_loads: set[str] = set()
         self.failed_loads: set[str] = set()
+        self.load_failed: set[str] = set()  # logical keys of failed loads, for the next worker metadata
         self.pending_saves: list[PendingSave] = []  # copies started, not yet finished
         self.pending_loads: list[PendingLoad] = []  # reads or copies in flight, not yet reported
         self.polls = 0  # steps seen (take_worker_meta calls): bounds how late a confirmation may be
@@ -244,6 +246,13 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - a failed load is a recompute, never a crash
             logger.exception("umbp: load for request %s failed on rank %s", task.job.req_id, self.rank.tag())
             task.ok = False
+            task.bad |= self._keys_of(task)  # which object is at fault is unknown: none is trusted
+
+    def _keys_of(self, task: PendingLoad) -> set[str]:
+        return {self._logical(g, m.prefix_hash) for g, moves in task.job.moves.items() for m in moves}
+
+    def _logical(self, group: int, prefix_hash: bytes) -> str:
+        return logical_key(self.layout.namespace, group, prefix_hash)
 
     def _start_load(self, task: PendingLoad) -> None:
         """Verify every DRAM object's slot now; read tier objects on an I/O thread (a slow disk or server
@@ -259,6 +268,7 @@ class WorkerSide:
                     continue
                 digest = self._slot_digest(move.offset, self.rank_key(group, move.prefix_hash))
                 if digest is None:
+                    task.bad.add(self._logical(group, move.prefix_hash))
                     task.ok = False
                     return
                 task.add(group, move.block_id, move.offset, digest)
@@ -279,9 +289,10 @@ class WorkerSide:
             self.io = ThreadPoolExecutor(LOAD_IO_THREADS, thread_name_prefix="umbp-load")
         return self.io
 
-    def _read_tiers(self, tier_moves: list[tuple[int, PageMove, int]]) -> list[TierRead] | None:
+    def _read_tiers(self, tier_moves: list[tuple[int, PageMove, int]]) -> tuple[list[TierRead], str | None]:
         """On an I/O thread: every tier object, checksum-verified by its tier, promoted into its reserved
-        DRAM slot when it has one (only this load writes that slot). None when any is missing."""
+        DRAM slot when it has one (only this load writes that slot). Returns (reads, the logical key of
+        the first object a tier did not return, or None)."""
         out = []
         for group, move, nbytes in tier_moves:
             tier = self.ssd if move.source == "ssd" else self.remote
@@ -289,16 +300,17 @@ class WorkerSide:
             data = torch.empty(nbytes, dtype=torch.uint8)
             if tier is None or not tier.get_into([key], [data.numpy()])[0]:
                 logger.warning("umbp: %s tier did not return %s; a miss", move.source, key)
-                return None
+                return out, self._logical(group, move.prefix_hash)
             digest = self.arena.write(move.promote_offset, data.numpy()) if move.promote_offset >= 0 else None
             out.append(TierRead(group, move, key, data, digest))
-        return out
+        return out, None
 
     def _tiers_read(self, task: PendingLoad) -> None:
         """Back on the engine's thread: record promoted slots, queue the rest for a scatter, copy in."""
-        reads = task.reads.result()
+        reads, missing = task.reads.result()
         task.reads = None
-        if reads is None:
+        if missing is not None:
+            task.bad.add(missing)
             task.ok = False
             return
         for r in reads:
@@ -329,7 +341,8 @@ class WorkerSide:
             for offset, ok in zip(moves.offsets, written):
                 if not ok:
                     logger.warning("umbp: checksum mismatch in slot %d; treating as a miss", offset)
-                    self.slots.pop(offset, None)
+                    held = self.slots.pop(offset, None)
+                    task.bad |= {logical_of(held[0])} if held is not None else self._keys_of(task)
                     self.count("checksum_failures")
         if not all(all(w) for w in results):
             task.ok = False
@@ -354,6 +367,7 @@ class WorkerSide:
         self.finished_loads.add(task.job.req_id)
         if not task.ok:
             self.failed_loads.add(task.job.req_id)
+            self.load_failed |= task.bad or self._keys_of(task)
             self.count("load_failures_rank")
 
     # ---------------------------------------------------------------- reports
@@ -367,8 +381,8 @@ class WorkerSide:
         self.poll_saves(wait_older=True)
         self.polls += 1
         evicted = {logical_of(k) for k in self.ssd.drain_evicted()} if self.ssd is not None else set()
-        meta = UMBPWorkerMetadata(self.saved, self.failed, self.ssd_saved, evicted)
-        self.saved, self.failed, self.ssd_saved = {}, {}, {}
+        meta = UMBPWorkerMetadata(self.saved, self.failed, self.ssd_saved, evicted, self.load_failed)
+        self.saved, self.failed, self.ssd_saved, self.load_failed = {}, {}, {}, set()
         return None if meta.is_empty() else meta
 
     def close(self) -> None:
