@@ -73,11 +73,15 @@ PAYLOADS = {"a": bytes(range(40)), "b": b"", "c": bytes(range(97, 97 + 26)) * 3}
 STREAM = b"".join(value_reply(k, p) for k, p in PAYLOADS.items())
 
 
+def splits(stream: bytes, *odd: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Receive schedules: one boundary at every offset of the stream, then the given odd-sized ones."""
+    return [(cut, len(stream)) for cut in range(1, len(stream))] + list(odd)
+
+
 @pytest.mark.parametrize("bufsize", [8, 64, 256 * 1024])
 def test_values_split_at_every_offset(bufsize):
     """One receive boundary at every offset of the stream, then byte-by-byte and odd-sized receives."""
-    splits = [(cut, len(STREAM)) for cut in range(1, len(STREAM))] + [(1,), (7,), (33, 2)]
-    for steps in splits:
+    for steps in splits(STREAM, (1,), (7,), (33, 2)):
         w = wire(STREAM, steps, bufsize)
         for key, payload in PAYLOADS.items():
             assert read_value(w, key, len(payload)) == payload, (steps, key)
@@ -154,8 +158,7 @@ FRAMED_STREAM = b"".join(framed_reply(k, p) for k, p in FRAMED.items())
 
 @pytest.mark.parametrize("bufsize", [8, 64, 256 * 1024])
 def test_framed_values_split_at_every_offset(bufsize):
-    splits = [(cut, len(FRAMED_STREAM)) for cut in range(1, len(FRAMED_STREAM))] + [(1,), (5,), (41, 3)]
-    for steps in splits:
+    for steps in splits(FRAMED_STREAM, (1,), (5,), (41, 3)):
         w = wire(FRAMED_STREAM, steps, bufsize)
         for key, payload in FRAMED.items():
             assert read_framed(w, key, len(payload)) == (DIGEST.to_bytes(8, "little"), payload), (steps, key)

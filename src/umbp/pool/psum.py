@@ -139,7 +139,7 @@ def _copy_chunk(region: np.ndarray, other: np.ndarray, rows: np.ndarray, c0: int
         np.copyto(other[c0:c1], region[c0:c1])
     r0, r1 = c0 // ROW_BYTES, min(c1, rows.size * ROW_BYTES) // ROW_BYTES
     if r1 > r0:
-        np.add.reduce(as_rows(region[r0 * ROW_BYTES : r1 * ROW_BYTES]), axis=1, out=rows[r0:r1])
+        row_sums_into(as_rows(region[r0 * ROW_BYTES : r1 * ROW_BYTES]), rows[r0:r1])
 
 
 def copy_with_checksum(region: np.ndarray, other: np.ndarray, to_region: bool) -> int:

@@ -72,10 +72,9 @@ class TieredPool(Pool):
         try:
             src = self.tiers[0].arena.view(slot.offset, slot.nbytes)
             sums = None if slot.checksum is None else [slot.checksum]
-            put_async = getattr(lower, "put_async", None)
-            if put_async is not None:  # a networked tier: queue a checked copy, no I/O under DRAM's lock
-                ok = put_async([key], [src], checksums=sums)[0]
-            elif isinstance(lower, SsdTier) and sums is not None:
+            if hasattr(lower, "put_async"):  # a networked tier: queue a checked copy, no I/O under DRAM's lock
+                ok = lower.put_async([key], [src], checksums=sums)[0]
+            elif isinstance(lower, SsdTier):
                 ok = lower.put([key], [src], checksums=sums)[0]
             else:
                 ok = lower.put([key], [src])[0]

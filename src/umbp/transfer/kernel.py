@@ -287,8 +287,7 @@ class KernelEngine(TransferEngine):
         addresses, copy runs as arrays (arena offset, staging offset, bytes), its ring slot: see _acquire)."""
         pos, runs, total = _plan_runs(self._sorted_runs(batch))
         slot = self._ring_slot(direction, total)
-        at = slot[0].data_ptr() + pos
-        rows = [at] if len(batch) == 1 else np.split(at, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
+        rows = np.split(slot[0].data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
         return slot[0], list(rows), runs, slot
 
     def _copy_runs(self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream) -> None:
@@ -590,22 +589,12 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _mix(batch: Batch) -> np.ndarray:
     """Each object's psum64 length term (umbp.pool.psum), as uint64."""
-    if len(batch) == 1:
-        g, _m, ids, _o = batch[0]
-        return np.full(ids.size, digest_mix(g.object_bytes), np.int64).view(np.uint64)
     return np.concatenate([np.full(ids.size, digest_mix(g.object_bytes), np.int64)
                            for g, _m, ids, _o in batch]).view(np.uint64)
 
 
 def _sorted_runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(first and last index of each run, in offset order; the order; sorted offsets; sorted sizes)."""
-    if len(batch) == 1:  # the usual batch: one size, one reach (no per-object arrays for them)
-        g, m, _ids, offs = batch[0]
-        order = np.argsort(offs, kind="stable")
-        so = offs[order]
-        cut = np.flatnonzero(so[1:] != so[:-1] + slot_reach(g.object_bytes, m)) + 1
-        ss = np.broadcast_to(np.int64(g.object_bytes), so.shape)
-        return np.concatenate([[0], cut]), np.concatenate([cut, [so.size]]) - 1, order, so, ss
     offs = np.concatenate([o for _g, _m, _i, o in batch])
     size = np.concatenate([np.full(ids.size, g.object_bytes, np.int64) for g, _m, ids, _o in batch])
     reach = np.concatenate([np.full(ids.size, slot_reach(g.object_bytes, m), np.int64) for g, m, ids, _o in batch])
