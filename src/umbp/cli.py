@@ -15,6 +15,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "transfer"): ("umbp.tools.bench_transfer", "GPU pages <-> page-locked arena vs a 1 GiB pinned copy (CUDA)"),
     ("bench", "restore"): ("umbp.tools.bench_restore", "prefill vs restore of N tokens, Granite-4.0-H-350M (CUDA)"),
     ("bench", "remote"): ("umbp.tools.bench_remote", "shared Redis tier: 8,192-key lookup, put/get vs redis-benchmark"),
+    ("bench", "sched"): ("umbp.tools.bench_sched", "what umbp's connector adds to vLLM's scheduler step (real Scheduler, no model)"),
     ("bench", "ssd"): ("umbp.tools.bench_ssd", "SSD tier write/read throughput vs the disk's sequential bandwidth"),
     ("demo",): ("umbp.tools.demo", "the seed's hybrid restore on real vLLM (tiny random-weight model)"),
     ("explain",): ("umbp.tools.explain", "why did a hybrid restore stop at T?"),

@@ -266,6 +266,28 @@ def test_reset_after_preemption_uses_new_tables():
     assert {(p.group, p.block_id, p.key_end) for p in plans} == {(0, 5, 16), (0, 6, 32)}
 
 
+def test_idle_follows_every_change_of_the_planner():
+    """idle() lets the connector skip a step (and vLLM's block tables); a stale answer would lose a save."""
+    groups = [SlidingWindow(16, window=16), FullAttention(64), RecurrentState(64)]
+    planner = RequestStorePlanner(groups, 16)
+    assert not planner.idle(16, 16)  # a complete 16-token block
+    planner.step(computed_tokens=64, hashed_tokens=64, block_ids=([0, 0, 1, 2], [3], [4]))  # 16, 32 lost
+    assert planner.idle(64, 64) and planner.idle(79, 79) and not planner.idle(80, 80)
+    planner.reset()  # preempted: the rescan may find the blocks SWA had nulled
+    assert not planner.idle(64, 64)
+    plans = planner.step(computed_tokens=64, hashed_tokens=64, block_ids=([5, 6, 7, 8], [9], [10]))
+    assert planner.idle(64, 64)
+    planner.mark_failed(plans)
+    assert not planner.idle(64, 64)
+    assert planner.step(computed_tokens=64, hashed_tokens=64, block_ids=([5, 6, 7, 8], [9], [10])) == plans
+    planner.step(computed_tokens=70, hashed_tokens=64, block_ids=([5, 6, 7, 8, 11], [9, 12], [13]),
+                 offloads=[(2, 13, 64)])
+    assert planner.idle(70, 64) and not planner.idle(80, 80)  # the sliding window's block [64, 80)
+    planner.step(computed_tokens=80, hashed_tokens=80, block_ids=([5, 6, 7, 8, 11], [9, 12], [13]),
+                 finished=True)
+    assert planner.idle(10**6, 10**6)
+
+
 def test_ignores_offloads_of_attention_groups():
     planner = RequestStorePlanner(SEED_GROUPS, 16)
     assert (
@@ -471,13 +493,28 @@ def simulate_request(
 # ---------------------------------------------------------------------------------------- round trip
 
 
-def replay(planner: RequestStorePlanner, hist: History, groups: list, unit: int) -> list[StorePlan]:
-    """Feed the history to the planner; every plan must be true for the step that produced it."""
+def _state(planner: RequestStorePlanner) -> tuple:
+    return (set(planner._planned), set(planner._pending_pages), list(planner._next_block), dict(planner.counters))
+
+
+def replay(planner: RequestStorePlanner, hist: History, groups: list, unit: int,
+           skip_idle: bool = False) -> list[StorePlan]:
+    """Feed the history to the planner; every plan must be true for the step that produced it. Where
+    idle() says so, the step must plan nothing and change nothing; `skip_idle` then leaves it out, as
+    the connector does."""
     plans: list[StorePlan] = []
     keys: set[tuple[int, int]] = set()
     for step in hist.steps:
         if step.preempted:
             planner.reset()
+            continue
+        if not step.offloads and not step.finished and planner.idle(step.computed_tokens, step.hashed_tokens):
+            if skip_idle:
+                continue
+            before = _state(planner)
+            assert planner.step(computed_tokens=step.computed_tokens, hashed_tokens=step.hashed_tokens,
+                                block_ids=step.block_ids) == []
+            assert _state(planner) == before, "idle() said the step would change nothing"
             continue
         out = planner.step(
             computed_tokens=step.computed_tokens,
@@ -579,6 +616,8 @@ def test_round_trip_reaches_last_storable_handoff(scenario):
     eagle_ids = resolve_eagle_groups(len(groups), history["eagle"], flagged)
     planner = RequestStorePlanner(groups, unit, eagle_groups=eagle_ids, store_limit=store_limit)
     plans = replay(planner, hist, groups, unit)
+    skipping = RequestStorePlanner(groups, unit, eagle_groups=eagle_ids, store_limit=store_limit)
+    assert replay(skipping, hist, groups, unit, skip_idle=True) == plans  # what the connector does
 
     present = present_of(plans, len(groups))
     lookup = dict(max_tokens=hist.num_tokens - 1, eagle=history["eagle"], eagle_groups=flagged or None)

@@ -98,6 +98,7 @@ class RequestStorePlanner:
         self._pending_pages: set[tuple[int, int]] = set()  # (group, key_end) waiting for tokens
         self._next_block = [0] * len(groups)  # per group: lowest block index that may still need a plan
         self.finished = False
+        self._wake_at: int | None = None  # see idle()
         reasons = (FULL_BLOCK, BOUNDARY_PAGE, BOUNDARY_STATE, FINISHED_TAIL)
         self.counters = dict.fromkeys((*reasons, "dropped_pages", "dropped_states", "ignored_offloads"), 0)
 
@@ -116,6 +117,7 @@ class RequestStorePlanner:
         only this step; with ``finished=True`` (the finish path) this is the request's last call."""
         if self.finished:
             return []
+        self._wake_at = None
         limit = self._key_limit(computed_tokens, hashed_tokens)
         plans = self._full_blocks(limit, block_ids)
         plans += self._states(offloads, hashed_tokens)
@@ -128,9 +130,24 @@ class RequestStorePlanner:
             self.counters[plan.reason] += 1
         return plans
 
+    def idle(self, computed_tokens: int, hashed_tokens: int) -> bool:
+        """True when :meth:`step` with these counts and no hand-offs would plan nothing and change no
+        state: no new complete block, no pending page whose tokens are in. Most decode steps are idle,
+        and the caller can then skip building the request's block tables (vLLM makes a list per group)."""
+        if self._wake_at is None:  # the fewest tokens at which step() has work; reset by every change
+            ends = [(self._next_block[g] + 1) * self.groups[g].block_size for g in self._attention]
+            if self.boundary_page:
+                ends += [end for _g, end in self._pending_pages]
+            self._wake_at = min(ends, default=1 << 62)
+        limit = min(computed_tokens, hashed_tokens)  # _key_limit, inlined: once per request and step
+        if self.store_limit is not None:
+            limit = min(limit, self.store_limit)
+        return self.finished or limit < self._wake_at
+
     def mark_failed(self, plans: Iterable[StorePlan]) -> None:
         """Saves that failed: make them plannable again (pages and blocks while the block is still owned;
         a state only if the engine hands it off again, since its block was valid for one step)."""
+        self._wake_at = None
         for plan in plans:
             self._planned.discard((plan.group, plan.key_end))
             if plan.reason == FULL_BLOCK:
@@ -143,6 +160,7 @@ class RequestStorePlanner:
         """Preemption: the request's blocks were freed and it restarts with new tables. What was saved
         stays saved; complete blocks are rescanned (SWA blocks nulled before may be recomputed now);
         pending boundary pages stay pending because block k of the new table holds the same tokens."""
+        self._wake_at = None
         self._next_block = [0] * len(self.groups)
 
     @property

@@ -53,7 +53,7 @@ BF16 = 2
 @dataclass
 class Engine:
     sched: Scheduler
-    connector: ReplayConnector
+    connector: ReplayConnector | None  # None: built without a connector
     hasher: object
     vllm_config: VllmConfig
     kv_cache_config: KVCacheConfig
@@ -127,8 +127,9 @@ def make_scheduler(vllm_config: VllmConfig, kv_config: KVCacheConfig) -> tuple[S
 
 
 def build_engine(layout: ReplayLayout, *, boundary_page: bool, retention: int, workdir: Path,
-                 decode_saves: bool = False) -> Engine:
-    """A fresh Scheduler + ReplayConnector (scheduler role) for one replay setting."""
+                 decode_saves: bool = False, connector: bool = True) -> Engine:
+    """A fresh Scheduler + ReplayConnector (scheduler role) for one replay setting; `connector=False`:
+    the same scheduler with no KV connector at all (`umbp bench sched` compares the two)."""
     workdir.mkdir(parents=True, exist_ok=True)
     model = ModelConfig(model=str(model_dir(workdir, layout.max_model_len)), skip_tokenizer_init=True,
                         dtype="float32", max_model_len=layout.max_model_len)
@@ -149,10 +150,12 @@ def build_engine(layout: ReplayLayout, *, boundary_page: bool, retention: int, w
                                  num_speculative_tokens=1, target_model_config=model,
                                  target_parallel_config=ParallelConfig())
     vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched_cfg,
-                             kv_transfer_config=transfer, speculative_config=spec)
+                             kv_transfer_config=transfer if connector else None, speculative_config=spec)
     vllm_config.cache_config.num_gpu_blocks = layout.num_gpu_blocks
     kv_config = kv_cache_config(layout, retention)
     sched, hasher = make_scheduler(vllm_config, kv_config)
+    if not connector:
+        return Engine(sched, None, hasher, vllm_config, kv_config)
     connector = sched.connector
     if not isinstance(connector, ReplayConnector):
         raise RuntimeError(f"expected the ReplayConnector, vLLM built {type(connector).__name__}")

@@ -1,0 +1,183 @@
+"""`umbp bench sched`: what umbp's connector costs vLLM's scheduler, per step, beside the step itself.
+
+vLLM's scheduler runs on the engine's critical path: every microsecond a connector spends in its hooks
+is added to every step of every request, hit or not. Method: two real vLLM 0.32 Schedulers (no model,
+the replay's recipe) hold the same N requests with the same prompts, one with umbp's connector
+(scheduler role, simulated workers that acknowledge its jobs) and one without any connector; they are
+stepped alternately, step by step, so both see the same machine load. For each step of the umbp
+scheduler the time inside umbp's hooks is measured too. Reported per phase (prefill, then decode):
+median step time of both schedulers, umbp's hook time, and the hook time as a share of the umbp
+scheduler's step. Target: hooks <= 10% of a decode step (most decode steps store nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from umbp.tools.benchutil import write_json
+
+TARGET_SHARE = 0.10  # umbp hooks / umbp scheduler's decode step
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "get_kv_connector_stats", "take_events")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small fast run (smoke test; not representative)")
+    parser.add_argument("--out", default="umbp-out/bench_sched.json", help="JSON path (default: %(default)s)")
+    parser.add_argument("--layout", default="granite-4.0-h", help="replay layout (default: %(default)s)")
+    parser.add_argument("--requests", default=None, help="running requests, comma list (default 32,128; quick 8)")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens per request (default 2000; quick 500)")
+    parser.add_argument("--steps", type=int, default=None, help="decode steps timed (default 300; quick 20)")
+
+
+class _HookClock:
+    """Wraps a connector instance's hooks; `spent` accumulates the seconds spent inside them."""
+
+    def __init__(self, connector: Any) -> None:
+        self.spent = 0.0
+        for name in HOOKS:
+            fn = getattr(connector, name, None)
+            if fn is not None:
+                setattr(connector, name, self._wrap(fn))
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - t0
+        return timed
+
+
+class _Side:
+    """One scheduler with its requests, stepped with fake model outputs (one token per finished prefill)."""
+
+    def __init__(self, layout: Any, with_umbp: bool, workdir: Path, requests: int, prompt: int) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        from umbp.replay import engine as E
+        from umbp.replay.simworker import SimWorkers
+
+        eng = E.build_engine(layout, boundary_page=True, retention=0, workdir=workdir, connector=with_umbp)
+        self.sched, self.now = eng.sched, 0.0
+        self.clock = _HookClock(eng.connector) if with_umbp else None
+        self.workers = SimWorkers(layout.timing, frozenset(eng.umbp.rank_tags)) if with_umbp else None
+        rng = random.Random(1)  # both sides get the same prompts
+        for i in range(requests):
+            tokens = [rng.randrange(1, 100_000) for _ in range(prompt)]
+            self.sched.add_request(Request(
+                request_id=f"r{i}", prompt_token_ids=tokens, pooling_params=None, block_hasher=eng.hasher,
+                sampling_params=SamplingParams(max_tokens=1 << 20, ignore_eos=True)))
+
+    def prefilling(self) -> bool:
+        return any(r.num_computed_tokens < r.num_prompt_tokens for r in self.sched.requests.values())
+
+    def step(self) -> tuple[float, float, int]:
+        """(seconds of the whole step, seconds inside umbp's hooks, requests scheduled)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        before = self.clock.spent if self.clock else 0.0
+        t0 = time.perf_counter()
+        so = self.sched.schedule()
+        out = None
+        if self.workers is not None:
+            self.workers.dispatch(so.kv_connector_metadata, self.now, self.now + 0.01)
+            self.now += 0.01
+            out = self.workers.collect(self.now)
+        ids, reqs = list(so.num_scheduled_tokens), self.sched.requests
+        sampled = [[1] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
+        self.sched.update_from_output(so, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+            kv_connector_output=out))
+        spent = time.perf_counter() - t0
+        return spent, (self.clock.spent if self.clock else 0.0) - before, len(ids)
+
+
+def measure(layout: Any, requests: int, prompt: int, steps: int, workdir: Path) -> dict[str, Any]:
+    plain = _Side(layout, False, workdir, requests, prompt)
+    umbp = _Side(layout, True, workdir, requests, prompt)
+    phases: dict[str, list[tuple[float, float, float]]] = {"prefill": [], "decode": []}
+    while plain.prefilling() or umbp.prefilling():
+        p, u = plain.step(), umbp.step()
+        phases["prefill"].append((p[0], u[0], u[1]))
+    for _ in range(5):  # every request decoding on both sides
+        plain.step(), umbp.step()
+    for _ in range(steps):
+        p, u = plain.step(), umbp.step()
+        if not (p[2] == u[2] == requests):
+            raise RuntimeError(f"umbp bench sched: expected {requests} decoding requests, got {p[2]} / {u[2]}")
+        phases["decode"].append((p[0], u[0], u[1]))
+    out: dict[str, Any] = {"requests": requests, "prompt_tokens": prompt}
+    for name, rows in phases.items():
+        plain_s, umbp_s, hooks_s = (statistics.median(col) for col in zip(*rows))
+        out[name] = {
+            "steps": len(rows), "plain_step_ms": plain_s * 1e3, "umbp_step_ms": umbp_s * 1e3,
+            "hooks_ms": hooks_s * 1e3, "hooks_us_per_request": hooks_s * 1e6 / requests,
+            # per step, then the median: robust to a step that a noisy neighbour slowed down
+            "hooks_share": statistics.median(h / u for _p, u, h in rows),
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from umbp.replay.layouts import LayoutError, load_layout
+    except ImportError as exc:
+        print(f"umbp bench sched: needs vLLM ({exc})", file=sys.stderr)
+        return 2
+    try:
+        layout = load_layout(args.layout)
+    except LayoutError as exc:
+        print(f"umbp bench sched: {exc}", file=sys.stderr)
+        return 2
+    counts = [int(n) for n in (args.requests or ("8" if args.quick else "32,128")).split(",") if n]
+    prompt = args.prompt or (500 if args.quick else 2000)
+    steps = args.steps or (20 if args.quick else 300)
+    load0 = os.getloadavg()[0]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="umbp-bench-sched-") as tmp:
+        for n in counts:
+            blocks = n * (-(-(prompt + steps + 64) // layout.groups[0].block_size) + 1) + 16
+            sized = dataclasses.replace(layout, max_num_seqs=max(n, layout.max_num_seqs),
+                                        num_gpu_blocks=max(blocks, layout.num_gpu_blocks))
+            rows.append(measure(sized, n, prompt, steps, Path(tmp)))
+    decode_share = max(r["decode"]["hooks_share"] for r in rows)
+    report = {
+        "command": "umbp " + " ".join(sys.argv[1:]), "layout": layout.name, "steps": steps,
+        "target_decode_hooks_share": TARGET_SHARE, "rows": rows,
+        "all_targets_met": decode_share <= TARGET_SHARE,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_start_end": [load0, os.getloadavg()[0]]},
+    }
+    print(f"JSON: {write_json(args.out, report)}")
+    print_table(report)  # the table comes last
+    return 0
+
+
+def print_table(report: dict[str, Any]) -> None:
+    load = report["machine"]["loadavg_start_end"]
+    print(f"umbp bench sched: vLLM's scheduler with and without umbp's connector, layout {report['layout']}, "
+          f"stepped alternately, medians; load average {load[0]:.1f} on {report['machine']['cpus']} CPUs")
+    print(f"{'requests':>8} {'phase':>8} {'steps':>6} {'no connector ms':>16} {'umbp ms':>8} "
+          f"{'umbp hooks ms':>14} {'us/request':>10} {'hooks share':>12} {'target':>7} result")
+    for r in report["rows"]:
+        for phase in ("prefill", "decode"):
+            p = r[phase]
+            target = f"<={report['target_decode_hooks_share']:.0%}" if phase == "decode" else "-"
+            verdict = ("PASS" if p["hooks_share"] <= report["target_decode_hooks_share"] else "MISS") \
+                if phase == "decode" else "info"
+            print(f"{r['requests']:>8} {phase:>8} {p['steps']:>6} {p['plain_step_ms']:>16.3f} {p['umbp_step_ms']:>8.3f} "
+                  f"{p['hooks_ms']:>14.3f} {p['hooks_us_per_request']:>10.2f} {p['hooks_share']:>12.1%} "
+                  f"{target:>7} {verdict}")

@@ -1,0 +1,29 @@
+"""Smoke test of `umbp bench sched --quick`: real vLLM Schedulers with and without umbp's connector run
+side by side through the CLI and the JSON report is complete. It checks fields, never speed."""
+
+import json
+
+from umbp.cli import main
+
+
+def test_bench_sched_quick_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench_sched.json"
+    assert main(["bench", "sched", "--quick", "--requests", "4,8", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["layout"] == "granite-4.0-h" and report["steps"] == 20
+    assert [r["requests"] for r in report["rows"]] == [4, 8]
+    for r in report["rows"]:
+        assert r["decode"]["steps"] == 20 and r["prefill"]["steps"] >= 1
+        for phase in ("prefill", "decode"):
+            p = r[phase]
+            assert p["plain_step_ms"] > 0 and p["umbp_step_ms"] > 0
+            assert 0 < p["hooks_ms"] < p["umbp_step_ms"] and 0 < p["hooks_share"] < 1
+    shares = [r["decode"]["hooks_share"] for r in report["rows"]]
+    assert report["all_targets_met"] == (max(shares) <= report["target_decode_hooks_share"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].split()[:2] == ["8", "decode"] and printed[-1].split()[-1] in ("PASS", "MISS")
+
+
+def test_bench_sched_rejects_unknown_layout(capsys):
+    assert main(["bench", "sched", "--layout", "no-such-layout"]) == 2
+    assert "no-such-layout" in capsys.readouterr().err
