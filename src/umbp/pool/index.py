@@ -143,7 +143,7 @@ class DramIndex:
         """Committed keys only. touch=True also marks hits as recently used."""
         live = self._live
         if not touch:
-            return [k in live for k in keys]
+            return list(map(live.__contains__, keys))  # C-level loop: a lookup asks for every boundary
         lru = self._lru
         out = []
         for k in keys:

@@ -147,10 +147,12 @@ class SchedulerSide:
         count = min(limit // unit, len(request.block_hashes))
         ends = range(unit, count * unit + 1, unit)
         present: list[set[int]] = []
-        for g in range(len(self.layout.groups)):
-            keys = all_keys[g][:count]
-            held = self.index.lookup(keys)
-            present.append({t for t, k, ok in zip(ends, keys, held) if ok or k in self.ssd_keys})
+        for g in range(len(self.layout.groups)):  # C-level loops: vLLM asks again every step a request
+            keys = all_keys[g][:count]  # waits, and a 128K-token prompt has 8,000 boundaries per group
+            held = set(itertools.compress(ends, self.index.lookup(keys)))
+            if self.ssd_keys:
+                held.update(itertools.compress(ends, map(self.ssd_keys.__contains__, keys)))
+            present.append(held)
         if self.remote is not None:
             self._add_remote(request, ends, present)
         if self.quarantine:
