@@ -69,6 +69,33 @@ def test_read_paths_aligned_unaligned_large_and_batched(tmp_path, max_io):
             assert all(np.array_equal(o, b) for o, b in zip(outs, blobs))
 
 
+@pytest.mark.parametrize("size", [64 * KiB, 10_000])
+def test_batched_puts_of_one_size(tmp_path, size):
+    """A put of many objects of one size stages them side by side and sums them together (_copy_in): the
+    digests equal psum64 of each object (a wrong expected one is refused), a key given twice in one call
+    is stored once, every byte reads back from staging, from disk and after a restart."""
+    from umbp.pool.psum import checksum
+
+    blobs = [_blob(size, 100 + i) for i in range(40)]
+    keys = [f"b{i}" for i in range(40)]
+    sums = [checksum(b) for b in blobs]
+    sums[7] ^= 1  # this object's bytes do not match what the caller expects
+    keys[30], blobs[30], sums[30] = keys[3], blobs[3], sums[3]  # the same key twice in one call
+    with _tier(tmp_path) as tier:
+        assert tier.put(["old"], [blobs[0]]) == [True]
+        ok = tier.put(keys + ["old"], blobs + [blobs[0]], checksums=sums + [sums[0]])
+        assert ok == [i != 7 for i in range(40)] + [True]
+        assert tier.stats()["put_checksum_mismatch"] == 1 and tier.stats()["put_duplicates"] == 2
+        assert _read(tier, "b7", size) is None
+        live = {k: b for i, (k, b) in enumerate(zip(keys, blobs)) if i != 7}
+        assert all(_read(tier, k, size) == b.tobytes() for k, b in live.items())  # staged
+        assert tier.flush(timeout=30)
+        assert all(_read(tier, k, size) == b.tobytes() for k, b in live.items())  # on disk
+    with _tier(tmp_path) as tier:  # the headers carry the digests the batch took
+        assert all(_read(tier, k, size) == b.tobytes() for k, b in live.items())
+        assert tier.stats()["checksum_failures"] == 0
+
+
 def test_buffer_kinds_and_torch(tmp_path):
     data = np.arange(3000, dtype=np.float32)
     with _tier(tmp_path) as tier:

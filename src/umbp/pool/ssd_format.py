@@ -89,12 +89,18 @@ class Header:
     key: str
 
 
+_HEAD = struct.Struct("<8sHHHHQQQ")  # the header's first 40 bytes: all but the crc and the pad
+_CRC = struct.Struct("<I")
+_PAD_AND = b"\0" * (_HEADER.size - _CRC_AT - 4)  # the header's zero pad, which the crc also covers
+_ZEROS = bytes(BLOCK)
+
+
 def header_bytes(key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> bytes:
-    """The meaningful prefix of a header block (the rest of the block is zeros). A reader that knows
-    what it expects compares against this instead of parsing (a few times cheaper per object)."""
-    head = _HEADER.pack(MAGIC, VERSION, flags, len(key_bytes), 0, seq, length, checksum, 0)
-    crc = _header_crc(head, key_bytes)
-    return head[:_CRC_AT] + struct.pack("<I", crc) + head[_CRC_AT + 4 :] + key_bytes
+    """The meaningful prefix of a header block (the rest of the block is zeros). One crc32 call over the
+    header less its crc field, then the key (the writer packs one per record: this is its hot path)."""
+    head = _HEAD.pack(MAGIC, VERSION, flags, len(key_bytes), 0, seq, length, checksum)
+    tail = _PAD_AND + key_bytes
+    return head + _CRC.pack(zlib.crc32(tail, zlib.crc32(head))) + tail
 
 
 def _header_crc(head: bytes, key_bytes: bytes) -> int:
@@ -103,10 +109,12 @@ def _header_crc(head: bytes, key_bytes: bytes) -> int:
 
 
 def pack_header(block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> None:
-    """Write a header into `block` (a writable 4 KiB uint8 view), zeroing the rest of the block."""
+    """Write a header into `block` (a writable, contiguous 4 KiB uint8 view), zeroing the rest of the block."""
     raw = header_bytes(key_bytes, flags, seq, length, checksum)
-    block[: len(raw)] = np.frombuffer(raw, np.uint8)
-    block[len(raw) : BLOCK] = 0
+    n = len(raw)
+    view = memoryview(block)  # buffer copies: ~2x cheaper than numpy slice assignment for 4 KiB
+    view[:n] = raw
+    view[n:BLOCK] = _ZEROS[n:]
 
 
 def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
