@@ -24,6 +24,9 @@ def test_bench_sched_quick_writes_json(tmp_path, capsys):
     assert printed[-1].split()[:2] == ["8", "decode"] and printed[-1].split()[-1] in ("PASS", "MISS")
 
 
-def test_bench_sched_rejects_unknown_layout(capsys):
+def test_bench_sched_rejects_bad_input(capsys):
     assert main(["bench", "sched", "--layout", "no-such-layout"]) == 2
     assert "no-such-layout" in capsys.readouterr().err
+    for bad in (["--requests", "0"], ["--requests", "x"], ["--prompt", "-5"], ["--steps", "-1"]):
+        assert main(["bench", "sched", "--quick", *bad]) == 2
+        assert "--requests needs" in capsys.readouterr().err

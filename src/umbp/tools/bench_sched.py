@@ -142,9 +142,16 @@ def run(args: argparse.Namespace) -> int:
     except LayoutError as exc:
         print(f"umbp bench sched: {exc}", file=sys.stderr)
         return 2
-    counts = [int(n) for n in (args.requests or ("8" if args.quick else "32,128")).split(",") if n]
+    try:
+        counts = [int(n) for n in (args.requests or ("8" if args.quick else "32,128")).split(",") if n.strip()]
+    except ValueError:
+        counts = []
     prompt = args.prompt or (500 if args.quick else 2000)
     steps = args.steps or (20 if args.quick else 300)
+    if not counts or min(counts) < 1 or prompt < 1 or steps < 1:
+        print(f"umbp bench sched: --requests needs a comma list of counts >= 1 (got {args.requests!r}), "
+              f"--prompt and --steps numbers >= 1 (got {prompt}, {steps})", file=sys.stderr)
+        return 2
     load0 = os.getloadavg()[0]
     rows = []
     with tempfile.TemporaryDirectory(prefix="umbp-bench-sched-") as tmp:
