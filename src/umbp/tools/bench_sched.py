@@ -85,12 +85,15 @@ class _Side:
         return any(r.num_computed_tokens < r.num_prompt_tokens for r in self.sched.requests.values())
 
     def step(self) -> tuple[float, float, int]:
-        """(seconds of the whole step, seconds inside umbp's hooks, requests scheduled)."""
+        """(seconds in the scheduler's schedule() + update_from_output(), seconds inside umbp's hooks,
+        requests scheduled). The simulated workers and the fake model output are not timed: in vLLM they
+        are other processes' work."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         before = self.clock.spent if self.clock else 0.0
         t0 = time.perf_counter()
         so = self.sched.schedule()
+        spent = time.perf_counter() - t0
         out = None
         if self.workers is not None:
             self.workers.dispatch(so.kv_connector_metadata, self.now, self.now + 0.01)
@@ -98,10 +101,11 @@ class _Side:
             out = self.workers.collect(self.now)
         ids, reqs = list(so.num_scheduled_tokens), self.sched.requests
         sampled = [[1] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
-        self.sched.update_from_output(so, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-            kv_connector_output=out))
-        spent = time.perf_counter() - t0
+        output = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                   sampled_token_ids=sampled, kv_connector_output=out)
+        t0 = time.perf_counter()
+        self.sched.update_from_output(so, output)
+        spent += time.perf_counter() - t0
         return spent, (self.clock.spent if self.clock else 0.0) - before, len(ids)
 
 
