@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from umbp.hybrid import RequestStorePlanner, StorePlan, explain, longest_hit
+from umbp.hybrid.groups import FullAttention
 from umbp.hybrid.planner import BOUNDARY_PAGE, BOUNDARY_STATE
 from umbp.identity import object_key
 from umbp.pool import DramIndex
@@ -97,6 +98,8 @@ class SchedulerSide:
         # keys are a fixed head + the prefix hash's hex (cached per request): built once here
         ns = layout.namespace
         self._logical_heads = [key_head(logical_key(ns, g, b"\x00")) for g in range(len(layout.groups))]
+        # full-attention groups (MLA included) -> block size: every hit needs all their whole blocks (_add_remote)
+        self._full_blocks = {g: spec.block_size for g, spec in enumerate(layout.groups) if isinstance(spec, FullAttention)}
         self._rank_heads = [[key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))]
                             for r in layout.ranks]
         if cfg.ssd_dirs:
@@ -160,7 +163,11 @@ class SchedulerSide:
         return present
 
     def _add_remote(self, request, ends, present: list[set[int]]) -> None:
-        """One pipelined round trip for every (boundary, group) the local tiers miss; all ranks must hold it.
+        """Pipelined round trips for the (boundary, group) objects the local tiers miss; all ranks must
+        hold one. First the full-attention groups' whole blocks: a hit needs every one of them from the
+        start (FullAttention.longest), so their first gap caps the hit, and the second round asks only
+        up to a block past it; a cold 32K-token prompt then costs two small rounds instead of one over
+        every boundary of every group and rank. (A fully stored prompt pays one extra round trip.)
 
         vLLM asks again every step a request waits for budget or blocks: answers younger than
         REMOTE_REUSE_S are reused (a key that vanished meanwhile is a failed load and a recompute; one that
@@ -168,7 +175,7 @@ class SchedulerSide:
         per key cost 13 ms for 8,192 keys here, more than the round trip itself."""
         tracked = self.track(request)
         now = time.monotonic()
-        unit, cached = self.layout.unit, tracked.remote
+        cached = tracked.remote
         asks = []
         for g in range(len(present)):
             for t in ends:
@@ -180,16 +187,38 @@ class SchedulerSide:
                         present[g].add(t)
                 else:
                     asks.append((g, t))
-        if not asks:
-            return
-        hexes = self._hexes(tracked)
+        blocks = [(g, t) for g, t in asks if g in self._full_blocks and t % self._full_blocks[g] == 0]
+        if blocks and len(blocks) < len(asks):
+            self._ask_remote(tracked, blocks, present, now)
+            # + the largest block: a margin for a group that probes past its hit (EAGLE's, at most a block),
+            # cheap insurance that this round never changes the answer of asking everything (the tests find
+            # the same hits without it; with the cap at the gap itself they do not)
+            cap = min(self._contiguous_end(present[g], size) + size for g, size in self._full_blocks.items())
+            cap += max(spec.block_size for spec in self.layout.groups)
+            asked = set(blocks)
+            asks = [(g, t) for g, t in asks if t < cap and (g, t) not in asked]
+        if asks:
+            self._ask_remote(tracked, asks, present, now)
+
+    def _ask_remote(self, tracked: TrackedRequest, asks: list[tuple[int, int]], present: list[set[int]],
+                    now: float) -> None:
+        """One pipelined exists() for these (group, end) objects of every rank; caches the answers."""
+        hexes, unit = self._hexes(tracked), self.layout.unit
         cut = [(g, hexes[t // unit - 1]) for g, t in asks]
         keys = [heads[g] + hx for heads in self._rank_heads for g, hx in cut]  # rank-major
         held = np.asarray(self.remote.exists(keys), dtype=bool).reshape(len(self._rank_heads), len(asks)).all(axis=0)
         for (g, t), ok in zip(asks, held.tolist()):
-            cached[(g, t)] = (now, ok)
+            tracked.remote[(g, t)] = (now, ok)
             if ok:
                 present[g].add(t)
+
+    @staticmethod
+    def _contiguous_end(ends: set[int], size: int) -> int:
+        """End of the run of whole blocks present from the start."""
+        end = 0
+        while end + size in ends:
+            end += size
+        return end
 
     def _hexes(self, tracked: TrackedRequest) -> list[str]:
         hashes, hexes = tracked.request.block_hashes, tracked.hexes
