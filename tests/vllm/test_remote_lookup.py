@@ -97,5 +97,8 @@ def test_a_cold_long_prompt_asks_few_keys(tmp_path):
     # plus one block, 16 ... 784, in both groups (the attention group's 400 was asked already)
     assert side.remote.asked == 20 + 48 + 49
     assert 2 * len(req.block_hashes) == 1000  # what one round over every boundary of both groups asks
+    # vLLM looks a waiting request up again every step: within REMOTE_REUSE_S nothing more is asked (the
+    # whole blocks' fresh answers still cap the second round)
+    assert side.lookup(req, 0) == (0, False) and side.remote.asked == 117
     for w in h.workers:
         w.shutdown()

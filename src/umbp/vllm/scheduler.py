@@ -187,12 +187,14 @@ class SchedulerSide:
                         present[g].add(t)
                 else:
                     asks.append((g, t))
-        blocks = [(g, t) for g, t in asks if g in self._full_blocks and t % self._full_blocks[g] == 0]
-        if blocks and len(blocks) < len(asks):
-            self._ask_remote(tracked, blocks, present, now)
-            # + the largest block: a margin for a group that probes past its hit (EAGLE's, at most a block),
-            # cheap insurance that this round never changes the answer of asking everything (the tests find
-            # the same hits without it; with the cap at the gap itself they do not)
+        if self._full_blocks and asks:
+            blocks = [(g, t) for g, t in asks if g in self._full_blocks and t % self._full_blocks[g] == 0]
+            if blocks:
+                self._ask_remote(tracked, blocks, present, now)
+            # every whole block is known now (local, a fresh answer, or just asked). + the largest block: a
+            # margin for a group that probes past its hit (EAGLE's, at most a block), cheap insurance that
+            # this never changes the answer of asking everything (the tests find the same hits without it;
+            # with the cap at the gap itself they do not)
             cap = min(self._contiguous_end(present[g], size) + size for g, size in self._full_blocks.items())
             cap += max(spec.block_size for spec in self.layout.groups)
             asked = set(blocks)
