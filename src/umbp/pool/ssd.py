@@ -537,17 +537,15 @@ class SsdTier(Pool):
             while (j < len(staged) and j < limit and staged[j][1].length == n
                    and staged[j][1].start == staged[j - 1][1].start + it.npages):
                 j += 1
-            if j - i == 1:
-                region = self._staging_view(it)
-                it.checksum = copy_with_checksum(region[BLOCK : BLOCK + n], srcs[staged[i][0]], to_region=True)
+            for k, item in staged[i:j]:
+                region = self._staging_view(item)
+                if j - i == 1:
+                    item.checksum = copy_with_checksum(region[BLOCK : BLOCK + n], srcs[k], to_region=True)
+                else:
+                    np.copyto(region[BLOCK : BLOCK + n], srcs[k])
                 if n % BLOCK:
                     region[BLOCK + n :] = 0
-            else:
-                for k, item in staged[i:j]:
-                    region = self._staging_view(item)
-                    np.copyto(region[BLOCK : BLOCK + n], srcs[k])
-                    if n % BLOCK:
-                        region[BLOCK + n :] = 0
+            if j - i > 1:
                 run = self._staging[it.start * BLOCK : (it.start + (j - i) * it.npages) * BLOCK]
                 for (_k, item), digest in zip(staged[i:j], psums_of_records(block_rows(run), j - i, n), strict=True):
                     item.checksum = digest

@@ -91,21 +91,22 @@ class Header:
 
 _HEAD = struct.Struct("<8sHHHHQQQ")  # the header's first 40 bytes: all but the crc and the pad
 _CRC = struct.Struct("<I")
-_PAD_AND = b"\0" * (_HEADER.size - _CRC_AT - 4)  # the header's zero pad, which the crc also covers
+_PAD = b"\0" * (_HEADER.size - _CRC_AT - 4)  # the header's zero pad after the crc, which the crc covers
 _ZEROS = bytes(BLOCK)
 
 
 def header_bytes(key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> bytes:
-    """The meaningful prefix of a header block (the rest of the block is zeros). One crc32 call over the
-    header less its crc field, then the key (the writer packs one per record: this is its hot path)."""
+    """The meaningful prefix of a header block (the rest of the block is zeros). Built from bytes in a
+    few calls: the writer packs one per record, on its hot path."""
     head = _HEAD.pack(MAGIC, VERSION, flags, len(key_bytes), 0, seq, length, checksum)
-    tail = _PAD_AND + key_bytes
-    return head + _CRC.pack(zlib.crc32(tail, zlib.crc32(head))) + tail
+    tail = _PAD + key_bytes
+    return head + _CRC.pack(_header_crc(head, tail)) + tail
 
 
-def _header_crc(head: bytes, key_bytes: bytes) -> int:
-    """crc32 of the header's 48 bytes (the crc field itself excluded) and the key."""
-    return zlib.crc32(key_bytes, zlib.crc32(head[_CRC_AT + 4 : _HEADER.size], zlib.crc32(head[:_CRC_AT])))
+def _header_crc(head: bytes, tail: bytes) -> int:
+    """crc32 of a header less its crc field: its first 40 bytes (`head`), then the pad and the key
+    (`tail`, what follows the crc field)."""
+    return zlib.crc32(tail, zlib.crc32(head))
 
 
 def pack_header(block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> None:
@@ -126,7 +127,7 @@ def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
     if version != VERSION or key_len > MAX_KEY_BYTES or flags not in (DATA, TOMBSTONE, SUMMARY):
         return None
     key_bytes = raw[_HEADER.size : _HEADER.size + key_len]
-    if len(key_bytes) != key_len or _header_crc(raw, key_bytes) != crc:
+    if len(key_bytes) != key_len or _header_crc(raw[:_CRC_AT], raw[_CRC_AT + 4 : _HEADER.size + key_len]) != crc:
         return None
     try:
         key = key_bytes.decode()

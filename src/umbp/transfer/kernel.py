@@ -331,8 +331,7 @@ class KernelEngine(TransferEngine):
         loads start together, the second call's copy engine is idle too (H200, 16 KiB pages, side by side
         in one process: both ways 87.5/85.6/87.7 -> 87.3/90.1/88.6 GB/s for 1 GiB each way, 93.1/92.9/93.4
         -> 93.1/94.4/94.4 sustained, one direction alone unchanged; history/13-ramp-per-direction.txt)."""
-        last = self._last[direction]
-        return last is None or last.query()
+        return _passed(self._last[direction])
 
     def _track(self, direction: int, handle: Handle) -> Handle:
         self._last[direction] = getattr(handle, "_event", None)
@@ -562,7 +561,7 @@ class _TablePool:
     def take(self, words: int) -> torch.Tensor:
         while self._idle:
             buf, done = self._idle[0]
-            if done is not None and not done.query():
+            if not _passed(done):
                 break  # the oldest is still being read, and the younger ones most likely too
             self._idle.popleft()
             if buf.numel() >= words:

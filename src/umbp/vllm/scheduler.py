@@ -100,6 +100,7 @@ class SchedulerSide:
         self._logical_heads = [key_head(logical_key(ns, g, b"\x00")) for g in range(len(layout.groups))]
         # full-attention groups (MLA included) -> block size: every hit needs all their whole blocks (_add_remote)
         self._full_blocks = {g: spec.block_size for g, spec in enumerate(layout.groups) if isinstance(spec, FullAttention)}
+        self._max_block = max((spec.block_size for spec in layout.groups), default=0)
         self._rank_heads = [[key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))]
                             for r in layout.ranks]
         if cfg.ssd_dirs:
@@ -196,7 +197,7 @@ class SchedulerSide:
             # this never changes the answer of asking everything (the tests find the same hits without it;
             # with the cap at the gap itself they do not)
             cap = min(self._contiguous_end(present[g], size) + size for g, size in self._full_blocks.items())
-            cap += max(spec.block_size for spec in self.layout.groups)
+            cap += self._max_block
             asked = set(blocks)
             asks = [(g, t) for g, t in asks if t < cap and (g, t) not in asked]
         if asks:
