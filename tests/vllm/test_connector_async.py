@@ -18,13 +18,19 @@ from sched_harness import GroupDef, build  # noqa: E402
 from test_connector_scheduler import PROMPT, compute_then_drop, restore  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from umbp.pool.errors import UmbpError  # noqa: E402
+
 GROUPS = [GroupDef("fa", 400), GroupDef("mamba", 400)]
 NO_LEAKS = {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0}
 
 
+def _ssd_extra(tmp_path) -> dict:
+    return {"dram_bytes": 64 << 20, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}
+
+
 def _ssd_engine_pair(tmp_path):
     """Engine 1 computes PROMPT and exits; engine 2 (empty DRAM) finds it on the SSD tier."""
-    extra = {"dram_bytes": 64 << 20, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}
+    extra = _ssd_extra(tmp_path)
     h1 = build(tmp_path, GROUPS, unit=16, extra=extra)
     assert compute_then_drop(h1, "A", PROMPT) == 832
     for w in h1.workers:
@@ -45,6 +51,66 @@ def _gate_tier_reads(h) -> threading.Event:
 
         tier.get_into = slow
     return gate
+
+
+def _gate_tier_writes(h, fail: bool = False) -> threading.Event:
+    """SSD puts (made on each worker's feeder thread) block until the returned event is set (a slow
+    copy into staging); with fail=True they then raise."""
+    gate = threading.Event()
+    for w in h.workers:
+        tier = w._worker.ssd
+        real = tier.put
+
+        def slow(keys, buffers, checksums=None, real=real):
+            assert gate.wait(30), "test gate never opened"
+            if fail:
+                raise UmbpError("umbp: test: the SSD tier failed")
+            return real(keys, buffers, checksums=checksums)
+
+        tier.put = slow
+    return gate
+
+
+def test_slow_tier_write_does_not_stall_the_step(tmp_path):
+    """A save's copy into the SSD tier runs beside the engine's step; the save is confirmed (and its
+    objects offered from SSD) only once that copy is done, and engine 2 restores from it exactly."""
+    h = build(tmp_path, GROUPS, unit=16, extra=_ssd_extra(tmp_path))
+    gate = _gate_tier_writes(h)
+    h.add("A", PROMPT, max_tokens=3)
+    t0 = time.monotonic()
+    h.step()  # prefill + saves; the SSD copies are blocked: were they on the step's path, it would hang
+    assert time.monotonic() - t0 < 10
+    feeding = [p for w in h.workers for p in w._worker.pending_saves if p.feed is not None]
+    assert feeding and not any(p.feed.done() for p in feeding)
+    assert h.umbp.saves and not h.umbp.ssd_keys  # unconfirmed: GPU blocks pinned, nothing offered yet
+    gate.set()
+    h.run()
+    assert h.umbp.ssd_keys  # confirmed with the SSD copies
+    assert h.leaks() == NO_LEAKS
+    for w in h.workers:
+        w.shutdown()
+    h2 = build(tmp_path, GROUPS, unit=16, extra=_ssd_extra(tmp_path))
+    assert restore(h2, "B", PROMPT) == (832, [])
+    for w in h2.workers:
+        w.shutdown()
+
+
+def test_failed_tier_write_keeps_the_dram_copy(tmp_path):
+    """An SSD tier that raises while taking a save's objects: counted, the DRAM copy is still confirmed
+    and restored exactly, and nothing is offered from (or found on) the SSD tier."""
+    h = build(tmp_path, GROUPS, unit=16, extra=_ssd_extra(tmp_path))
+    _gate_tier_writes(h, fail=True).set()
+    assert compute_then_drop(h, "A", PROMPT) == 832
+    assert not h.umbp.ssd_keys
+    assert all(w._worker.totals["ssd_saves_dropped"] > 0 for w in h.workers)
+    assert restore(h, "B", PROMPT) == (832, [])  # from DRAM
+    assert h.leaks() == NO_LEAKS
+    for w in h.workers:
+        w.shutdown()
+    h2 = build(tmp_path, GROUPS, unit=16, extra=_ssd_extra(tmp_path))
+    assert restore(h2, "C", PROMPT) == (0, [])
+    for w in h2.workers:
+        w.shutdown()
 
 
 def test_slow_tier_read_does_not_stall_the_step(tmp_path):

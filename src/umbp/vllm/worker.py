@@ -48,6 +48,8 @@ class PendingSave:
     job: SaveJob
     handle: Handle
     started: int  # the worker's poll count when the copies were started
+    feed: Future | None = None  # handing its objects to the SSD / shared tiers, on the feeder thread
+    finished: bool = False  # confirmed (or failed) in this worker's metadata
 
 
 @dataclass
@@ -104,6 +106,7 @@ class WorkerSide:
         self.pending_loads: list[PendingLoad] = []  # reads or copies in flight, not yet reported
         self.polls = 0  # steps seen (take_worker_meta calls): bounds how late a confirmation may be
         self.io: ThreadPoolExecutor | None = None  # tier reads of loads
+        self.feeder: ThreadPoolExecutor | None = None  # hands saved objects to the SSD / shared tiers
         self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
         self.totals: Counter[str] = Counter()  # since start, for `umbp stats`-style inspection and tests
 
@@ -130,6 +133,7 @@ class WorkerSide:
             self.ssd = SsdTier(dirs, self.cfg.ssd_bytes, track_evicted=True, prefault=False)
         self.remote = self.cfg.remote_tier()
         if self.ssd is not None or self.remote is not None:
+            self.feeder = ThreadPoolExecutor(1, thread_name_prefix="umbp-tier-feed")
             atexit.register(self.close)  # queued writes must reach the disk/server without a clean shutdown
         logger.info(
             "umbp: rank %s arena %.2f GiB, groups %s", self.rank.tag(), self.cfg.dram_bytes / 2**30,
@@ -181,24 +185,64 @@ class WorkerSide:
         return PendingSave(job, handle, self.polls)
 
     def poll_saves(self, wait_older: bool = False) -> None:
-        """Finish the saves whose copies are done; with wait_older, wait for those started before this
-        step's poll, so a confirmation is at most one step late (the scheduler pins GPU blocks till then)."""
-        keep = []
+        """Finish the saves whose copies (then tier writes) are done; with wait_older, wait for those
+        started before this step's poll, so a confirmation is at most one step late (the scheduler pins
+        GPU blocks till then)."""
         for pending in self.pending_saves:
-            if pending.handle.done() or (wait_older and pending.started < self.polls):
-                self._finish_save(pending)
-            else:
-                keep.append(pending)
-        self.pending_saves = keep
+            late = wait_older and pending.started < self.polls
+            if pending.feed is None and not pending.finished and (pending.handle.done() or late):
+                self._save_copied(pending)
+            if pending.feed is not None and not pending.finished and (pending.feed.done() or late):
+                self._save_fed(pending)
+        self.pending_saves = [p for p in self.pending_saves if not p.finished]
 
     def _finish_save(self, pending: PendingSave) -> None:
+        """Wait for a save's copies and tier writes, then confirm it (shutdown)."""
+        if pending.feed is None and not pending.finished:
+            self._save_copied(pending)
+        if pending.feed is not None and not pending.finished:
+            self._save_fed(pending)
+
+    def _save_copied(self, pending: PendingSave) -> None:
+        """The copies are done: record the slots; then confirm, or first hand the objects to the tiers.
+        Copying them into the SSD staging buffer or the shared tier's queue (a memcpy and a checksum of
+        every byte saved) runs on the feeder thread, beside the next forward, not in the engine's step;
+        the save is confirmed after it, so the scheduler does not reuse the arena slots before then."""
         job = pending.job
         try:
-            digests = pending.handle.result()[0]
-            self._record_save(job, [int(d) for d in digests])
+            digests = [int(d) for d in pending.handle.result()[0]]
+            keys, views = self._record_save(job, digests)
         except Exception:  # noqa: BLE001 - a failed save is a future miss, never a crash
             self._save_failed(job)
+            pending.finished = True
             return
+        if self.feeder is None or not ((job.ssd and self.ssd is not None) or self.remote is not None):
+            self._confirm(job)
+            pending.finished = True
+            return
+        pending.feed = self.feeder.submit(self._feed_tiers, job.ssd, keys, views, digests)
+
+    def _save_fed(self, pending: PendingSave) -> None:
+        job = pending.job
+        try:
+            ssd_queued, remote_sent = pending.feed.result()
+        except Exception:  # noqa: BLE001 - the tiers missed these objects (counted); DRAM still has them
+            logger.exception("umbp: handing save job %d to the SSD / shared tier failed", job.job_id)
+            missed = [False] * len(job.moves)
+            ssd_queued = missed if job.ssd and self.ssd is not None else None
+            remote_sent = missed if self.remote is not None else None
+        if ssd_queued is not None:
+            if all(ssd_queued):
+                self.ssd_saved.setdefault(job.job_id, set()).add(self.rank.tag())
+            else:
+                self.count("ssd_saves_dropped", ssd_queued.count(False))
+        if remote_sent is not None:
+            self.count("remote_saves_queued", remote_sent.count(True))
+            self.count("remote_saves_dropped", remote_sent.count(False))
+        pending.finished = True
+        self._confirm(job)
+
+    def _confirm(self, job: SaveJob) -> None:
         self.saved.setdefault(job.job_id, set()).add(self.rank.tag())
 
     def _save_failed(self, job: SaveJob) -> None:
@@ -208,23 +252,22 @@ class WorkerSide:
         self.failed.setdefault(job.job_id, set()).add(self.rank.tag())
         self.count("save_failures", len(job.moves))
 
-    def _record_save(self, job: SaveJob, digests: list[int]) -> None:
+    def _record_save(self, job: SaveJob, digests: list[int]) -> tuple[list[str], list]:
         nbytes = self.groups[job.group].object_bytes
         keys = [self.rank_key(job.group, m.prefix_hash) for m in job.moves]
         for move, key, digest in zip(job.moves, keys, digests):
             self.slots[move.offset] = (key, digest)
         self.count("stored_bytes_rank", nbytes * len(job.moves))
-        views = [self.arena.view(m.offset, nbytes) for m in job.moves]
-        if job.ssd and self.ssd is not None:
-            queued = self.ssd.put(keys, views, checksums=digests)
-            if all(queued):
-                self.ssd_saved.setdefault(job.job_id, set()).add(self.rank.tag())
-            else:
-                self.count("ssd_saves_dropped", queued.count(False))
-        if self.remote is not None:
-            sent = self.remote.put_async(keys, views, checksums=digests)
-            self.count("remote_saves_queued", sent.count(True))
-            self.count("remote_saves_dropped", sent.count(False))
+        return keys, [self.arena.view(m.offset, nbytes) for m in job.moves]
+
+    def _feed_tiers(self, ssd: bool, keys: list[str], views: list, digests: list[int]
+                    ) -> tuple[list[bool] | None, list[bool] | None]:
+        """On the feeder thread: queue the objects' writes (each tier copies and checks the bytes against
+        the digests the save computed). Touches only the tiers, which are thread-safe."""
+        ssd_queued = self.ssd.put(keys, views, checksums=digests) if ssd and self.ssd is not None else None
+        remote = self.remote
+        remote_sent = remote.put_async(keys, views, checksums=digests) if remote is not None else None
+        return ssd_queued, remote_sent
 
     # ---------------------------------------------------------------- loads
     def load(self, meta: UMBPConnectorMetadata) -> None:
@@ -389,8 +432,11 @@ class WorkerSide:
         """Finish the saves in flight (so their tier writes are queued), wait for the loads in flight and
         drop them (nobody will read them), then flush the tiers."""
         for pending in self.pending_saves:
-            self._finish_save(pending)  # waits for its copies
+            self._finish_save(pending)  # waits for its copies and its tier writes to be queued
         self.pending_saves = []
+        if self.feeder is not None:
+            self.feeder.shutdown(wait=True)
+            self.feeder = None
         for task in self.pending_loads:
             if task.reads is not None and not task.reads.cancel():
                 task.reads.exception()  # wait: that thread may be writing into the arena
