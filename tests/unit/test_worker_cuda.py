@@ -187,6 +187,12 @@ def test_only_fenced_saves_hold_up_the_next_forward(worker, fence):
     _cycle(w, groups, job_base=0, check_async=False)  # warm-up: compile the kernels
     g = sorted(groups)[0]
     nbytes = w.groups[g].object_bytes
+    # and the variant for a batch of one job (Triton specializes a segment count of 1): compiling it
+    # later would load a module, which waits for the GPU and so for the save's queued work
+    warm = [PageMove(b, b * SLOT, nbytes, bytes([b, 0]) * 16) for b in range(1, 5)]
+    w.save(UMBPConnectorMetadata(saves=[SaveJob(499, g, warm, fence=fence)]))
+    w.take_worker_meta()
+    w.take_worker_meta()
     job = SaveJob(500, g, [PageMove(b, b * SLOT, nbytes, bytes([b]) * 32) for b in range(1, 5)], fence=fence)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # the save is ordered after ~0.5 s of work on the stream it is issued from

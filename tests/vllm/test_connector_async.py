@@ -214,3 +214,74 @@ def test_late_copies_are_confirmed_late_and_restore_exactly(tmp_path, tp):
     assert all(e.unfenced > 0 for e in engines)  # while full blocks were left to copy beside it
     assert restore(h, "B", PROMPT) == (832, [])
     assert h.leaks() == NO_LEAKS
+
+
+class _CountingEngine:
+    """The worker's real engine; records the jobs of each save() call and fails every call that carries
+    a page of `failing_group` (None: no failures)."""
+
+    def __init__(self, engine, failing_group: int | None = None):
+        self.engine, self.failing_group = engine, failing_group
+        self.calls: list[list[int]] = []  # per save() call, the groups of its Moves
+
+    def save(self, batch):
+        self.calls.append([m.group for m in batch])
+        if self.failing_group in self.calls[-1]:
+            raise OSError("injected: this group's pages cannot be copied")
+        return self.engine.save(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _watch_saves(h, failing_group: int | None = None):
+    """Swap each worker's engine for a _CountingEngine; collect the jobs of each save() and each rank's
+    confirmed and failed job ids."""
+    engines, jobs, saved, failed = [], [], set(), set()
+    for w in h.workers:
+        worker = w._worker
+        worker.engine = _CountingEngine(worker.engine, failing_group)
+        engines.append(worker.engine)
+        real_save, real_meta = worker.save, worker.take_worker_meta
+
+        def save(meta, real_save=real_save):
+            jobs.append(list(meta.saves))
+            real_save(meta)
+
+        def take(real_meta=real_meta):
+            meta = real_meta()
+            if meta is not None:
+                saved.update(meta.saved)
+                failed.update(meta.failed)
+            return meta
+
+        worker.save, worker.take_worker_meta = save, take
+    return engines, jobs, saved, failed
+
+
+def test_a_steps_save_jobs_share_one_engine_call_per_fence_kind(tmp_path):
+    h = build(tmp_path, GROUPS, unit=16)
+    engines, jobs, saved, failed = _watch_saves(h)
+    assert compute_then_drop(h, "A", PROMPT) == 832
+    kinds = [len({j.fence for j in step}) for step in jobs if step]
+    assert any(len(step) > n for step, n in zip([s for s in jobs if s], kinds))  # two jobs of one kind
+    calls = engines[0].calls
+    assert len(calls) == sum(kinds)  # one engine call per fence kind and step
+    assert not failed and saved == {j.job_id for step in jobs for j in step}
+    assert restore(h, "B", PROMPT) == (832, [])
+    assert h.leaks() == NO_LEAKS
+
+
+def test_a_failing_job_does_not_fail_the_jobs_it_was_batched_with(tmp_path):
+    """The engine refuses every batch holding a Mamba page: the full-attention jobs that shared its batch
+    are saved on their own, only the Mamba jobs fail, and nothing partial is ever restored."""
+    h = build(tmp_path, GROUPS, unit=16)
+    engines, jobs, saved, failed = _watch_saves(h, failing_group=1)
+    assert compute_then_drop(h, "A", PROMPT) == 832
+    every = [j for step in jobs for j in step]
+    shared = [c for c in engines[0].calls if 1 in c and 0 in c]
+    assert shared  # a full-attention job was batched with a Mamba job
+    assert failed == {j.job_id for j in every if j.group == 1}
+    assert saved == {j.job_id for j in every if j.group == 0}
+    assert restore(h, "B", PROMPT) == (0, [])  # no state at any boundary: a miss, never a partial restore
+    assert h.leaks() == NO_LEAKS
