@@ -37,7 +37,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nseg", "n", "ids_at", "src_at", "dst_at", "sums_at"])
 def copy_objects(plan, nseg, n, tmpl, ntmpl, ids_at, src_at, dst_at, sums_at, wtab, ok, BLOCK: tl.constexpr,
                  SRC_KV: tl.constexpr, DST_KV: tl.constexpr, CHECKSUM: tl.constexpr, GUARD: tl.constexpr,
                  ALIGN16: tl.constexpr, STORE: tl.constexpr = True):
