@@ -187,8 +187,8 @@ def test_only_fenced_saves_hold_up_the_next_forward(worker, fence):
     _cycle(w, groups, job_base=0, check_async=False)  # warm-up: compile the kernels
     g = sorted(groups)[0]
     nbytes = w.groups[g].object_bytes
-    # and the variant for a batch of one job (Triton specializes a segment count of 1): compiling it
-    # later would load a module, which waits for the GPU and so for the save's queued work
+    # and the timed save's own shape, one job of 4 objects: were its kernel variant compiled only in the
+    # timed part, the module load would wait for the GPU's queued work (docs/transfer.md, variants)
     warm = [PageMove(b, b * SLOT, nbytes, bytes([b, 0]) * 16) for b in range(1, 5)]
     w.save(UMBPConnectorMetadata(saves=[SaveJob(499, g, warm, fence=fence)]))
     w.take_worker_meta()
