@@ -68,8 +68,9 @@ def worker():
     w.close()
 
 
-def make_worker():
-    """A WorkerSide registered over Granite-4.0-H-350M's vLLM layout on the GPU, with its arena."""
+def make_worker(before_register=None):
+    """A WorkerSide registered over Granite-4.0-H-350M's vLLM layout on the GPU, with its arena;
+    before_register(groups) runs before register() does."""
     _stand_in_vllm()
     from umbp.identity import RankCoord
     from umbp.transfer import layouts as L
@@ -88,6 +89,8 @@ def make_worker():
     layout = Layout(groups=(), unit=16, eagle_groups=frozenset(), identity=None, namespace=NS,
                     ranks=(RankCoord(),), object_bytes=tuple(SLOT for _ in names))
     w = WorkerSide(UMBPConfig(dram_bytes=80 * SLOT), layout, config, rank=RankCoord())
+    if before_register is not None:
+        before_register(groups)
     w.register(kv_caches)
     assert type(w.engine).__name__ == "KernelEngine"
     return w, groups
@@ -210,3 +213,39 @@ def test_only_fenced_saves_hold_up_the_next_forward(worker, fence):
     w.take_worker_meta()
     w.take_worker_meta()
     assert not w.pending_saves
+
+
+def test_no_kernel_compiles_after_the_warm_up():
+    """register() compiles every copy-kernel variant the worker's transfers use: saves and verified loads
+    of every group, in batches of other shapes, meet no new one (which would compile and then wait for the
+    GPU in the middle of serving), and the null block used to warm up keeps its bytes."""
+    _stand_in_vllm()
+    from umbp.transfer import kernels
+    from umbp.vllm.metadata import PageMove, SaveJob, UMBPConnectorMetadata
+
+    caches = getattr(kernels.copy_objects, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton does not expose its compiled-kernel cache")
+    caches.clear()  # what other tests compiled in this process must not count
+    block0 = {}
+
+    def fill(groups):
+        gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
+        for s in _storages(groups):
+            s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8, device="cuda", generator=gen))
+        block0.update(_objects(groups, [0]))
+
+    w, groups = make_worker(before_register=fill)
+    warmed = sum(len(v[0]) for v in caches.values())
+    assert warmed > 0
+    after = _objects(groups, [0])
+    assert all(torch.equal(after[k], block0[k]) for k in block0), "the warm-up changed the null block"
+    _cycle(w, groups, job_base=0, check_async=False)  # every group, 8 objects each, save then verified load
+    for base, count in ((10, 1), (20, 3), (30, 5)):  # batches of other shapes
+        jobs = [SaveJob(base + g, g, [PageMove(b, (base + b) * SLOT, w.groups[g].object_bytes, bytes([g, b, base]) * 8)
+                                     for b in range(1, 1 + count)]) for g in sorted(groups)[:count]]
+        w.save(UMBPConnectorMetadata(saves=jobs))
+        w.take_worker_meta()
+        w.take_worker_meta()
+    assert sum(len(v[0]) for v in caches.values()) == warmed
+    w.close()

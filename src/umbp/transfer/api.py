@@ -97,6 +97,11 @@ class TransferEngine:
             return Handle([0] * len(checked), [])
         return self._load(checked)
 
+    def warm_up(self, block: int, offset: int, verify: bool = True) -> None:
+        """Prepare now what the first transfers would otherwise prepare in the middle of serving (compiled
+        kernels, staging buffers), using `block`'s pages and the arena at `offset`, which nobody may be
+        using yet; their bytes are left as they were. Nothing to prepare on this backend."""
+
     def synchronize(self) -> None:
         """Wait for every transfer this engine started."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -127,6 +128,7 @@ class WorkerSide:
         self.arena = Arena(self.cfg.dram_bytes, pinned=pinned, prefault=False)
         layers = {g: [(layer.tensor, layer.block_dim) for layer in p.layers] for g, p in self.groups.items()}
         self.engine = make_engine(self.arena, layers)  # Triton kernels on CUDA, staged copies on CPU
+        self._warm_up()
         if self.cfg.ssd_dirs:
             from umbp.pool.ssd import SsdTier
 
@@ -140,6 +142,21 @@ class WorkerSide:
             "umbp: rank %s arena %.2f GiB, groups %s", self.rank.tag(), self.cfg.dram_bytes / 2**30,
             {g: p.object_bytes for g, p in self.groups.items()},
         )
+
+    def _warm_up(self) -> None:
+        """Compile the transfer kernels before serving, not at the first save or load of a request. Block 0
+        is vLLM's null block, never a request's, and the arena holds nothing yet; the block gets its own
+        bytes back. A failure here only costs that stall later."""
+        if not self.groups or self.arena.capacity_bytes < max(p.object_bytes for p in self.groups.values()):
+            return
+        t0 = time.perf_counter()
+        try:
+            self.engine.warm_up(block=0, offset=0, verify=self.cfg.checksum)
+        except Exception:  # noqa: BLE001 - serving works without it
+            logger.warning("umbp: transfer warm-up failed; kernels compile at first use", exc_info=True)
+            return
+        if self.engine.backend == "kernel":
+            logger.info("umbp: transfer kernels ready in %.2f s", time.perf_counter() - t0)
 
     def rank_key(self, group: int, prefix_hash: bytes) -> str:
         return object_key(self.layout.namespace, self.rank, group, prefix_hash)
