@@ -184,3 +184,13 @@ def test_multi_turn_extension_restores_what_a_local_hit_would(tmp_path, decode_s
         assert hit == local
     else:
         assert 0 < hit <= local
+
+
+def test_block_zero_is_vllms_null_block(tmp_path):
+    """The worker warms its transfer kernels up by copying block 0 out and back (TransferEngine.warm_up,
+    before any forward), which relies on vLLM keeping block 0 as its null block: a placeholder in block
+    tables (skipped Mamba and out-of-window positions), never handed out to hold a request's tokens."""
+    h = build(tmp_path, FA_MAMBA_400, unit=16)
+    pool = h.sched.kv_cache_manager.block_pool
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    assert 0 not in {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
