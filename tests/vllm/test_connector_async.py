@@ -71,6 +71,18 @@ def _gate_tier_writes(h, fail: bool = False) -> threading.Event:
     return gate
 
 
+def _restore_in_engine_2(h, tmp_path, req_id):
+    """Shut engine 1 (h) down, then restore PROMPT in a new engine with empty DRAM and the same SSD tier."""
+    for w in h.workers:
+        w.shutdown()
+    h2 = build(tmp_path, GROUPS, unit=16, extra=_ssd_extra(tmp_path))
+    try:
+        return restore(h2, req_id, PROMPT)
+    finally:
+        for w in h2.workers:
+            w.shutdown()
+
+
 def test_slow_tier_write_does_not_stall_the_step(tmp_path):
     """A save's copy into the SSD tier runs beside the engine's step; the save is confirmed (and its
     objects offered from SSD) only once that copy is done, and engine 2 restores from it exactly."""
@@ -87,12 +99,7 @@ def test_slow_tier_write_does_not_stall_the_step(tmp_path):
     h.run()
     assert h.umbp.ssd_keys  # confirmed with the SSD copies
     assert h.leaks() == NO_LEAKS
-    for w in h.workers:
-        w.shutdown()
-    h2 = build(tmp_path, GROUPS, unit=16, extra=_ssd_extra(tmp_path))
-    assert restore(h2, "B", PROMPT) == (832, [])
-    for w in h2.workers:
-        w.shutdown()
+    assert _restore_in_engine_2(h, tmp_path, "B") == (832, [])
 
 
 def test_failed_tier_write_keeps_the_dram_copy(tmp_path):
@@ -105,12 +112,7 @@ def test_failed_tier_write_keeps_the_dram_copy(tmp_path):
     assert all(w._worker.totals["ssd_saves_dropped"] > 0 for w in h.workers)
     assert restore(h, "B", PROMPT) == (832, [])  # from DRAM
     assert h.leaks() == NO_LEAKS
-    for w in h.workers:
-        w.shutdown()
-    h2 = build(tmp_path, GROUPS, unit=16, extra=_ssd_extra(tmp_path))
-    assert restore(h2, "C", PROMPT) == (0, [])
-    for w in h2.workers:
-        w.shutdown()
+    assert _restore_in_engine_2(h, tmp_path, "C") == (0, [])
 
 
 def test_slow_tier_read_does_not_stall_the_step(tmp_path):
@@ -285,3 +287,24 @@ def test_a_failing_job_does_not_fail_the_jobs_it_was_batched_with(tmp_path):
     assert saved == {j.job_id for j in every if j.group == 0}
     assert restore(h, "B", PROMPT) == (0, [])  # no state at any boundary: a miss, never a partial restore
     assert h.leaks() == NO_LEAKS
+
+
+def test_a_load_reads_its_tier_objects_in_one_call(tmp_path):
+    """A restore from the SSD tier asks it for all of the load's objects at once (read in parallel there;
+    one round trip on the shared tier), not object by object, and still restores exactly."""
+    h = _ssd_engine_pair(tmp_path)
+    calls = []
+    for w in h.workers:
+        tier = w._worker.ssd
+        real = tier.get_into
+
+        def counted(keys, buffers, real=real):
+            calls.append(len(keys))
+            return real(keys, buffers)
+
+        tier.get_into = counted
+    assert restore(h, "B", PROMPT) == (832, [])
+    assert len(calls) == len(h.workers) and all(n >= 2 for n in calls), calls
+    assert h.leaks() == NO_LEAKS
+    for w in h.workers:
+        w.shutdown()

@@ -370,15 +370,23 @@ class WorkerSide:
         return self.io
 
     def _read_tiers(self, tier_moves: list[tuple[int, PageMove, int]]) -> tuple[list[TierRead], str | None]:
-        """On an I/O thread: every tier object, checksum-verified by its tier, promoted into its reserved
-        DRAM slot when it has one (only this load writes that slot). Returns (reads, the logical key of
-        the first object a tier did not return, or None)."""
+        """On an I/O thread: every tier object, in one batched read per tier (the SSD tier reads them in
+        parallel, the shared tier answers in one pipelined round trip; object by object, a restore waited
+        for each in turn), checksum-verified by its tier, then promoted into its reserved DRAM slot when
+        it has one (only this load writes that slot). Returns (reads, the logical key of the first object
+        a tier did not return, or None)."""
+        keys = [self.rank_key(group, move.prefix_hash) for group, move, _n in tier_moves]
+        datas = [torch.empty(nbytes, dtype=torch.uint8) for _g, _m, nbytes in tier_moves]
+        got = [False] * len(tier_moves)
+        for source, tier in (("ssd", self.ssd), ("remote", self.remote)):
+            idx = [i for i, (_g, move, _n) in enumerate(tier_moves) if move.source == source]
+            if idx and tier is not None:
+                oks = tier.get_into([keys[i] for i in idx], [datas[i].numpy() for i in idx])
+                for i, ok in zip(idx, oks, strict=True):
+                    got[i] = ok
         out = []
-        for group, move, nbytes in tier_moves:
-            tier = self.ssd if move.source == "ssd" else self.remote
-            key = self.rank_key(group, move.prefix_hash)
-            data = torch.empty(nbytes, dtype=torch.uint8)
-            if tier is None or not tier.get_into([key], [data.numpy()])[0]:
+        for (group, move, _n), key, data, ok in zip(tier_moves, keys, datas, got, strict=True):
+            if not ok:
                 logger.warning("umbp: %s tier did not return %s; a miss", move.source, key)
                 return out, self._logical(group, move.prefix_hash)
             digest = self.arena.write(move.promote_offset, data.numpy()) if move.promote_offset >= 0 else None
