@@ -1,6 +1,9 @@
 """Probe (not a test; see bench/results/history/22-tier-reads.txt): reading a restore's objects from the
-SSD tier (O_DIRECT) and from a loopback redis-server, one get_into per object (the worker before session
-7) against one get_into for all of them (after). Medians of 7 alternated rounds.
+SSD tier (O_DIRECT) and from a loopback redis-server, as the worker's I/O thread does, into DRAM slots:
+* one by one: one get_into per object into a fresh buffer, then a copy into the slot (before session 7);
+* batched: one get_into for all of them into fresh buffers, then the copies (session 7, first change);
+* into slots: one get_into straight into the (aligned) slots, then a checksum of each (second change).
+Medians of 7 alternated rounds.
 
     PYTHONPATH=$PWD/src python3 bench/probes/tier_reads.py      # needs redis-server on PATH
 """
@@ -13,6 +16,8 @@ import time
 
 import numpy as np
 
+from umbp.pool import Arena
+from umbp.pool.psum import checksum
 from umbp.pool.remote import RedisTier
 from umbp.pool.ssd import SsdTier
 from umbp.tools.local_redis import LocalRedis
@@ -26,17 +31,24 @@ def bench(tier, name: str, n: int, size: int) -> None:
     keys = [f"ns{size}/tp0:pcp0:dcp0:pp0/g0/{i:064x}" for i in range(n)]
     assert all(tier.put(keys, objs))
     tier.flush()
-    bufs = [np.empty(size, np.uint8) for _ in range(n)]
-    times: dict[str, list[float]] = {"one by one": [], "batched": []}
+    arena = Arena(n * size, pinned=False)
+    slots = [arena.view(i * size, size) for i in range(n)]
+    times: dict[str, list[float]] = {"one by one": [], "batched": [], "into slots": []}
     for _rep in range(7):
         for mode, got in times.items():
             t0 = time.perf_counter()
-            if mode == "batched":
-                ok = tier.get_into(keys, bufs)
+            if mode == "into slots":
+                ok = tier.get_into(keys, slots)
+                sums = [checksum(v) for v in slots]
             else:
-                ok = [tier.get_into([k], [b])[0] for k, b in zip(keys, bufs, strict=True)]
+                bufs = [np.empty(size, np.uint8) for _ in range(n)]
+                if mode == "batched":
+                    ok = tier.get_into(keys, bufs)
+                else:
+                    ok = [tier.get_into([k], [b])[0] for k, b in zip(keys, bufs, strict=True)]
+                sums = [arena.write(i * size, b) for i, b in enumerate(bufs)]
             got.append(time.perf_counter() - t0)
-            assert all(ok)
+            assert all(ok) and len(sums) == n
     print(name, {m: f"{1e3 * statistics.median(v):.1f} ms" for m, v in times.items()}, f"({n} x {size >> 10} KiB)")
 
 

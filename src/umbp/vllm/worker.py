@@ -18,6 +18,7 @@ import torch
 
 from umbp.identity import RankCoord, object_key
 from umbp.pool import Arena
+from umbp.pool.psum import checksum
 from umbp.transfer import Handle, Moves, make_engine
 from umbp.vllm.config import ARENA_PAGE, UMBPConfig
 from umbp.vllm.layout import Layout
@@ -373,10 +374,13 @@ class WorkerSide:
         """On an I/O thread: every tier object, in one batched read per tier (the SSD tier reads them in
         parallel, the shared tier answers in one pipelined round trip; object by object, a restore waited
         for each in turn), checksum-verified by its tier, then promoted into its reserved DRAM slot when
-        it has one (only this load writes that slot). Returns (reads, the logical key of the first object
-        a tier did not return, or None)."""
+        it has one (only this load writes that slot). An object with a slot is read straight into it (no
+        second copy; aligned, so the SSD tier reads it with O_DIRECT in place) and then summed for the
+        slot's record. Returns (reads, the logical key of the first object a tier did not return, or
+        None)."""
         keys = [self.rank_key(group, move.prefix_hash) for group, move, _n in tier_moves]
-        datas = [torch.empty(nbytes, dtype=torch.uint8) for _g, _m, nbytes in tier_moves]
+        datas = [torch.from_numpy(self.arena.view(move.promote_offset, nbytes)) if move.promote_offset >= 0
+                 else torch.empty(nbytes, dtype=torch.uint8) for _g, move, nbytes in tier_moves]
         got = [False] * len(tier_moves)
         for source, tier in (("ssd", self.ssd), ("remote", self.remote)):
             idx = [i for i, (_g, move, _n) in enumerate(tier_moves) if move.source == source]
@@ -389,7 +393,7 @@ class WorkerSide:
             if not ok:
                 logger.warning("umbp: %s tier did not return %s; a miss", move.source, key)
                 return out, self._logical(group, move.prefix_hash)
-            digest = self.arena.write(move.promote_offset, data.numpy()) if move.promote_offset >= 0 else None
+            digest = checksum(data.numpy()) if move.promote_offset >= 0 else None
             out.append(TierRead(group, move, key, data, digest))
         return out, None
 
