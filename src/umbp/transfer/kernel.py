@@ -119,11 +119,13 @@ class KernelEngine(TransferEngine):
         self._last: dict[int, torch.cuda.Event | None] = {SAVE: None, LOAD: None}  # each direction's newest
 
     def warm_up(self, block: int, offset: int, verify: bool = True) -> None:
-        """Compile and load the kernel variants transfers use, and allocate the staging rings, before
-        serving: a variant first met mid-serving compiles (about a second with a cold Triton cache), and
-        loading its module waits for all of the GPU's queued work. For each group and both paths, a save
-        of `block` to the arena at `offset` and a load back, verified or not as the caller's loads are:
-        the pages get their own bytes back."""
+        """Compile and load the kernel variants transfers use before serving: a variant first met
+        mid-serving compiles (about a second with a cold Triton cache), and loading its module waits for
+        all of the GPU's queued work. For each group and both paths, a save of `block` to the arena at
+        `offset` and a load back, verified or not as the caller's loads are: the pages get their own
+        bytes back. The dma staging rings are let go again (the first dma transfer allocates them, as
+        before): held from start-up they would take ~0.5 GiB of GPU memory before vLLM captures its CUDA
+        graphs."""
         paths = self.save_path, self.load_path
         try:
             for path in ("zero-copy", "dma"):
@@ -133,6 +135,8 @@ class KernelEngine(TransferEngine):
                     self.load([Moves(g, [block], [offset], digests if verify else None)]).result()
         finally:
             self.save_path, self.load_path = paths
+            self.synchronize()
+            self._ring = {SAVE: [], LOAD: []}
 
     def synchronize(self) -> None:
         for s in (*(self.streams or ()), *(self.aux or ())):
