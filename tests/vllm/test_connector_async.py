@@ -308,3 +308,48 @@ def test_a_load_reads_its_tier_objects_in_one_call(tmp_path):
     assert h.leaks() == NO_LEAKS
     for w in h.workers:
         w.shutdown()
+
+
+class _LoadCounter:
+    """The worker's real engine; records the Moves count of each load() call and, with refuse_combined,
+    refuses a call that carries more than one load's objects (at most one Moves per group each)."""
+
+    def __init__(self, engine, groups: int, refuse_combined: bool = False):
+        self.engine, self.groups, self.refuse_combined = engine, groups, refuse_combined
+        self.calls: list[int] = []
+
+    def load(self, batch):
+        self.calls.append(len(batch))
+        if self.refuse_combined and len(batch) > self.groups:
+            raise OSError("injected: the combined load is refused")
+        return self.engine.load(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("refuse_combined", [False, True])
+def test_restores_started_in_one_step_share_one_engine_call(tmp_path, refuse_combined):
+    """Two requests restored from DRAM in the same step: one engine call for both loads (or, when the
+    engine refuses the combined call, one each), and each request holds exactly its own prefix."""
+    h = build(tmp_path, GROUPS, unit=16)
+    other = [7 + (i * 53) % 500 for i in range(840)]
+    assert compute_then_drop(h, "A1", PROMPT) == 832
+    assert compute_then_drop(h, "A2", other) == 832
+    counters = []
+    for w in h.workers:
+        w._worker.engine = _LoadCounter(w._worker.engine, len(GROUPS), refuse_combined)
+        counters.append(w._worker.engine)
+    h.add("B1", PROMPT, max_tokens=4)
+    h.add("B2", other, max_tokens=4)
+    h.step()
+    t0 = time.monotonic()
+    while "B1" in h.umbp.loads or "B2" in h.umbp.loads:
+        assert time.monotonic() - t0 < 30
+        h.step()
+    assert h.umbp.restored.get("B1") == 832 and h.umbp.restored.get("B2") == 832
+    assert h.held_values("B1", 832) == [] and h.held_values("B2", 832) == []
+    want = [2 * len(GROUPS), len(GROUPS), len(GROUPS)] if refuse_combined else [2 * len(GROUPS)]
+    assert all(c.calls == want for c in counters), [c.calls for c in counters]
+    h.run()
+    assert h.leaks() == NO_LEAKS
