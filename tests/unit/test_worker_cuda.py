@@ -249,3 +249,45 @@ def test_no_kernel_compiles_after_the_warm_up():
         w.take_worker_meta()
     assert sum(len(v[0]) for v in caches.values()) == warmed
     w.close()
+
+
+def test_loads_started_together_share_one_engine_call_and_restore_exactly(worker):
+    """Two restores started in one step: one engine call for both (each load's results sliced out of
+    it), every byte of each back in its own blocks."""
+    from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata
+
+    w, groups = worker
+    gen = torch.Generator(device="cuda").manual_seed(int(time.time()) + 7)
+    for s in _storages(groups):
+        s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8, device="cuda", generator=gen))
+    src = list(range(1, 9))
+    want = _objects(groups, src)
+    jobs, loads, slot = [], ({}, {}), 0
+    for g in sorted(groups):
+        nbytes = w.groups[g].object_bytes
+        moves = []
+        for k, b in enumerate(src):
+            h = bytes([g, b, 77]) * 8
+            moves.append(PageMove(b, slot * SLOT, nbytes, h))
+            loads[k % 2].setdefault(g, []).append(PageMove(12 + k, slot * SLOT, nbytes, h))
+            slot += 1
+        jobs.append(SaveJob(700 + len(jobs), g, moves))
+    w.save(UMBPConnectorMetadata(saves=jobs))
+    w.take_worker_meta()
+    w.take_worker_meta()
+    for s in _storages(groups):
+        s.fill_(0xA5)  # poison the destinations
+    calls, real = [], w.engine.load
+    w.engine.load = lambda batch: (calls.append(len(batch)), real(batch))[1]
+    w.load(UMBPConnectorMetadata(loads=[LoadJob("x0", loads[0]), LoadJob("x1", loads[1])]))
+    finished, deadline = set(), time.monotonic() + 30
+    while finished != {"x0", "x1"}:
+        assert time.monotonic() < deadline
+        more, failed = w.take_transfer_results()
+        assert not failed
+        finished |= more
+    assert calls == [2 * len(groups)]
+    back = _objects(groups, range(12, 20))
+    for g in groups:
+        for k, b in enumerate(src):
+            assert torch.equal(back[g, 12 + k], want[g, b]), f"group {g} block {b}"
