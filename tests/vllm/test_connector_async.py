@@ -38,18 +38,23 @@ def _ssd_engine_pair(tmp_path):
     return build(tmp_path, GROUPS, unit=16, extra=extra)
 
 
-def _gate_tier_reads(h) -> threading.Event:
-    """Tier reads block until the returned event is set (a slow disk), counted per call."""
-    gate = threading.Event()
+def _before_ssd(h, method: str, before) -> None:
+    """Every worker's SSD tier runs before(keys) first whenever `method` (get_into, put) is called."""
     for w in h.workers:
         tier = w._worker.ssd
-        real = tier.get_into
+        real = getattr(tier, method)
 
-        def slow(keys, buffers, real=real):
-            assert gate.wait(30), "test gate never opened"
-            return real(keys, buffers)
+        def wrapped(keys, *args, real=real, **kwargs):
+            before(keys)
+            return real(keys, *args, **kwargs)
 
-        tier.get_into = slow
+        setattr(tier, method, wrapped)
+
+
+def _gate_tier_reads(h) -> threading.Event:
+    """Tier reads block until the returned event is set (a slow disk)."""
+    gate = threading.Event()
+    _before_ssd(h, "get_into", lambda _keys: _wait(gate))
     return gate
 
 
@@ -57,18 +62,18 @@ def _gate_tier_writes(h, fail: bool = False) -> threading.Event:
     """SSD puts (made on each worker's feeder thread) block until the returned event is set (a slow
     copy into staging); with fail=True they then raise."""
     gate = threading.Event()
-    for w in h.workers:
-        tier = w._worker.ssd
-        real = tier.put
 
-        def slow(keys, buffers, checksums=None, real=real):
-            assert gate.wait(30), "test gate never opened"
-            if fail:
-                raise UmbpError("umbp: test: the SSD tier failed")
-            return real(keys, buffers, checksums=checksums)
+    def slow(_keys):
+        _wait(gate)
+        if fail:
+            raise UmbpError("umbp: test: the SSD tier failed")
 
-        tier.put = slow
+    _before_ssd(h, "put", slow)
     return gate
+
+
+def _wait(gate: threading.Event) -> None:
+    assert gate.wait(30), "test gate never opened"
 
 
 def _restore_in_engine_2(h, tmp_path, req_id):
@@ -218,31 +223,38 @@ def test_late_copies_are_confirmed_late_and_restore_exactly(tmp_path, tp):
     assert h.leaks() == NO_LEAKS
 
 
-class _CountingEngine:
-    """The worker's real engine; records the jobs of each save() call and fails every call that carries
-    a page of `failing_group` (None: no failures)."""
+class _WatchedEngine:
+    """The worker's real engine; records the groups of each save() and load() call's Moves, and refuses
+    the calls refuse(direction, groups) picks."""
 
-    def __init__(self, engine, failing_group: int | None = None):
-        self.engine, self.failing_group = engine, failing_group
-        self.calls: list[list[int]] = []  # per save() call, the groups of its Moves
+    def __init__(self, engine, refuse=lambda _direction, _groups: False):
+        self.engine, self.refuse = engine, refuse
+        self.calls: dict[str, list[list[int]]] = {"save": [], "load": []}
 
     def save(self, batch):
-        self.calls.append([m.group for m in batch])
-        if self.failing_group in self.calls[-1]:
-            raise OSError("injected: this group's pages cannot be copied")
-        return self.engine.save(batch)
+        return self._call("save", batch)
+
+    def load(self, batch):
+        return self._call("load", batch)
+
+    def _call(self, direction: str, batch):
+        groups = [m.group for m in batch]
+        self.calls[direction].append(groups)
+        if self.refuse(direction, groups):
+            raise OSError(f"injected: this {direction} is refused")
+        return getattr(self.engine, direction)(batch)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
 
 def _watch_saves(h, failing_group: int | None = None):
-    """Swap each worker's engine for a _CountingEngine; collect the jobs of each save() and each rank's
-    confirmed and failed job ids."""
+    """Swap each worker's engine for a _WatchedEngine (refusing every save that carries a page of
+    `failing_group`); collect the jobs of each save() and each rank's confirmed and failed job ids."""
     engines, jobs, saved, failed = [], [], set(), set()
     for w in h.workers:
         worker = w._worker
-        worker.engine = _CountingEngine(worker.engine, failing_group)
+        worker.engine = _WatchedEngine(worker.engine, lambda d, groups: d == "save" and failing_group in groups)
         engines.append(worker.engine)
         real_save, real_meta = worker.save, worker.take_worker_meta
 
@@ -267,7 +279,7 @@ def test_a_steps_save_jobs_share_one_engine_call_per_fence_kind(tmp_path):
     assert compute_then_drop(h, "A", PROMPT) == 832
     kinds = [len({j.fence for j in step}) for step in jobs if step]
     assert any(len(step) > n for step, n in zip([s for s in jobs if s], kinds))  # two jobs of one kind
-    calls = engines[0].calls
+    calls = engines[0].calls["save"]
     assert len(calls) == sum(kinds)  # one engine call per fence kind and step
     assert not failed and saved == {j.job_id for step in jobs for j in step}
     assert restore(h, "B", PROMPT) == (832, [])
@@ -281,7 +293,7 @@ def test_a_failing_job_does_not_fail_the_jobs_it_was_batched_with(tmp_path):
     engines, jobs, saved, failed = _watch_saves(h, failing_group=1)
     assert compute_then_drop(h, "A", PROMPT) == 832
     every = [j for step in jobs for j in step]
-    shared = [c for c in engines[0].calls if 1 in c and 0 in c]
+    shared = [c for c in engines[0].calls["save"] if 1 in c and 0 in c]
     assert shared  # a full-attention job was batched with a Mamba job
     assert failed == {j.job_id for j in every if j.group == 1}
     assert saved == {j.job_id for j in every if j.group == 0}
@@ -294,38 +306,12 @@ def test_a_load_reads_its_tier_objects_in_one_call(tmp_path):
     one round trip on the shared tier), not object by object, and still restores exactly."""
     h = _ssd_engine_pair(tmp_path)
     calls = []
-    for w in h.workers:
-        tier = w._worker.ssd
-        real = tier.get_into
-
-        def counted(keys, buffers, real=real):
-            calls.append(len(keys))
-            return real(keys, buffers)
-
-        tier.get_into = counted
+    _before_ssd(h, "get_into", lambda keys: calls.append(len(keys)))
     assert restore(h, "B", PROMPT) == (832, [])
     assert len(calls) == len(h.workers) and all(n >= 2 for n in calls), calls
     assert h.leaks() == NO_LEAKS
     for w in h.workers:
         w.shutdown()
-
-
-class _LoadCounter:
-    """The worker's real engine; records the Moves count of each load() call and, with refuse_combined,
-    refuses a call that carries more than one load's objects (at most one Moves per group each)."""
-
-    def __init__(self, engine, groups: int, refuse_combined: bool = False):
-        self.engine, self.groups, self.refuse_combined = engine, groups, refuse_combined
-        self.calls: list[int] = []
-
-    def load(self, batch):
-        self.calls.append(len(batch))
-        if self.refuse_combined and len(batch) > self.groups:
-            raise OSError("injected: the combined load is refused")
-        return self.engine.load(batch)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 @pytest.mark.parametrize("refuse_combined", [False, True])
@@ -337,8 +323,9 @@ def test_restores_started_in_one_step_share_one_engine_call(tmp_path, refuse_com
     assert compute_then_drop(h, "A1", PROMPT) == 832
     assert compute_then_drop(h, "A2", other) == 832
     counters = []
-    for w in h.workers:
-        w._worker.engine = _LoadCounter(w._worker.engine, len(GROUPS), refuse_combined)
+    for w in h.workers:  # a combined call carries more than one load's objects (one Moves per group each)
+        w._worker.engine = _WatchedEngine(
+            w._worker.engine, lambda d, groups: d == "load" and refuse_combined and len(groups) > len(GROUPS))
         counters.append(w._worker.engine)
     h.add("B1", PROMPT, max_tokens=4)
     h.add("B2", other, max_tokens=4)
@@ -350,6 +337,6 @@ def test_restores_started_in_one_step_share_one_engine_call(tmp_path, refuse_com
     assert h.umbp.restored.get("B1") == 832 and h.umbp.restored.get("B2") == 832
     assert h.held_values("B1", 832) == [] and h.held_values("B2", 832) == []
     want = [2 * len(GROUPS), len(GROUPS), len(GROUPS)] if refuse_combined else [2 * len(GROUPS)]
-    assert all(c.calls == want for c in counters), [c.calls for c in counters]
+    assert all([len(c) for c in e.calls["load"]] == want for e in counters), [e.calls for e in counters]
     h.run()
     assert h.leaks() == NO_LEAKS
