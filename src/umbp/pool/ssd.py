@@ -38,7 +38,7 @@ import time
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -60,6 +60,7 @@ from umbp.pool.ssd_format import (
     block_rows,
     entry_bytes,
     pack_header,
+    pack_header_at,
     pack_summary,
     pack_trailer,
     padded,
@@ -78,6 +79,7 @@ _PUT, _TOMB, _CLEAR = range(3)
 _OK, _MISS, _BAD, _IOERR = range(4)
 _MAX_BATCH_ITEMS = 512  # below IOV_MAX (1024) for one pwritev
 _SUM_RUN_BYTES = 1 << 20  # put: checksums of side-by-side small records taken this much at a time
+_WRITE_DEPTH = 2  # groups a directory's writer keeps in flight: the next one waits in the kernel
 _FATAL_ERRNOS = (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
 # The syscalls the tier's I/O goes through; module attributes so fault tests can replace them.
@@ -144,6 +146,21 @@ class _Item:
     nbytes: int = BLOCK  # bytes of its record on disk: npages * BLOCK for a put (read ~30 times a record)
 
 
+@dataclass(eq=False, slots=True)
+class _Write:
+    """A group of records on its way into a segment: planned at `offset`, written by an I/O thread while
+    the writer thread prepares the next group, so the disk is not idle while Python runs."""
+
+    seg: _Segment
+    group: list[_Item]
+    seqs: list[int]
+    offset: int
+    nbytes: int
+    ebytes: int
+    future: Future
+    tombs: np.ndarray | None = None  # the tombstones' header blocks, alive until written
+
+
 @dataclass(eq=False)
 class _Shard:
     """One directory: its lock, segments (oldest first), index, LRU, queue and writer thread."""
@@ -170,6 +187,8 @@ class _Shard:
     busy: bool = False
     failed: str = ""
     thread: threading.Thread | None = None
+    io: ThreadPoolExecutor | None = None  # runs the writes the writer thread plans (_WRITE_DEPTH at once)
+    inflight: deque[_Write] = field(default_factory=deque)  # oldest first; touched by the writer thread only
 
 
 def _parse_direct(direct_io: Any) -> bool | str:
@@ -238,6 +257,7 @@ class SsdTier(Pool):
         low_watermark: float = 0.8,
         max_io_bytes: int = 8 * MiB,
         io_threads: int = 2,
+        copy_threads: int = 2,
         track_evicted: bool = False,
         health_interval_s: float = 1.0,
         prefault: bool = True,
@@ -265,10 +285,14 @@ class SsdTier(Pool):
             raise OptionValueError(f"umbp: low_watermark must be in (0, 1], got {low_watermark!r}")
         self._low = float(low_watermark)
         self._io_threads = _check_int("io_threads", io_threads, 0)
+        self._copy_threads = _check_int("copy_threads", copy_threads, 1)
+        self._copy_pool = (ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="umbp-ssd-copy")
+                           if self._copy_threads > 1 else None)
         self._health_interval = float(health_interval_s)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._staging = aligned_buffer(self._queue_bytes, populate=prefault)
+        self._staging_view_all = memoryview(self._staging)
         self._alloc = PageAllocator(self._queue_bytes // BLOCK)
         self._local = threading.local()
         self._executor: ThreadPoolExecutor | None = None
@@ -293,6 +317,7 @@ class SsdTier(Pool):
             self._release_shards()
             raise
         for shard in self._shards:
+            shard.io = ThreadPoolExecutor(_WRITE_DEPTH, thread_name_prefix=f"umbp-ssd-io-{shard.number}")
             shard.thread = threading.Thread(target=self._writer, args=(shard,), daemon=True,
                                             name=f"umbp-ssd-writer-{shard.number}")
             shard.thread.start()
@@ -377,12 +402,13 @@ class SsdTier(Pool):
     def _route(self, key: str) -> _Shard:
         return self._shards[self._shard_number(key)]
 
-    def _index(self, shard: _Shard, key: str, loc: _Loc) -> None:
+    def _index(self, shard: _Shard, key: str, loc: _Loc, nbytes: int = 0) -> None:
+        """Index key at loc; nbytes, when known, is its record_bytes (saves the writer a call a record)."""
         shard.index[key] = loc
         if key not in shard.lru:  # a written put keeps the place it took when it was put
             shard.lru[key] = None
         loc.seg.live[key] = None
-        shard.live_bytes += record_bytes(loc.length)
+        shard.live_bytes += nbytes or record_bytes(loc.length)
         shard.stored_bytes += loc.length
 
     def _unindex(self, shard: _Shard, key: str, gone: bool) -> _Loc | None:
@@ -524,32 +550,65 @@ class SsdTier(Pool):
         return staged
 
     def _copy_in(self, staged: list[tuple[int, _Item]], srcs: list[np.ndarray]) -> None:
-        """Copy each staged object into its record image and take its psum64. Records of one small size
-        that sit side by side are summed ~1 MiB at a time, in one reduction over their blocks and one
-        matrix product (psums_of_records, the read path's), instead of a numpy call chain per object:
-        the interpreter time per 64 KiB object is what bounds small-object writes (docs/ssd.md)."""
+        """Copy each staged object into its record image and take its psum64, split across copy_threads
+        (the caller and its helpers) when the batch holds more than one run: a put's time is mostly
+        memcpy and summing, which release the GIL, and one core's copy + checksum is what bounded
+        small-object writes (docs/ssd.md). Returns once every copy has finished, also when one raised."""
+        runs = self._sum_runs(staged)
+        total = sum(it.nbytes for _i, it in staged)
+        if self._copy_pool is None or len(runs) < 2 or total < 2 * _SUM_RUN_BYTES:
+            for i, j in runs:
+                self._copy_run(staged, srcs, i, j)
+            return
+        per = -(-len(runs) // self._copy_threads)
+        shares = [runs[k : k + per] for k in range(0, len(runs), per)]
+
+        def work(share: list[tuple[int, int]]) -> None:
+            for i, j in share:
+                self._copy_run(staged, srcs, i, j)
+
+        futures = [self._copy_pool.submit(work, share) for share in shares[1:]]
+        try:
+            work(shares[0])
+        finally:
+            wait(futures)
+        for f in futures:
+            f.result()
+
+    def _sum_runs(self, staged: list[tuple[int, _Item]]) -> list[tuple[int, int]]:
+        """[i, j) ranges of staged items summed together: records of one size that sit side by side in
+        staging, up to ~1 MiB (see _copy_run); any other item is a range of its own."""
+        runs = []
         i = 0
         while i < len(staged):
             it = staged[i][1]
-            n = it.length
             j = i + 1
             limit = i + max(1, _SUM_RUN_BYTES // it.nbytes)
-            while (j < len(staged) and j < limit and staged[j][1].length == n
+            while (j < len(staged) and j < limit and staged[j][1].length == it.length
                    and staged[j][1].start == staged[j - 1][1].start + it.npages):
                 j += 1
-            for k, item in staged[i:j]:
-                region = self._staging_view(item)
-                if j - i == 1:
-                    item.checksum = copy_with_checksum(region[BLOCK : BLOCK + n], srcs[k], to_region=True)
-                else:
-                    np.copyto(region[BLOCK : BLOCK + n], srcs[k])
-                if n % BLOCK:
-                    region[BLOCK + n :] = 0
-            if j - i > 1:
-                run = self._staging[it.start * BLOCK : (it.start + (j - i) * it.npages) * BLOCK]
-                for (_k, item), digest in zip(staged[i:j], psums_of_records(block_rows(run), j - i, n), strict=True):
-                    item.checksum = digest
+            runs.append((i, j))
             i = j
+        return runs
+
+    def _copy_run(self, staged: list[tuple[int, _Item]], srcs: list[np.ndarray], i: int, j: int) -> None:
+        """Copy items [i, j) in. Several side-by-side records are summed in one reduction over their
+        blocks and one matrix product (psums_of_records, the read path's), instead of a numpy call chain
+        per object: the interpreter time per 64 KiB object matters here."""
+        it = staged[i][1]
+        n = it.length
+        for k, item in staged[i:j]:
+            region = self._staging_view(item)
+            if j - i == 1:
+                item.checksum = copy_with_checksum(region[BLOCK : BLOCK + n], srcs[k], to_region=True)
+            else:
+                np.copyto(region[BLOCK : BLOCK + n], srcs[k])
+            if n % BLOCK:
+                region[BLOCK + n :] = 0
+        if j - i > 1:
+            run = self._staging[it.start * BLOCK : (it.start + (j - i) * it.npages) * BLOCK]
+            for (_k, item), digest in zip(staged[i:j], psums_of_records(block_rows(run), j - i, n), strict=True):
+                item.checksum = digest
 
     def _enqueue_staged(self, staged: list[tuple[int, _Item]], checksums: Sequence[int] | None,
                         out: list[bool]) -> None:
@@ -734,6 +793,11 @@ class SsdTier(Pool):
                     stuck, s.queue = list(s.queue), deque()
                 self._drop(s, stuck, "dropped_write_error")
             log.error("umbp: SSD writers did not finish within %ss; queued writes dropped", timeout)
+            for s in self._shards:
+                if s.io is not None:
+                    s.io.shutdown(wait=False)
+            if self._copy_pool is not None:
+                self._copy_pool.shutdown(wait=False)
             self._closed = True
             return False
         for s in self._shards:
@@ -741,6 +805,11 @@ class SsdTier(Pool):
                 self._seal(s, s.active)
         if self._executor is not None:
             self._executor.shutdown()
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown()
+        for s in self._shards:
+            if s.io is not None:
+                s.io.shutdown()
         self._release_shards()
         self._closed = True
         return True
@@ -1004,25 +1073,30 @@ class SsdTier(Pool):
         next_check = time.monotonic() + self._health_interval
         while True:
             with self._lock:
-                while not shard.queue and not self._stopping and time.monotonic() < next_check:
+                while (not shard.queue and not shard.inflight and not self._stopping
+                       and time.monotonic() < next_check):
                     shard.cv.wait(max(next_check - time.monotonic(), 0.001))
-                if not shard.queue and self._stopping:
+                if not shard.queue and not shard.inflight and self._stopping:
                     return
                 batch = self._take_batch(shard)
-                shard.busy = bool(batch)
+                shard.busy = True
             try:
                 if batch:
                     self._write_batch(shard, batch)
+                else:  # nothing new to overlap with: land what is in flight
+                    self._settle(shard)
                 if time.monotonic() >= next_check:
+                    self._settle(shard)
                     self._health_check(shard)
                     next_check = time.monotonic() + self._health_interval
             except Exception as exc:  # the writer must never die: fail the directory, keep serving reads
                 log.exception("umbp: SSD writer for %s failed", shard.directory)
                 self._fail(shard, f"writer error: {exc!r}")
+                self._abandon(shard)
                 self._drop(shard, batch, "dropped_write_error")
             finally:
                 with self._lock:
-                    shard.busy = False
+                    shard.busy = bool(shard.inflight)
                     self._idle.notify_all()
 
     def _take_batch(self, shard: _Shard) -> list[_Item]:
@@ -1049,6 +1123,7 @@ class SsdTier(Pool):
 
     def _write_batch(self, shard: _Shard, batch: list[_Item]) -> None:
         if batch[0].kind == _CLEAR:
+            self._settle(shard)
             for seg in list(shard.segments):
                 self._delete_segment(shard, seg)
             batch[0].done.set()
@@ -1065,6 +1140,27 @@ class SsdTier(Pool):
     def _fits_active(self, shard: _Shard, nbytes: int) -> bool:
         seg = shard.active
         return seg is not None and (seg.size == 0 or seg.size + nbytes <= self._segment_bytes)
+
+    def _plan_ahead(self, shard: _Shard, nbytes: int, ebytes: int) -> tuple[_Segment, int] | None:
+        """(segment, offset) for a group appended behind the writes in flight, without waiting for them;
+        None when the append needs the exact state (space to reclaim, no active segment, a failure), and
+        the caller then settles first. A group that overflows the active segment opens the next one here;
+        the full one is sealed once its last write lands (_submit)."""
+        seg = shard.active
+        if seg is None or shard.failed:
+            return None
+        ahead = sum(w.nbytes + w.ebytes for w in shard.inflight) + BLOCK  # covers their growth of the seal
+        if shard.footprint + ahead + nbytes + seal_bytes(ebytes) + ebytes > shard.limit - self._reserve:
+            return None
+        tail = seg.size + sum(w.nbytes for w in shard.inflight if w.seg is seg)
+        if tail == 0 or tail + nbytes <= self._segment_bytes:
+            return seg, tail
+        full = seg
+        seg = self._new_segment(shard)  # becomes the active one
+        if seg is None:
+            return None
+        self._seal_if_left(shard, full)  # now, unless writes to it are still in flight
+        return seg, 0
 
     def _next_group(self, shard: _Shard, batch: list[_Item], i: int) -> list[_Item]:
         """The items from i on that go into one segment: the active one if the first fits, else a new one."""
@@ -1095,6 +1191,24 @@ class SsdTier(Pool):
     def _write_group(self, shard: _Shard, group: list[_Item]) -> None:
         total = sum(it.nbytes for it in group)
         ebytes = sum(entry_bytes(it.key_bytes) for it in group)
+        planned = self._plan_ahead(shard, total, ebytes)
+        if planned is None:
+            self._settle(shard)
+            seg = self._place(shard, group, total, ebytes)
+            if seg is None:
+                return
+            planned = seg, seg.size
+        seg, offset = planned
+        with self._lock:
+            seqs = list(range(shard.next_seq, shard.next_seq + len(group)))
+            shard.next_seq += len(group)
+        iov, tombs = self._images(group, seqs)
+        self._submit(shard, _Write(seg, group, seqs, offset, total, ebytes,
+                                   shard.io.submit(self._pwrite, shard, seg, iov, offset), tombs))
+
+    def _place(self, shard: _Shard, group: list[_Item], total: int, ebytes: int) -> _Segment | None:
+        """The segment for a group once nothing is in flight: reclaim space first if needed; None (the
+        group dropped, counted) when there is no room or no segment can be opened."""
         # Reclaim until the append leaves the cleaning reserve free (copy-forward writes into it). Each
         # round deletes one segment; a bound of one pass over the log keeps a pathological case finite.
         for _ in range(len(shard.segments) + 1):
@@ -1108,22 +1222,97 @@ class SsdTier(Pool):
         seg = self._segment_for(shard, total)
         if seg is None:
             self._drop(shard, group, "dropped_failed" if shard.failed else "dropped_write_error")
-            return
-        with self._lock:
-            seqs = list(range(shard.next_seq, shard.next_seq + len(group)))
-            shard.next_seq += len(group)
-        iov, t = [], 0
+        return seg
+
+    def _images(self, group: list[_Item], seqs: list[int]) -> tuple[list[memoryview], np.ndarray | None]:
+        """The group's record images with their headers packed, as few buffers as possible (records
+        staged side by side go as one): a put's image is its staging, a tombstone's header gets a block
+        of its own (the group's, as the write may outlive this call)."""
+        ntombs = sum(it.kind != _PUT for it in group)
+        tombs = aligned_buffer(ntombs * BLOCK, populate=False) if ntombs else None
+        tview = memoryview(tombs) if ntombs else None
+        staging = self._staging_view_all
+        spans: list[tuple[memoryview, int, int]] = []  # (buffer, start, end), merged while adjacent
+        t = 0
         for it, seq in zip(group, seqs, strict=True):
             if it.kind == _PUT:
-                image = self._staging_view(it)
-                pack_header(image[:BLOCK], it.key_bytes, DATA, seq, it.length, it.checksum)
+                buf, lo = staging, it.start * BLOCK
+                pack_header_at(buf, lo, it.key_bytes, DATA, seq, it.length, it.checksum)
             else:
-                image = shard.scratch[t * BLOCK : (t + 1) * BLOCK]
+                buf, lo = tview, t * BLOCK
                 t += 1
-                pack_header(image, it.key_bytes, TOMBSTONE, seq, 0, 0)
-            iov.append(image)
-        written = self._pwrite(shard, seg, iov, seg.size)
-        self._commit(shard, seg, group, seqs, written)
+                pack_header_at(buf, lo, it.key_bytes, TOMBSTONE, seq, 0, 0)
+            hi = lo + it.nbytes
+            if spans and spans[-1][0] is buf and spans[-1][2] == lo:
+                spans[-1] = (buf, spans[-1][1], hi)
+            else:
+                spans.append((buf, lo, hi))
+        return [buf[lo:hi] for buf, lo, hi in spans], tombs
+
+    def _submit(self, shard: _Shard, w: _Write) -> None:
+        """Queue a planned write; then land the older ones, keeping _WRITE_DEPTH - 1 in flight while the
+        writer prepares the next group. A segment the new write left behind is sealed once its writes
+        have landed."""
+        shard.inflight.append(w)
+        self._settle(shard, keep=_WRITE_DEPTH - 1)
+
+    def _settle(self, shard: _Shard, keep: int = 0) -> None:
+        """Land the oldest writes in flight until `keep` are left: index what reached the file. After a
+        short or failed write, the later writes to that segment are dropped and the file cut back to its
+        valid end, so the next append lands right behind the last good record and no record follows a
+        hole. Segments with no write left in flight that are no longer active get sealed."""
+        while len(shard.inflight) > keep:
+            w = shard.inflight.popleft()
+            written = self._result(w)
+            with self._lock:
+                short = w.offset != w.seg.size
+            self._commit(shard, w.seg, w.group, w.seqs, 0 if short else written)
+            if short or written < w.nbytes:
+                self._cut_back(shard, w.seg)
+            self._seal_if_left(shard, w.seg)
+
+    def _cut_back(self, shard: _Shard, seg: _Segment) -> None:
+        """After a write to seg fell short: drop its later writes (waited for, never indexed) and cut the
+        file to the last good record."""
+        later = [w for w in shard.inflight if w.seg is seg]
+        for w in later:
+            self._result(w)
+            shard.inflight.remove(w)
+            self._drop(shard, w.group, "dropped_write_error")
+        self._cut_file(seg)
+
+    def _seal_if_left(self, shard: _Shard, seg: _Segment) -> None:
+        if seg is not shard.active and not seg.sealed and not seg.dead and all(w.seg is not seg for w in shard.inflight):
+            self._seal(shard, seg)
+
+    @staticmethod
+    def _result(w: _Write) -> int:
+        try:
+            return w.future.result()
+        except Exception:  # _pwrite counts OSErrors; anything else means nothing is known to be written
+            log.exception("umbp: SSD write to %s failed", w.seg.path)
+            return 0
+
+    def _abandon(self, shard: _Shard) -> None:
+        """After a writer error: wait for the writes in flight, drop them unindexed (counted) and cut their
+        segments back to the last indexed record, so a restart does not find them either."""
+        segs = {}
+        while shard.inflight:
+            w = shard.inflight.popleft()
+            self._result(w)
+            self._drop(shard, w.group, "dropped_write_error")
+            segs[w.seg.number] = w.seg
+        for seg in segs.values():
+            self._cut_file(seg)
+
+    @staticmethod
+    def _cut_file(seg: _Segment) -> None:
+        """Truncate seg's file to its indexed size: bytes of dropped writes beyond it must not be found
+        by a restart's walk (the next append overwrites them only if it is at least as long)."""
+        try:
+            os.ftruncate(seg.fd, seg.size)
+        except OSError as exc:
+            log.warning("umbp: cannot cut %s back to %d bytes: %s", seg.path, seg.size, exc)
 
     def _pwrite(self, shard: _Shard, seg: _Segment, iov: list[np.ndarray], offset: int) -> int:
         """Bytes written (a short count on a partial write); 0 after an error, which is counted."""
@@ -1154,26 +1343,36 @@ class SsdTier(Pool):
         under the lock for every record written, so counters and staging frees go once per group."""
         c = self._counters
         runs: list[tuple[int, int]] = []
+        entries, number, index, staged, lru = seg.entries, seg.number, shard.index, shard.staged, shard.lru
         with self._lock:
             base, pos, records, nbytes, tombs, ebytes = seg.size, 0, 0, 0, 0, 0
             for it, seq in zip(group, seqs, strict=True):
+                offset = base + pos
                 pos += it.nbytes
                 put = it.kind == _PUT
                 if pos <= written:
-                    info = RecordInfo(seg.number, base + pos - it.nbytes, it.length, it.checksum, seq,
-                                      DATA if put else TOMBSTONE)
-                    seg.entries.append((it.key, info))
+                    entries.append((it.key, RecordInfo(number, offset, it.length, it.checksum, seq,
+                                                       DATA if put else TOMBSTONE)))
                     ebytes += entry_bytes(it.key_bytes)
                     records, nbytes, tombs = records + 1, nbytes + it.nbytes, tombs + (not put)
                     if put and not it.cancelled:
-                        self._unindex(shard, it.key, gone=False)
-                        self._index(shard, it.key, _Loc(seg, info.offset, it.length, it.checksum))
+                        if it.key in index:
+                            self._unindex(shard, it.key, gone=False)
+                        self._index(shard, it.key, _Loc(seg, offset, it.length, it.checksum), it.nbytes)
                 elif put and not it.cancelled:
                     c["dropped_write_error"] += 1
                     if self._track_evicted:
                         self._evicted.append(it.key)
-                if put:
-                    self._finish(shard, it, runs)
+                if put:  # _finish, inline: this loop runs once per record written
+                    key = it.key
+                    if staged.get(key) is it:
+                        del staged[key]
+                    if key not in index and key not in staged:  # never made it to disk
+                        lru.pop(key, None)
+                    it.state = DONE
+                    if it.pins == 0 and it.start >= 0:
+                        runs.append((it.start, it.npages))
+                        it.start = -1
             seg.size = base + nbytes
             seg.entry_bytes += ebytes
             c["records_written"] += records

@@ -28,6 +28,7 @@ import re
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -92,15 +93,7 @@ class Header:
 _HEAD = struct.Struct("<8sHHHHQQQ")  # the header's first 40 bytes: all but the crc and the pad
 _CRC = struct.Struct("<I")
 _PAD = b"\0" * (_HEADER.size - _CRC_AT - 4)  # the header's zero pad after the crc, which the crc covers
-_ZEROS = bytes(BLOCK)
-
-
-def header_bytes(key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> bytes:
-    """The meaningful prefix of a header block (the rest of the block is zeros). Built from bytes in a
-    few calls: the writer packs one per record, on its hot path."""
-    head = _HEAD.pack(MAGIC, VERSION, flags, len(key_bytes), 0, seq, length, checksum)
-    tail = _PAD + key_bytes
-    return head + _CRC.pack(_header_crc(head, tail)) + tail
+_ZEROS = memoryview(bytes(BLOCK))  # sliced, not copied: pack_header zeroes up to 4 KiB per record
 
 
 def _header_crc(head: bytes, tail: bytes) -> int:
@@ -111,11 +104,19 @@ def _header_crc(head: bytes, tail: bytes) -> int:
 
 def pack_header(block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> None:
     """Write a header into `block` (a writable, contiguous 4 KiB uint8 view), zeroing the rest of the block."""
-    raw = header_bytes(key_bytes, flags, seq, length, checksum)
+    pack_header_at(memoryview(block), 0, key_bytes, flags, seq, length, checksum)
+
+
+def pack_header_at(view: memoryview, at: int, key_bytes: bytes, flags: int, seq: int, length: int,
+                   checksum: int) -> None:
+    """pack_header into the 4 KiB at byte `at` of a writable byte view: the writer's per-record form
+    (buffer copies, no numpy slice: ~1.3 us a record instead of ~3.5)."""
+    head = _HEAD.pack(MAGIC, VERSION, flags, len(key_bytes), 0, seq, length, checksum)
+    tail = _PAD + key_bytes
+    raw = head + _CRC.pack(_header_crc(head, tail)) + tail
     n = len(raw)
-    view = memoryview(block)  # buffer copies: ~2x cheaper than numpy slice assignment for 4 KiB
-    view[:n] = raw
-    view[n:BLOCK] = _ZEROS[n:]
+    view[at : at + n] = raw
+    view[at + n : at + BLOCK] = _ZEROS[n:]
 
 
 def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
@@ -164,9 +165,9 @@ def psums_of_records(rows: np.ndarray, count: int, length: int) -> list[int]:
 # ---- summaries and trailers ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class RecordInfo:
-    """Where one record lives: segment number, offset of its header, payload length and psum64, seq."""
+class RecordInfo(NamedTuple):
+    """Where one record lives: segment number, offset of its header, payload length and psum64, seq.
+    A NamedTuple: the writer makes one per record written, and a frozen dataclass costs ~5x more."""
 
     segment: int
     offset: int

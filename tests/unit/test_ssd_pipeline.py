@@ -1,0 +1,182 @@
+"""The SSD writer keeps a write in flight while it prepares the next group (and puts copy in parallel):
+the disk is never idle while Python runs, yet the log keeps its invariants — records land in order, a
+short write takes the writes queued behind it with it and leaves no record after a hole, and a full
+segment is sealed once its last write has landed."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import umbp.pool.ssd as ssd_mod
+from umbp.pool.errors import OptionValueError
+from umbp.pool.ssd import SsdTier
+from umbp.pool.ssd_format import record_bytes, scan
+
+KiB, MiB = 1024, 1 << 20
+OBJ = 60 * KiB  # a 64 KiB record: with max_io_bytes=64 KiB every write carries one record
+
+
+def _blob(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _served(tier: SsdTier, blobs: dict[str, np.ndarray]) -> list[str]:
+    """Keys served; asserts every one served is byte-exact."""
+    out = []
+    for k, v in blobs.items():
+        buf = np.empty(v.size, np.uint8)
+        if tier.get_into([k], [buf])[0]:
+            assert np.array_equal(buf, v), k
+            out.append(k)
+    return out
+
+
+def _until(cond, timeout=10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_writes_overlap_two_at_a_time(tmp_path, monkeypatch):
+    """While one write is in the kernel, the next one is already queued behind it."""
+    real, lock = ssd_mod._pwritev, threading.Lock()
+    now, peak = [0], [0]
+
+    def pwritev(fd, iov, off):
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        time.sleep(0.01)  # a slow disk: the writer prepares the next group meanwhile
+        try:
+            return real(fd, iov, off)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    blobs = {f"k{i}": _blob(OBJ, i) for i in range(12)}
+    with SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB) as tier:
+        assert all(tier.put(list(blobs), list(blobs.values())))
+        assert tier.flush(timeout=30)
+        assert peak[0] == ssd_mod._WRITE_DEPTH == 2
+        assert sorted(_served(tier, blobs)) == sorted(blobs)
+    with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:  # a restart finds them all
+        assert sorted(_served(tier, blobs)) == sorted(blobs)
+
+
+def test_a_short_write_drops_the_write_behind_it_and_leaves_no_record_after_the_hole(tmp_path, monkeypatch):
+    """Write A stalls and then falls short; write B, queued behind it, completes first. B must not be
+    indexed, and its bytes must not survive past the hole where a restart would find them."""
+    real = ssd_mod._pwritev
+    gate, calls = threading.Event(), []
+
+    def pwritev(fd, iov, off):
+        calls.append(off)
+        if len(calls) == 1:  # A: wait until B has been written, then write only half
+            gate.wait(10)
+            return real(fd, [memoryview(iov[0])[: OBJ // 2]], off)
+        return real(fd, iov, off)
+
+    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    blobs = {k: _blob(OBJ, i) for i, k in enumerate(("a", "b", "c"))}
+    tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
+                   direct_io=False)
+    try:
+        assert tier.put(list(blobs), list(blobs.values())) == [True] * 3
+        assert _until(lambda: len(calls) >= 2)  # B was written while A still hung
+        time.sleep(0.05)
+        gate.set()
+        assert tier.flush(timeout=30)
+        s = tier.stats()
+        assert s["dropped_write_error"] == 2 and tier.exists(["a", "b"]) == [False, False]
+        assert _served(tier, blobs) == ["c"]
+        assert calls == [0, record_bytes(OBJ), 0]  # c went where a's record should have been
+        seg = scan(str(tmp_path)).segments[-1]
+        assert seg.size == record_bytes(OBJ)  # cut back: nothing of b is left behind c
+    finally:
+        tier.close()
+    with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
+        assert _served(tier, blobs) == ["c"]  # b is not resurrected by a restart
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_a_segment_is_sealed_once_its_last_write_lands(tmp_path, monkeypatch, in_flight):
+    """Rolling over to a new segment while the old one's last write is in flight (a slow disk), or with
+    nothing in flight (a flush after every put): the old one is sealed once its writes have landed (its
+    summary lists them), not before and not never."""
+    real = ssd_mod._pwritev
+    if in_flight:
+        monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (time.sleep(0.005), real(*a))[1])
+    blobs = {f"k{i}": _blob(OBJ, i) for i in range(14)}
+    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
+                 segment_bytes=256 * KiB) as tier:
+        for k, v in blobs.items():
+            assert tier.put([k], [v]) == [True]
+            if not in_flight:
+                assert tier.flush(timeout=30)
+        assert tier.flush(timeout=30)
+        segs = scan(str(tmp_path)).segments
+        assert len(segs) == 4 and [s.sealed for s in segs] == [True, True, True, False]
+        listed = [k for s in segs[:3] for k, _ in s.records]
+        assert listed == [f"k{i}" for i in range(12)]  # each summary lists its 4 records, in order
+        assert sorted(_served(tier, blobs)) == sorted(blobs)
+    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB) as tier:
+        assert sorted(_served(tier, blobs)) == sorted(blobs)
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_parallel_put_copies_store_exact_bytes(tmp_path, copy_threads):
+    """A put big enough to be split across copy threads (mixed sizes, so several kinds of runs) stores
+    every object exactly, checksums included: a restart verifies each one on read."""
+    sizes = [64 * KiB] * 40 + [300 * KiB, 5000, 64 * KiB + 1] * 4
+    blobs = {f"k{i}": _blob(n, i) for i, n in enumerate(sizes)}
+    with SsdTier(str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads) as tier:
+        assert all(tier.put(list(blobs), list(blobs.values())))
+        assert sorted(_served(tier, blobs)) == sorted(blobs)  # from staging or disk
+        assert tier.flush(timeout=30)
+    with SsdTier(str(tmp_path), capacity_bytes=64 * MiB) as tier:
+        assert sorted(_served(tier, blobs)) == sorted(blobs)
+        assert tier.stats()["checksum_failures"] == 0
+
+
+def test_copy_threads_must_be_positive(tmp_path):
+    with pytest.raises(OptionValueError, match="copy_threads"):
+        SsdTier(str(tmp_path), capacity_bytes=16 * MiB, copy_threads=0)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("seg-")]
+
+
+def test_a_writer_error_with_a_write_in_flight_drops_it_everywhere(tmp_path, monkeypatch):
+    """An unexpected error while the writer prepares a group, with the previous group still in flight:
+    the directory is failed (reads go on), and the in-flight write is dropped in memory and cut off the
+    file, so a restart does not serve what this process reported as dropped."""
+    early = _blob(OBJ, 99)
+    blobs = {k: _blob(OBJ, i) for i, k in enumerate(("a", "b", "c"))}
+    tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
+                   direct_io=False)
+    try:
+        assert tier.put(["early"], [early]) == [True] and tier.flush(timeout=30)
+        real_images, real_pwritev, calls = tier._images, ssd_mod._pwritev, []
+
+        def images(group, seqs):
+            calls.append(group[0].key)
+            if len(calls) == 2:  # "a" is in flight now
+                raise RuntimeError("injected")
+            return real_images(group, seqs)
+
+        monkeypatch.setattr(tier, "_images", images)
+        monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (time.sleep(0.05), real_pwritev(*a))[1])
+        assert tier.put(list(blobs), list(blobs.values())) == [True] * 3
+        assert tier.flush(timeout=30)
+        s = tier.stats()
+        assert s["failed_dirs"] and s["dropped_write_error"] + s["dropped_failed"] == 3
+        assert _served(tier, {"early": early, **blobs}) == ["early"]
+    finally:
+        tier.close()
+    with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
+        assert _served(tier, {"early": early, **blobs}) == ["early"]
