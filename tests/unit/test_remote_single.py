@@ -388,6 +388,30 @@ def test_dram_evictions_demote_to_the_shared_tier_through_its_queue(tier):
         assert pool.get_into([k], [out]) == [True] and np.array_equal(out, v), k
 
 
+def test_put_async_reuses_its_queue_memory_without_mixing_objects(server):
+    """put_async copies into one reused arena: pages go back only once their object was sent, so with a
+    queue far smaller than the data, objects copied into recycled pages while the writer is still sending
+    older ones all arrive intact (or are refused, counted), and the arena ends up whole again."""
+    t = RedisTier(RemoteConfig.from_options({"url": server.url, "write_queue_bytes": 1 << 20, "timeout_s": 5}))
+    rng = np.random.default_rng(7)
+    sent: dict[str, np.ndarray] = {}
+    refused = []
+    for r in range(12):
+        batch = {f"arena{r}-{i}": blob(int(rng.integers(1, 300_000)), 1000 * r + i) for i in range(6)}
+        for k, ok in zip(batch, t.put_async(list(batch), list(batch.values())), strict=True):
+            (sent.__setitem__(k, batch[k]) if ok else refused.append(k))
+    assert t.flush(10)
+    assert len(sent) > 12 and t.stats()["puts_dropped_queue_full"] == len(refused)
+    for k, v in sent.items():
+        out = np.empty(v.size, np.uint8)
+        assert t.get_into([k], [out]) == [True] and np.array_equal(out, v), k
+    assert t.exists(refused) == [False] * len(refused)
+    pages = t._writer._pages
+    assert pages.free_pages == pages.npages == (1 << 20) // 4096  # every page given back
+    t.clear()
+    t.close()
+
+
 def test_put_async_full_queue_drops_and_counts(server):
     t = RedisTier(RemoteConfig.from_options({"url": server.url, "write_queue_bytes": 100_000, "timeout_s": 5}))
     server.pause(0.5)  # the writer's SETs wait: the queue cannot drain

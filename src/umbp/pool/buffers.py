@@ -4,6 +4,7 @@ copy would lose the data), so layouts that need one are rejected with a clear er
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,3 +73,10 @@ def prepare_buffers(op: str, keys: Sequence[str], buffers: Sequence[Any], writab
         )
     what = "destination buffer" if writable else "source buffer"
     return [as_u8(b, key=k, what=what, writable=writable) for k, b in zip(keys, buffers, strict=True)]
+
+
+def aligned_buffer(nbytes: int, populate: bool = True) -> np.ndarray:
+    """A page-aligned uint8 buffer (anonymous mmap): O_DIRECT needs aligned memory. populate=True maps
+    every page up front (MAP_POPULATE), so the hot path never pays a page fault (~5 us per 4 KiB)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=flags), np.uint8)[:nbytes]
