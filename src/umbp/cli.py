@@ -63,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_import_error", None):
         print(f"umbp {args.command}: cannot import its module: {args._import_error}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(args._module).run(args) or 0)
+    mod = importlib.import_module(args._module)
+    if getattr(args, "out", None):
+        from umbp.tools.benchutil import check_output
+
+        name = " ".join(p for p in (args.command, getattr(args, "subcommand", None)) if p)
+        check_output(f"umbp {name}", args.out, directory=getattr(mod, "OUT_IS_DIR", False))
+    return int(mod.run(args) or 0)
 
 
 if __name__ == "__main__":

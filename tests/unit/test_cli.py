@@ -31,3 +31,34 @@ def test_explain_names_the_missing_boundary_page(capsys):
 def test_explain_rejects_bad_groups():
     with pytest.raises(SystemExit, match="bad group"):
         main(["explain", "--groups", "full", "--unit", "16", "--max-tokens", "10"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "pool", "--quick", "--out", "{file}/bench.json"],
+    ["replay", "--out", "{file}/replay"],
+    ["demo", "--out", "{file}/sub/demo.json"],
+])
+def test_an_unwritable_out_fails_at_once_with_one_message(tmp_path, argv):
+    """Before any work (the demo would load vLLM, a bench would run for minutes): a --out below a file."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [a.replace("{file}", str(blocker)) for a in argv]
+    with pytest.raises(SystemExit, match=r"cannot write --out .*is a file, not a folder; pass --out"):
+        main(argv)
+
+
+def test_bench_ssd_names_an_unusable_dir(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match=r"umbp bench ssd: cannot use --dir .*a-file/x: Not a directory; pass --dir"):
+        main(["bench", "ssd", "--quick", "--dir", str(blocker / "x"), "--out", str(tmp_path / "o.json")])
+
+
+def test_bench_remote_names_an_unreachable_url(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a free port: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=rf"umbp bench remote: cannot reach redis://127.0.0.1:{port}/0; start"):
+        main(["bench", "remote", "--quick", "--url", f"redis://127.0.0.1:{port}/0", "--out", str(tmp_path / "o.json")])

@@ -307,7 +307,14 @@ def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedi
     has_rb = shutil.which("redis-benchmark") is not None and server is not None and not args.no_redis_benchmark
     cfg.update(url=url if not rc.password else "<url with password>", server="started by the bench"
                if server else "given by --url", redis_benchmark=(ep.host, ep.port) if has_rb else None)
-    return RedisTier(rc), server
+    tier = RedisTier(rc)
+    if not tier.ping():
+        tier.close()
+        if server is not None:
+            server.stop()
+        raise SystemExit(f"umbp bench remote: cannot reach {cfg['url']}; start that server, fix --url, or leave "
+                         "--url out to let the bench start its own redis-server")
+    return tier, server
 
 
 def run(args: argparse.Namespace) -> int:

@@ -76,16 +76,21 @@ class _Bench:
         self.dst = aligned_buffer(ws)
         self.dst.fill(1)  # prefault: no side pays page faults in the timed passes
         self.root = Path(cfg["dir"])
-        self.root.mkdir(parents=True, exist_ok=True)
         self.seq_path = self.root / "baseline.tmp"
-        self.direct = self._probe_direct(cfg["direct_io"])
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.direct = self._probe_direct(cfg["direct_io"])
+        except OSError as exc:
+            raise SystemExit(f"umbp bench ssd: cannot use --dir {cfg['dir']}: {exc.strerror or exc}; pass --dir "
+                             "with a writable folder on the disk to measure") from None
         cfg["direct_io_used"] = self.direct
 
     def _probe_direct(self, mode: str) -> bool:
+        os.close(os.open(self.seq_path, os.O_WRONLY | os.O_CREAT, 0o644))  # OSError: --dir is not writable
         if mode == "false":
             return False
         try:
-            fd = os.open(self.seq_path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+            fd = os.open(self.seq_path, os.O_WRONLY | os.O_DIRECT)
         except OSError:
             if mode == "true":
                 raise SystemExit(f"umbp bench ssd: O_DIRECT is not supported in {self.root}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,23 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def human(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def check_output(tool: str, path: str | Path, directory: bool = False) -> None:
+    """Fail at once, with one clear message, when a tool's --out cannot be written: before minutes of
+    benchmarking, not after. `directory`: --out names a folder to write into rather than a file."""
+    folder = Path(path).expanduser() if directory else Path(path).expanduser().parent
+    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise SystemExit(f"{tool}: cannot write --out {path}: {blocker} is a file, not a folder; pass --out with a "
+                         "path in a writable folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise SystemExit(f"{tool}: cannot write --out {path}: {exc.strerror or exc}; pass --out with a path in a "
+                         "writable folder") from None
 
 
 def write_json(path: str | Path, payload: Any, indent: int = 2) -> Path:

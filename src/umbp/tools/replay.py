@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+OUT_IS_DIR = True  # --out is a folder (umbp.cli checks it can be written before the run)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", action="append", default=None, metavar="NAME|JSON",
