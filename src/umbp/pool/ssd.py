@@ -294,7 +294,7 @@ class SsdTier(Pool):
         self._counters = dict.fromkeys(
             ("puts", "put_duplicates", "dropped_backpressure", "dropped_failed", "dropped_write_error",
              "dropped_no_space",
-             "put_checksum_mismatch", "records_written", "bytes_written", "tombstones", "hits", "hits_staged",
+             "put_checksum_mismatch", "records_written", "bytes_written", "tombstones", "tombstones_dropped", "hits", "hits_staged",
              "misses", "checksum_failures", "read_errors", "bytes_read", "evictions", "evicted_bytes",
              "segments_reclaimed", "copied_forward", "copied_forward_bytes", "segments_lost", "write_errors",
              "enospc", "seal_errors", "foreign_records"),
@@ -1355,6 +1355,10 @@ class SsdTier(Pool):
                     c["dropped_write_error"] += 1
                     if self._track_evicted:
                         self._evicted.append(it.key)
+                elif not put:
+                    c["tombstones_dropped"] += 1
+                if not put:
+                    it.state = DONE
                 if put:  # _finish, inline: this loop runs once per record written
                     key = it.key
                     if staged.get(key) is it:
@@ -1382,6 +1386,9 @@ class SsdTier(Pool):
                         if self._track_evicted:
                             self._evicted.append(it.key)
                     self._finish(shard, it)
+                elif it.kind == _TOMB and it.state != DONE:
+                    self._counters["tombstones_dropped"] += 1
+                    it.state = DONE
                 elif it.kind == _CLEAR and it.done is not None:
                     it.done.set()
 
