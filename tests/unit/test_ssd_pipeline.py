@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from test_ssd_faults import _check  # byte-exact read-back of every key served
 
 import umbp.pool.ssd as ssd_mod
 from umbp.pool.errors import OptionValueError
@@ -21,17 +22,6 @@ OBJ = 60 * KiB  # a 64 KiB record: with max_io_bytes=64 KiB every write carries 
 
 def _blob(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
-def _served(tier: SsdTier, blobs: dict[str, np.ndarray]) -> list[str]:
-    """Keys served; asserts every one served is byte-exact."""
-    out = []
-    for k, v in blobs.items():
-        buf = np.empty(v.size, np.uint8)
-        if tier.get_into([k], [buf])[0]:
-            assert np.array_equal(buf, v), k
-            out.append(k)
-    return out
 
 
 def _until(cond, timeout=10.0) -> bool:
@@ -65,9 +55,9 @@ def test_writes_overlap_two_at_a_time(tmp_path, monkeypatch):
         assert all(tier.put(list(blobs), list(blobs.values())))
         assert tier.flush(timeout=30)
         assert peak[0] == ssd_mod._WRITE_DEPTH == 2
-        assert sorted(_served(tier, blobs)) == sorted(blobs)
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:  # a restart finds them all
-        assert sorted(_served(tier, blobs)) == sorted(blobs)
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
 
 
 def test_a_short_write_drops_the_write_behind_it_and_leaves_no_record_after_the_hole(tmp_path, monkeypatch):
@@ -95,14 +85,14 @@ def test_a_short_write_drops_the_write_behind_it_and_leaves_no_record_after_the_
         assert tier.flush(timeout=30)
         s = tier.stats()
         assert s["dropped_write_error"] == 2 and tier.exists(["a", "b"]) == [False, False]
-        assert _served(tier, blobs) == ["c"]
+        assert _check(tier, blobs) == ["c"]
         assert calls == [0, record_bytes(OBJ), 0]  # c went where a's record should have been
         seg = scan(str(tmp_path)).segments[-1]
         assert seg.size == record_bytes(OBJ)  # cut back: nothing of b is left behind c
     finally:
         tier.close()
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
-        assert _served(tier, blobs) == ["c"]  # b is not resurrected by a restart
+        assert _check(tier, blobs) == ["c"]  # b is not resurrected by a restart
 
 
 @pytest.mark.parametrize("in_flight", [True, False])
@@ -125,9 +115,9 @@ def test_a_segment_is_sealed_once_its_last_write_lands(tmp_path, monkeypatch, in
         assert len(segs) == 4 and [s.sealed for s in segs] == [True, True, True, False]
         listed = [k for s in segs[:3] for k, _ in s.records]
         assert listed == [f"k{i}" for i in range(12)]  # each summary lists its 4 records, in order
-        assert sorted(_served(tier, blobs)) == sorted(blobs)
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
     with SsdTier(str(tmp_path), capacity_bytes=8 * MiB) as tier:
-        assert sorted(_served(tier, blobs)) == sorted(blobs)
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
 
 
 @pytest.mark.parametrize("copy_threads", [1, 3])
@@ -138,10 +128,10 @@ def test_parallel_put_copies_store_exact_bytes(tmp_path, copy_threads):
     blobs = {f"k{i}": _blob(n, i) for i, n in enumerate(sizes)}
     with SsdTier(str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads) as tier:
         assert all(tier.put(list(blobs), list(blobs.values())))
-        assert sorted(_served(tier, blobs)) == sorted(blobs)  # from staging or disk
+        assert sorted(_check(tier, blobs)) == sorted(blobs)  # from staging or disk
         assert tier.flush(timeout=30)
     with SsdTier(str(tmp_path), capacity_bytes=64 * MiB) as tier:
-        assert sorted(_served(tier, blobs)) == sorted(blobs)
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
         assert tier.stats()["checksum_failures"] == 0
 
 
@@ -175,8 +165,8 @@ def test_a_writer_error_with_a_write_in_flight_drops_it_everywhere(tmp_path, mon
         assert tier.flush(timeout=30)
         s = tier.stats()
         assert s["failed_dirs"] and s["dropped_write_error"] + s["dropped_failed"] == 3
-        assert _served(tier, {"early": early, **blobs}) == ["early"]
+        assert _check(tier, {"early": early, **blobs}) == ["early"]
     finally:
         tier.close()
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
-        assert _served(tier, {"early": early, **blobs}) == ["early"]
+        assert _check(tier, {"early": early, **blobs}) == ["early"]
