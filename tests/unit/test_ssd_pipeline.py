@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from test_ssd_faults import _check  # byte-exact read-back of every key served
+from test_ssd_faults import _check, _wait  # byte-exact read-back of every key served; polling
 
 import umbp.pool.ssd as ssd_mod
 from umbp.pool.errors import OptionValueError
@@ -22,15 +22,6 @@ OBJ = 60 * KiB  # a 64 KiB record: with max_io_bytes=64 KiB every write carries 
 
 def _blob(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
-def _until(cond, timeout=10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def test_writes_overlap_two_at_a_time(tmp_path, monkeypatch):
@@ -79,7 +70,7 @@ def test_a_short_write_drops_the_write_behind_it_and_leaves_no_record_after_the_
                    direct_io=False)
     try:
         assert tier.put(list(blobs), list(blobs.values())) == [True] * 3
-        assert _until(lambda: len(calls) >= 2)  # B was written while A still hung
+        assert _wait(lambda: len(calls) >= 2, timeout=10)  # B was written while A still hung
         time.sleep(0.05)
         gate.set()
         assert tier.flush(timeout=30)
