@@ -320,3 +320,39 @@ def test_a_tombstone_that_cannot_be_written_is_counted(tmp_path, monkeypatch):
     with _tier(tmp_path) as tier:
         assert _check(tier, {"k": data}) == ["k"]
         assert tier.stats()["tombstones_dropped"] == 0
+
+
+def test_direct_writes_refused_mid_run_fall_back_to_buffered(tmp_path, monkeypatch):
+    """direct_io='auto' on a filesystem that opens files with O_DIRECT but refuses direct writes (EINVAL),
+    with two writes in flight: the first one's EINVAL switches the directory to buffered I/O; the second
+    one was issued as a direct write too and fails only after that switch — it must be retried, not
+    dropped. Then rollovers and a restart: nothing is lost."""
+    import fcntl
+
+    probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    os.close(probe)  # (raises here if this filesystem refuses O_DIRECT at open: the test needs it)
+    real, both_in_flight, calls, holder = ssd_mod._pwritev, threading.Barrier(2, timeout=10), [], {}
+
+    def pwritev(fd, iov, off):
+        calls.append(fd)
+        n = len(calls)
+        if n <= 2:  # the first two writes: both in flight as direct writes
+            both_in_flight.wait()
+            if n == 2:  # the second fails after the first has switched the directory
+                assert _wait(lambda: not holder["tier"]._shards[0].direct, timeout=10)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, iov, off)
+
+    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    blobs = {f"k{i}": _blob(60 * KiB, i) for i in range(20)}
+    with _tier(tmp_path / "d", direct_io="auto", max_io_bytes=64 * KiB, segment_bytes=256 * KiB) as tier:
+        holder["tier"] = tier
+        assert all(tier.put(list(blobs), list(blobs.values())))
+        assert tier.flush(timeout=30)
+        s = tier.stats()
+        assert s["direct_io"] == [False] and s["write_errors"] == 0 and s["dropped_write_error"] == 0
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
+    with _tier(tmp_path / "d", direct_io=False) as tier:
+        assert sorted(_check(tier, blobs)) == sorted(blobs)

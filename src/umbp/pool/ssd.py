@@ -1312,12 +1312,23 @@ class SsdTier(Pool):
             try:
                 return _pwritev(seg.fd, iov, offset)
             except OSError as exc:
-                if exc.errno == errno.EINVAL and shard.direct and self._direct_mode == "auto" and not attempt:
-                    self._go_buffered(shard)
+                if exc.errno == errno.EINVAL and self._direct_mode == "auto" and not attempt and self._undirect(shard, seg):
                     continue
                 self._write_failed(shard, exc)
                 return 0
         return 0
+
+    def _undirect(self, shard: _Shard, seg: _Segment) -> bool:
+        """After EINVAL from a write (direct_io='auto'): make sure the directory and this file use buffered
+        I/O, then retry once. Checking shard.direct alone is not enough with two writes in flight: the other
+        write thread may have switched the directory after this write was issued as a direct one, or this
+        file may have been opened with O_DIRECT just as the switch happened."""
+        if shard.direct:
+            self._go_buffered(shard)
+        flags = fcntl.fcntl(seg.fd, fcntl.F_GETFL)
+        if flags & os.O_DIRECT:
+            fcntl.fcntl(seg.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        return True
 
     def _write_failed(self, shard: _Shard, exc: OSError) -> None:
         with self._lock:
