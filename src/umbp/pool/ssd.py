@@ -374,7 +374,9 @@ class SsdTier(Pool):
         """Direct I/O refused here: switch this directory's files to buffered I/O (direct_io='auto')."""
         log.warning("umbp: SSD %s: O_DIRECT unsupported, using buffered I/O", shard.directory)
         shard.direct = False
-        for seg in shard.segments:
+        with self._lock:  # may run on a write thread while the writer adds or deletes segments
+            segs = list(shard.segments)
+        for seg in segs:
             if seg.fd >= 0:
                 fcntl.fcntl(seg.fd, fcntl.F_SETFL, fcntl.fcntl(seg.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
