@@ -1139,7 +1139,7 @@ class SsdTier(Pool):
         """(segment, offset) for a group appended behind the writes in flight, without waiting for them;
         None when the append needs the exact state (space to reclaim, no active segment, a failure), and
         the caller then settles first. A group that overflows the active segment opens the next one here;
-        the full one is sealed once its last write lands (_submit)."""
+        the full one is sealed once its last write lands (_seal_if_left, from here or _settle)."""
         seg = shard.active
         if seg is None or shard.failed:
             return None
@@ -1314,15 +1314,16 @@ class SsdTier(Pool):
             try:
                 return _pwritev(seg.fd, iov, offset)
             except OSError as exc:
-                if exc.errno == errno.EINVAL and self._direct_mode == "auto" and not attempt and self._undirect(shard, seg):
+                if exc.errno == errno.EINVAL and self._direct_mode == "auto" and not attempt:
+                    self._undirect(shard, seg)
                     continue
                 self._write_failed(shard, exc)
                 return 0
         return 0
 
-    def _undirect(self, shard: _Shard, seg: _Segment) -> bool:
+    def _undirect(self, shard: _Shard, seg: _Segment) -> None:
         """After EINVAL from a write (direct_io='auto'): make sure the directory and this file use buffered
-        I/O, then retry once. Checking shard.direct alone is not enough with two writes in flight: the other
+        I/O; the caller retries once. Checking shard.direct alone is not enough with two writes in flight: the other
         write thread may have switched the directory after this write was issued as a direct one, or this
         file may have been opened with O_DIRECT just as the switch happened."""
         if shard.direct:
@@ -1330,7 +1331,6 @@ class SsdTier(Pool):
         flags = fcntl.fcntl(seg.fd, fcntl.F_GETFL)
         if flags & os.O_DIRECT:
             fcntl.fcntl(seg.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-        return True
 
     def _write_failed(self, shard: _Shard, exc: OSError) -> None:
         with self._lock:
@@ -1348,7 +1348,7 @@ class SsdTier(Pool):
         under the lock for every record written, so counters and staging frees go once per group."""
         c = self._counters
         runs: list[tuple[int, int]] = []
-        entries, number, index, staged, lru = seg.entries, seg.number, shard.index, shard.staged, shard.lru
+        entries, number, index = seg.entries, seg.number, shard.index
         with self._lock:
             base, pos, records, nbytes, tombs, ebytes = seg.size, 0, 0, 0, 0, 0
             for it, seq in zip(group, seqs, strict=True):
@@ -1370,18 +1370,10 @@ class SsdTier(Pool):
                         self._evicted.append(it.key)
                 elif not put:
                     c["tombstones_dropped"] += 1
-                if not put:
+                if put:
+                    self._finish(shard, it, runs)
+                else:
                     it.state = DONE
-                if put:  # _finish, inline: this loop runs once per record written
-                    key = it.key
-                    if staged.get(key) is it:
-                        del staged[key]
-                    if key not in index and key not in staged:  # never made it to disk
-                        lru.pop(key, None)
-                    it.state = DONE
-                    if it.pins == 0 and it.start >= 0:
-                        runs.append((it.start, it.npages))
-                        it.start = -1
             seg.size = base + nbytes
             seg.entry_bytes += ebytes
             c["records_written"] += records
