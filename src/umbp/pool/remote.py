@@ -183,7 +183,7 @@ class _Writer:
     objects (docs/remote.md). Pages are mapped on first use and stay resident afterwards."""
 
     def __init__(self, tier: RedisTier, max_bytes: int, batch: int) -> None:
-        self._tier, self._max_bytes, self._batch = tier, max_bytes, batch
+        self._tier, self._batch = tier, batch
         self._arena = aligned_buffer(max_bytes, populate=False)
         self._pages = PageAllocator(max_bytes // _PAGE)
         self._queue: deque[_Item] = deque()
@@ -218,9 +218,13 @@ class _Writer:
 
     def unreserve(self, key: str, nbytes: int, pages: tuple[int, int]) -> None:
         with self._cv:
-            self._bytes -= nbytes
-            self._queued.discard(key)
-            self._pages.free(*pages)
+            self._give_back(key, nbytes, pages)
+
+    def _give_back(self, key: str, nbytes: int, pages: tuple[int, int]) -> None:
+        """A reservation ends (its object sent, dropped, or never queued); the caller holds _cv."""
+        self._bytes -= nbytes
+        self._queued.discard(key)
+        self._pages.free(*pages)
 
     def _take(self) -> list[_Item] | None:
         with self._cv:
@@ -242,10 +246,7 @@ class _Writer:
             finally:
                 with self._cv:
                     for it in items:
-                        self._bytes -= it.payload.size
-                        self._queued.discard(it.key)
-                        if it.pages is not None:
-                            self._pages.free(*it.pages)
+                        self._give_back(it.key, it.payload.size, it.pages)
                     self._busy = False
                     self._cv.notify_all()
 
@@ -269,10 +270,7 @@ class _Writer:
             self._stop = True
             dropped = len(self._queue)
             for it in self._queue:
-                self._bytes -= it.payload.size
-                self._queued.discard(it.key)
-                if it.pages is not None:
-                    self._pages.free(*it.pages)
+                self._give_back(it.key, it.payload.size, it.pages)
             self._queue.clear()
             self._cv.notify_all()
         if dropped:
