@@ -1,13 +1,13 @@
 """Probe (not a test; see bench/results/history/23-ssd-write-pipeline.txt): where a stream of small SSD
 puts loses time, with the disk taken out of the picture. The real SsdTier runs `umbp bench ssd`'s write
-loop (192 MiB of 64 KiB objects, 16 MiB per put call, a refused put retried after 0.2 ms), but its
+loop (192 MiB of 64 KiB objects, 16 MiB per put call, a refused put retried when there is room), but its
 `_pwritev` is a simulated queued device of --rate bytes/s: each write starts when the previous one ends
 and sleeps, without the GIL, until it would finish. Per pass it prints the write ratio (the 4 KiB header
 per record caps it at 0.94), how long the disk sat idle after the first write, how often puts were
 refused (the writer behind), and each thread's CPU per object (from /proc/self/task/*/schedstat).
 
 Variants, to tell the GIL from the work itself: --switch sets sys.setswitchinterval, --depth the writes
-kept in flight, --copy-threads the put's copy threads.
+kept in flight, --copy-threads the put's copy threads, --refused how the loop handles a refused put.
 
     PYTHONPATH=$PWD/src python3 bench/probes/ssd_write_sim.py --switch 0.005 0.001 --copy-threads 1 2
 """
@@ -65,7 +65,8 @@ def thread_cpu_ns() -> dict[str, int]:
     return out
 
 
-def run(disk: QueuedDisk, size: int, ws: int, passes: int, depth: int, copy_threads: int, switch: float) -> None:
+def run(disk: QueuedDisk, size: int, ws: int, passes: int, depth: int, copy_threads: int, switch: float,
+        refused: str) -> None:
     sys.setswitchinterval(switch)
     ssd._WRITE_DEPTH = depth
     src = aligned_buffer(ws)
@@ -75,7 +76,7 @@ def run(disk: QueuedDisk, size: int, ws: int, passes: int, depth: int, copy_thre
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         tier = ssd.SsdTier(d, capacity_bytes=2 * ws + 64 * MiB, queue_bytes=min(ws, 64 * MiB), direct_io=False,
                            copy_threads=copy_threads)
-        print(f"switch {switch} s, depth {depth}, copy_threads {copy_threads}:")
+        print(f"switch {switch} s, depth {depth}, copy_threads {copy_threads}, refused puts {refused}:")
         for p in range(passes):
             tier.clear()
             keys = [f"sim/{p}/{i}" for i in range(n)]
@@ -87,8 +88,10 @@ def run(disk: QueuedDisk, size: int, ws: int, passes: int, depth: int, copy_thre
                 while pending:
                     ok = tier.put([keys[i] for i in pending], [objs[i] for i in pending])
                     pending = [i for i, stored in zip(pending, ok, strict=True) if not stored]
-                    if pending:
+                    if pending and refused == "poll":
                         time.sleep(0.0002)
+                    elif pending:
+                        tier.wait_for_room([size] * len(pending))
             tier.flush()
             dt, cpu1 = time.perf_counter() - t0, thread_cpu_ns()
             cpu = {k: (cpu1[k] - cpu0.get(k, 0)) / n / 1e3 for k in cpu1}
@@ -108,11 +111,14 @@ def main() -> None:
     ap.add_argument("--switch", type=float, nargs="+", default=[0.005])
     ap.add_argument("--depth", type=int, nargs="+", default=[ssd._WRITE_DEPTH])
     ap.add_argument("--copy-threads", type=int, nargs="+", default=[2])
+    ap.add_argument("--refused", nargs="+", default=["wait"], choices=("wait", "poll"),
+                    help="a refused put waits for room (wait_for_room) or retries every 0.2 ms")
     args = ap.parse_args()
     disk = QueuedDisk(args.rate)
     ssd._pwritev = disk
-    for switch, depth, copies in itertools.product(args.switch, args.depth, args.copy_threads):
-        run(disk, args.size_kib << 10, args.working_set_mib * MiB, args.passes, depth, copies, switch)
+    for switch, depth, copies, refused in itertools.product(args.switch, args.depth, args.copy_threads,
+                                                             args.refused):
+        run(disk, args.size_kib << 10, args.working_set_mib * MiB, args.passes, depth, copies, switch, refused)
 
 
 if __name__ == "__main__":

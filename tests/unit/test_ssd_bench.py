@@ -3,6 +3,8 @@ removes its scratch data. It checks fields, never speed (the benchmark is not a 
 
 import json
 
+import pytest
+
 from umbp.cli import main
 
 
@@ -22,3 +24,17 @@ def test_bench_ssd_quick_writes_json(tmp_path, capsys):
     assert isinstance(report["all_targets_met"], bool)
     assert not data.exists()  # scratch files removed
     assert "ratio = tier / disk" in capsys.readouterr().out
+
+
+def test_bench_ssd_polling_client_and_copy_threads_are_recorded(tmp_path):
+    out, data = tmp_path / "bench_ssd.json", tmp_path / "scratch"
+    assert main(["bench", "ssd", "--quick", "--refused", "poll", "--copy-threads", "1", "--out", str(out),
+                 "--dir", str(data)]) == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["refused"] == "poll" and cfg["copy_threads"] == 1
+
+
+def test_bench_ssd_refuses_zero_copy_threads(tmp_path):
+    with pytest.raises(SystemExit, match="--copy-threads must be at least 1"):
+        main(["bench", "ssd", "--quick", "--copy-threads", "0", "--out", str(tmp_path / "o.json"),
+              "--dir", str(tmp_path / "d")])

@@ -161,3 +161,84 @@ def test_a_writer_error_with_a_write_in_flight_drops_it_everywhere(tmp_path, mon
         tier.close()
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
         assert _check(tier, {"early": early, **blobs}) == ["early"]
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_a_big_put_is_written_while_it_is_still_copied(tmp_path, monkeypatch, copy_threads):
+    """A put queues its objects run by run (~1 MiB), so the disk starts on the first run while the last
+    one is still being copied: the last run's copy waits here until a write has begun."""
+    real, started = ssd_mod._pwritev, threading.Event()
+
+    def pwritev(fd, iov, off):
+        started.set()
+        return real(fd, iov, off)
+
+    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    blobs = {f"k{i}": _blob(64 * KiB, i) for i in range(64)}  # 4 runs of 16 records
+    waited = []
+    with SsdTier(str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads) as tier:
+        real_copy = tier._copy_run
+
+        def copy_run(staged, srcs, i, j):
+            if j == len(staged):  # the last run: hold it until the writer has started on an earlier one
+                waited.append(started.wait(10))
+            real_copy(staged, srcs, i, j)
+
+        monkeypatch.setattr(tier, "_copy_run", copy_run)
+        assert all(tier.put(list(blobs), list(blobs.values())))
+        assert waited == [True]
+        assert tier.flush(timeout=30)
+    with SsdTier(str(tmp_path), capacity_bytes=64 * MiB) as tier:
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_a_copy_error_keeps_the_runs_already_queued_and_gives_back_the_rest(tmp_path, monkeypatch, copy_threads):
+    """A copy that raises mid-put: the runs queued before it are stored (exact bytes), the others are
+    not stored and their staging comes back; the error reaches the caller."""
+    blobs = {f"k{i:02}": _blob(64 * KiB, i) for i in range(64)}  # runs of 15 records (~1 MiB)
+    keys = list(blobs)
+    with SsdTier(str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads) as tier:
+        real_copy, copied, failed = tier._copy_run, [], []
+
+        def copy_run(staged, srcs, i, j):
+            if i <= 32 < j:
+                failed.append((i, j))
+                raise RuntimeError("injected copy failure")
+            real_copy(staged, srcs, i, j)
+            copied.extend(keys[i:j])
+
+        monkeypatch.setattr(tier, "_copy_run", copy_run)
+        with pytest.raises(RuntimeError, match="injected"):
+            tier.put(keys, list(blobs.values()))
+        assert tier.flush(timeout=30)
+        assert len(failed) == 1 and keys[0] in copied and "k32" not in copied
+        assert sorted(_check(tier, blobs)) == sorted(copied)  # stored exactly what was queued, bytes intact
+        s = tier.stats()
+        assert s["queued_bytes"] == 0 and s["staged"] == 0
+        monkeypatch.setattr(tier, "_copy_run", real_copy)  # the given-back keys can be put again
+        assert all(tier.put(list(blobs), list(blobs.values())))
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
+
+
+def test_wait_for_room_blocks_until_staging_is_given_back(tmp_path, monkeypatch):
+    real, gate = ssd_mod._pwritev, threading.Event()
+    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(10), real(*a))[1])
+    tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=1 * MiB, max_io_bytes=64 * KiB)
+    try:
+        blobs = [_blob(OBJ, i) for i in range(16)]  # 16 records of 64 KiB fill the 1 MiB of staging
+        assert all(tier.put([f"k{i}" for i in range(16)], blobs))
+        assert tier.put(["late"], [blobs[0]]) == [False]
+        t0 = time.monotonic()
+        assert tier.wait_for_room([OBJ], timeout=0.1) is False and time.monotonic() - t0 >= 0.1
+        threading.Timer(0.05, gate.set).start()
+        t0 = time.monotonic()
+        assert tier.wait_for_room([OBJ] * 4, timeout=20) is True
+        assert time.monotonic() - t0 < 5  # woken as written records give staging back, not by the timeout
+        assert tier.put(["late"], [blobs[0]]) == [True]
+        assert tier.wait_for_room([64 * MiB], timeout=10) is True  # more than the buffer: waits for it to be empty
+        assert tier.stats()["queued_bytes"] == 0
+    finally:
+        gate.set()
+        tier.close()
+    assert tier.wait_for_room([OBJ], timeout=1) is False  # closed: no room will come

@@ -283,6 +283,8 @@ class SsdTier(Pool):
         self._health_interval = float(health_interval_s)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)  # staging pages were given back (wait_for_room)
+        self._room_waiters = 0
         self._staging = aligned_buffer(self._queue_bytes, populate=prefault)
         self._staging_view_all = memoryview(self._staging)
         self._alloc = PageAllocator(self._queue_bytes // BLOCK)
@@ -432,6 +434,7 @@ class SsdTier(Pool):
         if it.state == DONE and it.pins == 0 and it.start >= 0:
             if runs is None:
                 self._alloc.free(it.start, it.npages)
+                self._room_freed()
             else:
                 runs.append((it.start, it.npages))
             it.start = -1
@@ -447,6 +450,11 @@ class SsdTier(Pool):
                 n += runs[i][1]
                 i += 1
             self._alloc.free(start, n)
+        self._room_freed()
+
+    def _room_freed(self) -> None:
+        if self._room_waiters:
+            self._room.notify_all()
 
     def _finish(self, shard: _Shard, it: _Item, runs: list[tuple[int, int]] | None = None) -> None:
         if shard.staged.get(it.key) is it:
@@ -490,14 +498,7 @@ class SsdTier(Pool):
             raise BufferSizeError(f"umbp: put got {len(keys)} keys but {len(checksums)} checksums")
         out = [False] * len(keys)
         staged = self._stage(keys, blobs, srcs, out)
-        try:
-            self._copy_in(staged, srcs)  # outside the lock; a staged item is invisible until enqueued
-        except BaseException:
-            with self._lock:
-                for _, it in staged:
-                    self._finish(self._route(it.key), it)
-            raise
-        self._enqueue_staged(staged, checksums, out)
+        self._copy_in(staged, srcs, checksums, out)
         return out
 
     def _stage(self, keys: Sequence[str], blobs: list[bytes], srcs: list[np.ndarray],
@@ -543,29 +544,40 @@ class SsdTier(Pool):
                 staged.append((i, it))
         return staged
 
-    def _copy_in(self, staged: list[tuple[int, _Item]], srcs: list[np.ndarray]) -> None:
-        """Copy each staged object into its record image and take its psum64, split across copy_threads
-        (the caller and its helpers) when the batch holds more than one run: a put's time is mostly
-        memcpy and summing, which release the GIL, and one core's copy + checksum is what bounded
-        small-object writes (docs/ssd.md). Returns once every copy has finished, also when one raised."""
+    def _copy_in(self, staged: list[tuple[int, _Item]], srcs: list[np.ndarray], checksums: Sequence[int] | None,
+                 out: list[bool]) -> None:
+        """Copy each staged object into its record image, take its psum64 and queue it, run by run (~1 MiB),
+        so the writer starts on the first run while later ones are still copied (a 16 MiB put used to
+        keep the disk idle until its last copy). Runs are dealt round-robin to copy_threads (the caller
+        and its helpers) when the batch holds more than one: a put's time is mostly memcpy and summing,
+        which release the GIL, and one core's copy + checksum is what bounded small-object writes
+        (docs/ssd.md). Returns once every run is queued or given back; if a copy raised, the runs not yet
+        queued are given back (their objects not stored) and the error is raised."""
         runs = self._sum_runs(staged)
-        total = sum(it.nbytes for _i, it in staged)
-        if self._copy_pool is None or len(runs) < 2 or total < 2 * _SUM_RUN_BYTES:
-            for i, j in runs:
-                self._copy_run(staged, srcs, i, j)
+        if not runs:
             return
-        per = -(-len(runs) // self._copy_threads)
-        shares = [runs[k : k + per] for k in range(0, len(runs), per)]
+        queued = [False] * len(runs)
 
-        def work(share: list[tuple[int, int]]) -> None:
-            for i, j in share:
+        def work(share: range) -> None:
+            for r in share:
+                i, j = runs[r]
                 self._copy_run(staged, srcs, i, j)
+                self._enqueue_staged(staged[i:j], checksums, out)
+                queued[r] = True
 
+        total = sum(it.nbytes for _i, it in staged)
+        n = 1 if self._copy_pool is None or len(runs) < 2 or total < 2 * _SUM_RUN_BYTES else self._copy_threads
+        shares = [range(t, len(runs), n) for t in range(min(n, len(runs)))]
         futures = [self._copy_pool.submit(work, share) for share in shares[1:]]
         try:
             work(shares[0])
         finally:
             wait(futures)
+            left = [it for r, (i, j) in enumerate(runs) if not queued[r] for _k, it in staged[i:j]]
+            if left:
+                with self._lock:
+                    for it in left:
+                        self._finish(self._route(it.key), it)
         for f in futures:
             f.result()
 
@@ -606,7 +618,7 @@ class SsdTier(Pool):
 
     def _enqueue_staged(self, staged: list[tuple[int, _Item]], checksums: Sequence[int] | None,
                         out: list[bool]) -> None:
-        """Under one lock: queue the copied items, one wake-up per directory. An item removed while it
+        """Under one lock: queue copied items, one wake-up per directory. An item removed while it
         was copied, or whose bytes do not match the caller's checksum, is dropped (False)."""
         woken = set()
         with self._lock:
@@ -735,6 +747,26 @@ class SsdTier(Pool):
                 pass
         return True
 
+    def wait_for_room(self, sizes: Sequence[int], timeout: float | None = None) -> bool:
+        """Block until a put of objects of these payload sizes would find staging for all of them (one
+        run of free pages, headers and padding counted), or `timeout` (s) passes: True if there is room.
+        For writers that would rather wait than be refused (bulk loads, `umbp bench ssd`); a put refused
+        for lack of staging costs a pass over its keys, so polling burns the CPU the writer needs. A
+        batch bigger than the whole staging buffer waits for it to be empty."""
+        need = min(sum(record_bytes(int(n)) for n in sizes) // BLOCK, self._alloc.npages)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._room_waiters += 1
+            try:
+                while self._alloc.largest_free() < need and not self._stopping:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._room.wait(left)
+                return not self._stopping
+            finally:
+                self._room_waiters -= 1
+
     def drain_evicted(self) -> list[str]:
         """Keys that left the tier without a remove() since the last call (LRU eviction, a failed
         checksum or read, a lost segment, a failed write); empty unless track_evicted=True."""
@@ -775,6 +807,7 @@ class SsdTier(Pool):
             if self._closed:
                 return True
             self._stopping = True
+            self._room.notify_all()
             for s in self._shards:
                 s.cv.notify_all()
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -8,7 +8,9 @@ get_into in batches. Both sides use O_DIRECT where the filesystem allows, so the
 neither; where it does not, both fall back to buffered I/O and the page cache of the files is dropped
 (posix_fadvise) before every read pass. Writes: baseline and tier alternate which goes first each
 repetition. Reads: the two sides take turns slice by slice (32 MiB), so a disk whose own rate drifts
-within a pass drifts for both alike. The figure is the median of the per-repetition ratios. Both sides write fresh files, and each repetition
+within a pass drifts for both alike. The figure is the median of the per-repetition ratios. A put
+refused because staging is full (the disk is behind) waits for room and is retried (--refused poll
+retries every 0.2 ms instead; each refused call costs a pass over its keys, CPU the writer needs). Both sides write fresh files, and each repetition
 first deletes both sides' old files and syncs, outside the timed steps: on a filesystem mounted with
 `discard`, deleting a file inside a timed write (or truncating one) put the TRIM in that side's window and
 made it up to ~30% slower, which flattered whichever side it was not. The first repetition checks every
@@ -47,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-mib", type=int, default=8, help="baseline I/O size in MiB (default 8)")
     parser.add_argument("--direct-io", default="auto", choices=("auto", "true", "false"),
                         help="O_DIRECT for both sides (default auto: where the filesystem allows)")
+    parser.add_argument("--copy-threads", type=int, default=2,
+                        help="the tier's copy_threads: threads a put's copies are split across (default 2)")
+    parser.add_argument("--refused", default="wait", choices=("wait", "poll"),
+                        help="a put refused for lack of staging (the writer behind): wait for room "
+                             "(SsdTier.wait_for_room, default) or retry every 0.2 ms (a polling client)")
 
 
 def _drop_cache(paths: list[Path]) -> None:
@@ -136,7 +143,7 @@ class _Bench:
         tier_dir = self.root / "tier"
         shutil.rmtree(tier_dir, ignore_errors=True)
         tier = SsdTier(str(tier_dir), capacity_bytes=2 * ws + 64 * MiB, queue_bytes=min(ws, 64 * MiB),
-                       direct_io=self.direct)
+                       direct_io=self.direct, copy_threads=cfg["copy_threads"])
 
         def tier_write() -> None:
             for b in batches:
@@ -144,8 +151,10 @@ class _Bench:
                 while pending:
                     ok = tier.put([keys[i] for i in pending], [objs[i] for i in pending])
                     pending = [i for i, stored in zip(pending, ok, strict=True) if not stored]
-                    if pending:
-                        time.sleep(0.0002)  # staging full: the writer is behind; wait for it
+                    if pending and cfg["refused"] == "poll":
+                        time.sleep(0.0002)  # staging full: the writer is behind; try again soon
+                    elif pending:
+                        tier.wait_for_room([size] * len(pending))
             if not tier.flush(timeout=600):
                 raise RuntimeError("umbp bench ssd: flush timed out")
 
@@ -232,6 +241,8 @@ class _Bench:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.copy_threads < 1:
+        raise SystemExit(f"umbp bench ssd: --copy-threads must be at least 1, got {args.copy_threads}")
     ws = args.working_set_mib or (8 if args.quick else 192)
     io = max(1, args.io_mib) * MiB
     ws_bytes = max(ws * MiB // io, 1) * io  # whole baseline I/Os
@@ -239,6 +250,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "quick": bool(args.quick), "dir": args.dir, "working_set_bytes": ws_bytes,
         "reps": args.reps or (1 if args.quick else 3), "batch_bytes": max(1, args.batch_mib) * MiB, "io_bytes": io,
         "direct_io": args.direct_io, "sizes": list(SIZES), "read_slice_bytes": 32 * MiB,
+        "copy_threads": args.copy_threads, "refused": args.refused,
     }
 
 
@@ -246,7 +258,8 @@ def _print_table(report: dict[str, Any]) -> None:
     cfg = report["config"]
     io = "O_DIRECT" if cfg["direct_io_used"] else "buffered (page cache dropped before reads)"
     print(f"umbp bench ssd: {cfg['dir']}, working set {human(cfg['working_set_bytes'])}, {cfg['reps']} reps, "
-          f"{human(cfg['batch_bytes'])} per call, {io}; disk = sequential {human(cfg['io_bytes'])} I/Os of one "
+          f"{human(cfg['batch_bytes'])} per call, {cfg['copy_threads']} copy threads, refused puts "
+          f"{cfg['refused']}, {io}; disk = sequential {human(cfg['io_bytes'])} I/Os of one "
           "file; medians; ratio = tier / disk" + ("  [--quick: not representative]" if cfg["quick"] else ""))
     print(f"{'op':<7}{'size':>9}{'tier MB/s':>11}{'disk MB/s':>11}{'ratio':>8}{'target':>9}  result")
     for r in report["results"]:
