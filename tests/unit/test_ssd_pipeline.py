@@ -1,7 +1,7 @@
-"""The SSD writer keeps a write in flight while it prepares the next group (and puts copy in parallel):
-the disk is never idle while Python runs, yet the log keeps its invariants — records land in order, a
-short write takes the writes queued behind it with it and leaves no record after a hole, and a full
-segment is sealed once its last write has landed."""
+"""The SSD writer keeps writes in flight while it prepares the next group (puts copy in parallel and queue
+run by run, seals run on an I/O thread): the disk is never idle while Python runs, yet the log keeps its
+invariants — records land in order, a short write takes the writes queued behind it with it and leaves
+no record after a hole, and a full segment is sealed once its last write has landed."""
 
 import os
 import threading
@@ -24,8 +24,8 @@ def _blob(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-def test_writes_overlap_two_at_a_time(tmp_path, monkeypatch):
-    """While one write is in the kernel, the next one is already queued behind it."""
+def test_writes_overlap_write_depth_at_a_time(tmp_path, monkeypatch):
+    """While one write is in the kernel, the next ones are already queued behind it."""
     real, lock = ssd_mod._pwritev, threading.Lock()
     now, peak = [0], [0]
 
@@ -45,7 +45,7 @@ def test_writes_overlap_two_at_a_time(tmp_path, monkeypatch):
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB) as tier:
         assert all(tier.put(list(blobs), list(blobs.values())))
         assert tier.flush(timeout=30)
-        assert peak[0] == ssd_mod._WRITE_DEPTH == 2
+        assert peak[0] == ssd_mod._WRITE_DEPTH == 3
         assert sorted(_check(tier, blobs)) == sorted(blobs)
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:  # a restart finds them all
         assert sorted(_check(tier, blobs)) == sorted(blobs)
@@ -69,13 +69,14 @@ def test_a_short_write_drops_the_write_behind_it_and_leaves_no_record_after_the_
     tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
                    direct_io=False)
     try:
-        assert tier.put(list(blobs), list(blobs.values())) == [True] * 3
+        assert tier.put(["a", "b"], [blobs["a"], blobs["b"]]) == [True] * 2
         assert _wait(lambda: len(calls) >= 2, timeout=10)  # B was written while A still hung
         time.sleep(0.05)
         gate.set()
         assert tier.flush(timeout=30)
         s = tier.stats()
         assert s["dropped_write_error"] == 2 and tier.exists(["a", "b"]) == [False, False]
+        assert tier.put(["c"], [blobs["c"]]) == [True] and tier.flush(timeout=30)
         assert _check(tier, blobs) == ["c"]
         assert calls == [0, record_bytes(OBJ), 0]  # c went where a's record should have been
         seg = scan(str(tmp_path)).segments[-1]
@@ -242,3 +243,66 @@ def test_wait_for_room_blocks_until_staging_is_given_back(tmp_path, monkeypatch)
         gate.set()
         tier.close()
     assert tier.wait_for_room([OBJ], timeout=1) is False  # closed: no room will come
+
+
+def test_a_seal_runs_while_the_next_segment_is_written(tmp_path, monkeypatch):
+    """A full segment's seal (summary write + fdatasync) runs on an I/O thread: while it syncs, the writer
+    goes on writing the next segment. Here the first seal's sync waits until two more writes have
+    started; a seal on the writer thread would leave at most one write in flight behind it."""
+    real_pw, real_sync = ssd_mod._pwritev, os.fdatasync
+    lock, state = threading.Lock(), {"sealing": False, "during": 0, "seen": None}
+    started = threading.Event()
+
+    def pwritev(fd, iov, off):
+        with lock:
+            if state["sealing"]:
+                state["during"] += 1
+                if state["during"] >= 2:
+                    started.set()
+        return real_pw(fd, iov, off)
+
+    def fdatasync(fd):
+        if state["seen"] is None:  # the first sync is the first segment's seal
+            with lock:
+                state["sealing"] = True
+            state["seen"] = started.wait(10)
+            with lock:
+                state["sealing"] = False
+        return real_sync(fd)
+
+    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    blobs = {f"k{i}": _blob(OBJ, i) for i in range(12)}
+    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
+                 segment_bytes=256 * KiB) as tier:
+        assert all(tier.put(list(blobs), list(blobs.values())))
+        assert tier.flush(timeout=30)
+        assert state["seen"] is True
+        assert tier.stats()["seal_errors"] == 0
+        assert [s.sealed for s in scan(str(tmp_path)).segments] == [True, True, False]
+    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB) as tier:
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
+
+
+def test_a_failed_background_seal_is_counted_and_its_records_survive(tmp_path, monkeypatch):
+    """A seal whose sync fails is counted (seal_errors); the segment takes no more records, and a restart
+    walks it record by record instead of reading its summary: nothing is lost."""
+    real_sync, calls = os.fdatasync, []
+
+    def fdatasync(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real_sync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    blobs = {f"k{i}": _blob(OBJ, i) for i in range(6)}
+    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
+                 segment_bytes=256 * KiB, direct_io=False) as tier:
+        assert all(tier.put(list(blobs), list(blobs.values())))
+        assert tier.flush(timeout=30)
+        assert tier.stats()["seal_errors"] == 1
+        assert sorted(_check(tier, blobs)) == sorted(blobs)
+    monkeypatch.setattr(os, "fdatasync", real_sync)
+    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB) as tier:
+        assert sorted(_check(tier, blobs)) == sorted(blobs)

@@ -78,7 +78,7 @@ _PUT, _TOMB, _CLEAR = range(3)
 _OK, _MISS, _BAD, _IOERR = range(4)
 _MAX_BATCH_ITEMS = 512  # below IOV_MAX (1024) for one pwritev
 _SUM_RUN_BYTES = 1 << 20  # put: checksums of side-by-side small records taken this much at a time
-_WRITE_DEPTH = 2  # groups a directory's writer keeps in flight: the next one waits in the kernel
+_WRITE_DEPTH = 3  # groups a directory's writer keeps in flight, so a writer late by one write's time leaves no gap
 _FATAL_ERRNOS = (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
 # The syscalls the tier's I/O goes through; module attributes so fault tests can replace them.
@@ -150,7 +150,8 @@ class _Write:
     nbytes: int
     ebytes: int
     future: Future
-    tombs: np.ndarray | None = None  # the tombstones' header blocks, alive until written
+    tombs: np.ndarray | None = None  # the tombstones' header blocks (a seal's image), alive until written
+    seal: bool = False  # the segment's summary and trailer (no records): lands as _sealed
 
 
 @dataclass(eq=False)
@@ -179,7 +180,7 @@ class _Shard:
     busy: bool = False
     failed: str = ""
     thread: threading.Thread | None = None
-    io: ThreadPoolExecutor | None = None  # runs the writes the writer thread plans (_WRITE_DEPTH at once)
+    io: ThreadPoolExecutor | None = None  # runs the writes the writer thread plans (_WRITE_DEPTH at once) and seals
     inflight: deque[_Write] = field(default_factory=deque)  # oldest first; touched by the writer thread only
 
 
@@ -311,7 +312,8 @@ class SsdTier(Pool):
             self._release_shards()
             raise
         for shard in self._shards:
-            shard.io = ThreadPoolExecutor(_WRITE_DEPTH, thread_name_prefix=f"umbp-ssd-io-{shard.number}")
+            # _WRITE_DEPTH writes and a seal (its fdatasync can take a while) run at once
+            shard.io = ThreadPoolExecutor(_WRITE_DEPTH + 1, thread_name_prefix=f"umbp-ssd-io-{shard.number}")
             shard.thread = threading.Thread(target=self._writer, args=(shard,), daemon=True,
                                             name=f"umbp-ssd-writer-{shard.number}")
             shard.thread.start()
@@ -1287,9 +1289,13 @@ class SsdTier(Pool):
         """Land the oldest writes in flight until `keep` are left: index what reached the file. After a
         short or failed write, the later writes to that segment are dropped and the file cut back to its
         valid end, so the next append lands right behind the last good record and no record follows a
-        hole. Segments with no write left in flight that are no longer active get sealed."""
-        while len(shard.inflight) > keep:
-            w = shard.inflight.popleft()
+        hole. Segments with no write left in flight that are no longer active get sealed. Seals in
+        flight do not count towards `keep`: they land once done, or all of them when keep is 0."""
+        while True:
+            w = next((w for w in shard.inflight if not w.seal), None)
+            if w is None or sum(not x.seal for x in shard.inflight) <= keep:
+                break
+            shard.inflight.remove(w)
             written = self._result(w)
             with self._lock:
                 short = w.offset != w.seg.size
@@ -1297,6 +1303,9 @@ class SsdTier(Pool):
             if short or written < w.nbytes:
                 self._cut_back(shard, w.seg)
             self._seal_if_left(shard, w.seg)
+        for w in [w for w in shard.inflight if w.seal and (keep == 0 or w.future.done())]:
+            shard.inflight.remove(w)
+            self._sealed(shard, w.seg, bool(self._result(w)), w.nbytes)
 
     def _cut_back(self, shard: _Shard, seg: _Segment) -> None:
         """After a write to seg fell short: drop its later writes (waited for, never indexed) and cut the
@@ -1309,8 +1318,9 @@ class SsdTier(Pool):
         self._cut_file(seg)
 
     def _seal_if_left(self, shard: _Shard, seg: _Segment) -> None:
+        """Seal seg (in the background) once it is no longer active and no write to it is in flight."""
         if seg is not shard.active and not seg.sealed and not seg.dead and all(w.seg is not seg for w in shard.inflight):
-            self._seal(shard, seg)
+            self._seal_later(shard, seg)
 
     @staticmethod
     def _result(w: _Write) -> int:
@@ -1356,7 +1366,7 @@ class SsdTier(Pool):
 
     def _undirect(self, shard: _Shard, seg: _Segment) -> None:
         """After EINVAL from a write (direct_io='auto'): make sure the directory and this file use buffered
-        I/O; the caller retries once. Checking shard.direct alone is not enough with two writes in flight: the other
+        I/O; the caller retries once. Checking shard.direct alone is not enough with writes in flight: another
         write thread may have switched the directory after this write was issued as a direct one, or this
         file may have been opened with O_DIRECT just as the switch happened."""
         if shard.direct:
@@ -1457,6 +1467,19 @@ class SsdTier(Pool):
 
     def _seal(self, shard: _Shard, seg: _Segment) -> None:
         """Append the summary record and trailer, sync, and stop appending to the segment."""
+        image = self._seal_image(seg)
+        self._sealed(shard, seg, self._seal_io(shard, seg, image, seg.size), image.size)
+
+    def _seal_later(self, shard: _Shard, seg: _Segment) -> None:
+        """_seal with its write and sync on an I/O thread, landed by _settle like a write: the writer
+        goes on with the next segment meanwhile (a synchronous seal's fdatasync left the disk idle)."""
+        image = self._seal_image(seg)
+        future = shard.io.submit(self._seal_io, shard, seg, image, seg.size)
+        shard.inflight.append(_Write(seg, [], [], seg.size, image.size, 0, future, image, seal=True))
+
+    @staticmethod
+    def _seal_image(seg: _Segment) -> np.ndarray:
+        """The summary record (every entry of the segment) and the trailer, ready to append."""
         payload = np.frombuffer(pack_summary(seg.entries), np.uint8)
         rec = record_bytes(payload.size)
         buf = aligned_buffer(rec + BLOCK)
@@ -1464,17 +1487,24 @@ class SsdTier(Pool):
         buf[BLOCK + payload.size : rec] = 0
         pack_header(buf[:BLOCK], b"", SUMMARY, 0, payload.size, checksum_u8(payload))
         buf[rec:] = np.frombuffer(pack_trailer(seg.size, rec), np.uint8)
+        return buf
+
+    @staticmethod
+    def _seal_io(shard: _Shard, seg: _Segment, image: np.ndarray, offset: int) -> bool:
         try:
-            ok = _pwritev(seg.fd, [buf], seg.size) == rec + BLOCK
+            ok = _pwritev(seg.fd, [image], offset) == image.size
             os.fdatasync(seg.fd)
             if not shard.direct:
                 os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # sealed: keep the page cache free
         except OSError as exc:
             ok = False
             log.warning("umbp: sealing %s failed: %s (it will be walked at restart)", seg.path, exc)
+        return ok
+
+    def _sealed(self, shard: _Shard, seg: _Segment, ok: bool, nbytes: int) -> None:
         with self._lock:
             self._counters["seal_errors"] += not ok
-            seg.size += (rec + BLOCK) if ok else 0
+            seg.size += nbytes if ok else 0
             seg.sealed = True
             if shard.active is seg:
                 shard.active = None
