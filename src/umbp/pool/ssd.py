@@ -78,6 +78,7 @@ _PUT, _TOMB, _CLEAR = range(3)
 _OK, _MISS, _BAD, _IOERR = range(4)
 _MAX_BATCH_ITEMS = 512  # below IOV_MAX (1024) for one pwritev
 _SUM_RUN_BYTES = 1 << 20  # put: checksums of side-by-side small records taken this much at a time
+_ENTRY_BYTES = entry_bytes(b"")  # a summary entry's bytes before its key
 _WRITE_DEPTH = 3  # groups a directory's writer keeps in flight, so a writer late by one write's time leaves no gap
 _FATAL_ERRNOS = (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
@@ -494,8 +495,11 @@ class SsdTier(Pool):
         the psum64 of the bytes, which lets a demotion verify the DRAM copy end to end)."""
         srcs = prepare_buffers("put", keys, buffers, writable=False)
         blobs = [self._key_bytes(k) for k in keys]
-        for key, kb, src in zip(keys, blobs, srcs, strict=True):
-            self._check_fits(key, kb, src.size)
+        for size in {src.size for src in srcs}:  # per size, with the longest key; then key by key if need be
+            if not self._fits(size, MAX_KEY_BYTES):
+                for key, kb, src in zip(keys, blobs, srcs, strict=True):
+                    if src.size == size:
+                        self._check_fits(key, kb, size)
         if checksums is not None and len(checksums) != len(keys):
             raise BufferSizeError(f"umbp: put got {len(keys)} keys but {len(checksums)} checksums")
         out = [False] * len(keys)
@@ -514,24 +518,31 @@ class SsdTier(Pool):
             if self._stopping:
                 raise UmbpError("umbp: this SsdTier is closed")
             wanted = []
+            pages: dict[int, int] = {}  # payload size -> staging pages of its record
+            one = self._shards[0] if self._ndirs == 1 else None
             for i, (key, src) in enumerate(zip(keys, srcs, strict=True)):
-                shard = self._route(key)
+                shard = one or self._route(key)
                 if key in shard.index or key in shard.staged:
                     c["put_duplicates"] += 1
                     out[i] = True
                 elif shard.failed:
                     c["dropped_failed"] += 1
                 else:
-                    wanted.append((i, shard, record_bytes(src.size) // BLOCK))
-            if len(wanted) > 1 and len({n for _i, _s, n in wanted}) == 1:
+                    n = pages.get(src.size)
+                    if n is None:
+                        n = pages[src.size] = record_bytes(src.size) // BLOCK
+                    wanted.append((i, shard, n))
+            if len(wanted) > 1 and len(pages) == 1:
                 npages = wanted[0][2]
                 run = self._alloc.alloc(npages * len(wanted))
                 starts = None if run is None else range(run, run + npages * len(wanted), npages)
             else:
                 starts = None
+            refused = set()  # page counts no free run has left (nothing is freed while the lock is held)
             for k, (i, shard, npages) in enumerate(wanted):
-                start = self._alloc.alloc(npages) if starts is None else starts[k]
+                start = (None if npages in refused else self._alloc.alloc(npages)) if starts is None else starts[k]
                 if start is None:
+                    refused.add(npages)
                     c["dropped_backpressure"] += 1
                     continue
                 key = keys[i]
@@ -868,6 +879,10 @@ class SsdTier(Pool):
             raise OptionValueError(f"umbp: key '{key[:60]}...' is {len(kb)} bytes; the SSD tier takes keys up "
                                    f"to {MAX_KEY_BYTES} bytes (utf-8)")
         return kb
+
+    def _fits(self, nbytes: int, key_len: int) -> bool:
+        rec = record_bytes(nbytes)
+        return rec <= self._queue_bytes and rec + seal_bytes(_ENTRY_BYTES + key_len) <= self._shards[0].capacity
 
     def _check_fits(self, key: str, kb: bytes, nbytes: int) -> None:
         rec = record_bytes(nbytes)
