@@ -255,7 +255,7 @@ def test_torn_tail_and_corrupt_headers_at_restart(tmp_path):
     with open(seg1, "r+b") as f:  # a torn last record: its last block never reached the disk
         f.seek(os.path.getsize(seg1) - BLOCK)
         f.write(os.urandom(BLOCK))
-    with _tier(tmp_path) as tier:  # the walk verifies the last record's payload: discarded
+    with _tier(tmp_path) as tier:  # the walk verifies every payload: the torn last record is discarded
         assert _check(tier, blobs) == ["k0", "k1", "k2", "k3"]
         tier.put(["k4", "k5"], [blobs["k4"], blobs["k5"]])
     seg1, seg2 = _segments(tmp_path)
@@ -267,6 +267,28 @@ def test_torn_tail_and_corrupt_headers_at_restart(tmp_path):
     _unseal(seg2)  # now the newer segment must be walked: its corrupt first header ends the walk
     with _tier(tmp_path) as tier:
         assert _check(tier, blobs) == ["k0", "k1", "k2", "k3"]
+
+
+def test_a_torn_record_in_the_middle_of_a_walked_segment_ends_the_walk(tmp_path):
+    """A crash with several writes in flight can cut an earlier write short while a later one completed:
+    a torn record with intact records after it. The walk must stop at the torn record, so neither it nor
+    anything after it is indexed (no record after a hole), and nothing fails its checksum when read."""
+    blobs = {f"k{i}": _blob(10 * KiB, i) for i in range(5)}
+    with _tier(tmp_path) as tier:
+        tier.put(list(blobs), list(blobs.values()))
+    (seg,) = _segments(tmp_path)
+    _unseal(seg)
+    loc = scan_directory(str(tmp_path))["k2"]
+    with open(seg, "r+b") as f:  # k2's last payload block never reached the disk (a hole reads as zeros)
+        f.seek(loc.offset + record_bytes(loc.length) - BLOCK)
+        f.write(bytes(BLOCK))
+    assert sorted(scan_directory(str(tmp_path))) == ["k0", "k1"]
+    with _tier(tmp_path) as tier:
+        assert _check(tier, blobs) == ["k0", "k1"]
+        assert tier.stats()["checksum_failures"] == 0
+        tier.put(["k2"], [blobs["k2"]])
+    with _tier(tmp_path) as tier:  # the walked segment was cut at k2 and sealed; k2 is in the next one
+        assert _check(tier, blobs) == ["k0", "k1", "k2"]
 
 
 def test_segment_deleted_under_the_running_process(tmp_path):

@@ -13,9 +13,9 @@ blocks, so the owner can write and read it with O_DIRECT::
 A sealed segment ends with a summary record (its payload lists every record of the segment) and a
 trailer block ("UMBP-END", version, summary offset, crc32), so a restart reads two blocks per segment
 instead of every header. A segment without a valid trailer (the one being written when the process died)
-is walked header by header; the walk stops at the first header that is torn, corrupt or runs past the end
-of the file, and the last data record found by a walk has its payload checksum verified. Everything after
-the stopping point is discarded, never served.
+is walked header by header, verifying every data record's payload checksum; the walk stops at the first
+header that is torn, corrupt or runs past the end of the file, or at the first payload that fails its
+checksum. Everything after the stopping point is discarded, never served.
 
 `seq` increases with every record a directory receives, so when a key appears more than once the highest
 seq wins, and a winning tombstone means the key is absent.
@@ -280,7 +280,9 @@ def _verify_payload(fd: int, r: RecordInfo) -> bool:
 
 
 def _walk(fd: int, scan: SegmentScan) -> None:
-    """Header by header from the start; stops at the first record that is not whole and intact."""
+    """Header by header from the start; stops at the first record that is not whole and intact. Every data
+    record's payload is verified, not only the last one: with several writes in flight, a crash can leave
+    a torn record in the middle (an earlier write cut short, a later one complete behind it)."""
     off, size = 0, scan.size
     while off < size:
         head = parse_header(_pread(fd, BLOCK, off)) if off + BLOCK <= size else None
@@ -293,15 +295,13 @@ def _walk(fd: int, scan: SegmentScan) -> None:
             break
         if head.flags != SUMMARY:
             info = RecordInfo(scan.number, off, head.length, head.checksum, head.seq, head.flags)
+            if head.flags == DATA and not _verify_payload(fd, info):
+                scan.discarded = (f"record at offset {off} fails its checksum (torn write); it and the "
+                                  f"{size - off - nbytes} bytes after it discarded")
+                break
             scan.records.append((head.key, info))
         off += nbytes
     scan.valid_end = off
-    data = [i for i, (_, r) in enumerate(scan.records) if r.flags == DATA]
-    if data and not _verify_payload(fd, scan.records[data[-1]][1]):
-        _, bad = scan.records[data[-1]]
-        scan.records = scan.records[: data[-1]]
-        scan.valid_end = bad.offset
-        scan.discarded = f"last record (offset {bad.offset}) fails its checksum (torn write); discarded"
 
 
 def scan_segment(path: str, number: int) -> SegmentScan | None:
@@ -346,6 +346,6 @@ def scan_directory(directory: str) -> dict[str, RecordInfo]:
     """key -> RecordInfo of every object `directory` holds, as a restarted SsdTier would serve it.
 
     Pure and read-only (no lock is taken), so another process (the vLLM scheduler) can learn what a
-    worker's directory holds. Payloads are not read, except the last record of each unsealed segment;
+    worker's directory holds. Payloads are read only in unsealed segments (the walk verifies each one);
     the owner verifies every payload's checksum when it serves it."""
     return scan(directory).records
