@@ -1193,7 +1193,8 @@ class SsdTier(Pool):
         seg = shard.active
         if seg is None or shard.failed:
             return None
-        ahead = sum(w.nbytes + w.ebytes for w in shard.inflight) + BLOCK  # covers their growth of the seal
+        # writes in flight are not in the footprint yet (a seal in flight is: its segment reserved it)
+        ahead = sum(w.nbytes + w.ebytes for w in shard.inflight if not w.seal) + BLOCK  # + their seal growth
         if shard.footprint + ahead + nbytes + seal_bytes(ebytes) + ebytes > shard.limit - self._reserve:
             return None
         tail = seg.size + sum(w.nbytes for w in shard.inflight if w.seg is seg)
