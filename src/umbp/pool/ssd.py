@@ -151,7 +151,8 @@ class _Write:
     nbytes: int
     ebytes: int
     future: Future
-    tombs: np.ndarray | None = None  # the tombstones' header blocks (a seal's image), alive until written
+    buffer: np.ndarray | None = None  # memory the write reads besides staging (tombstone headers, a seal's
+    # image), kept alive until it is written
     seal: bool = False  # the segment's summary and trailer (no records): lands as _sealed
 
 
@@ -475,7 +476,7 @@ class SsdTier(Pool):
     @property
     def max_object_bytes(self) -> int:
         """The largest payload put() accepts (for any key up to MAX_KEY_BYTES)."""
-        room = min(self._queue_bytes, self._shards[0].capacity - seal_bytes(entry_bytes(bytes(MAX_KEY_BYTES))))
+        room = min(self._queue_bytes, self._shards[0].capacity - seal_bytes(_ENTRY_BYTES + MAX_KEY_BYTES))
         return max(room - BLOCK, 0) // BLOCK * BLOCK
 
     # ---- Pool API ------------------------------------------------------------------------------------
@@ -519,9 +520,8 @@ class SsdTier(Pool):
                 raise UmbpError("umbp: this SsdTier is closed")
             wanted = []
             pages: dict[int, int] = {}  # payload size -> staging pages of its record
-            one = self._shards[0] if self._ndirs == 1 else None
             for i, (key, src) in enumerate(zip(keys, srcs, strict=True)):
-                shard = one or self._route(key)
+                shard = self._route(key)
                 if key in shard.index or key in shard.staged:
                     c["put_duplicates"] += 1
                     out[i] = True
@@ -881,22 +881,24 @@ class SsdTier(Pool):
         return kb
 
     def _fits(self, nbytes: int, key_len: int) -> bool:
+        """Whether an object fits both the staging queue and a directory's capacity (its seal included)."""
         rec = record_bytes(nbytes)
         return rec <= self._queue_bytes and rec + seal_bytes(_ENTRY_BYTES + key_len) <= self._shards[0].capacity
 
     def _check_fits(self, key: str, kb: bytes, nbytes: int) -> None:
-        rec = record_bytes(nbytes)
-        cap = self._shards[0].capacity
-        if rec > self._queue_bytes:
+        """_fits, or the error that names the limit the object exceeds."""
+        if self._fits(nbytes, len(kb)):
+            return
+        if record_bytes(nbytes) > self._queue_bytes:
             raise ObjectTooLargeError(
                 f"umbp: object '{key}' is {human_bytes(nbytes)} but the SSD staging queue holds "
                 f"{human_bytes(self._queue_bytes)}; raise queue_bytes"
             )
-        if rec + seal_bytes(entry_bytes(kb)) > cap:
-            raise ObjectTooLargeError(
-                f"umbp: object '{key}' is {human_bytes(nbytes)} but the SSD tier holds {human_bytes(cap)} per "
-                "directory; raise capacity_bytes"
-            )
+        cap = self._shards[0].capacity
+        raise ObjectTooLargeError(
+            f"umbp: object '{key}' is {human_bytes(nbytes)} but the SSD tier holds {human_bytes(cap)} per "
+            "directory; raise capacity_bytes"
+        )
 
     @staticmethod
     def _check_sizes(keys: Sequence[str], plans: list, dsts: list[np.ndarray]) -> None:

@@ -8,11 +8,12 @@ get_into in batches. Both sides use O_DIRECT where the filesystem allows, so the
 neither; where it does not, both fall back to buffered I/O and the page cache of the files is dropped
 (posix_fadvise) before every read pass. Writes: baseline and tier alternate which goes first each
 repetition, and the default count is even: on the H200 host's virtual disk whichever side wrote first
-after the deletes ran ~10-15% slower, so with an odd count the majority order would bias the figure
-(3 repetitions, the old default, put the baseline first twice: the tier's favour). Reads: the two sides take turns slice by slice (32 MiB), so a disk whose own rate drifts
-within a pass drifts for both alike. The figure is the median of the per-repetition ratios. A put
-refused because staging is full (the disk is behind) waits for room and is retried (--refused poll
-retries every 0.2 ms instead; each refused call costs a pass over its keys, CPU the writer needs). Both sides write fresh files, and each repetition
+after the deletes ran ~15% slower, so with an odd count the majority order would bias the figure (3
+repetitions, the old default, put the baseline first twice: the tier's favour). Reads: the two sides take
+turns slice by slice (32 MiB), so a disk whose own rate drifts within a pass drifts for both alike. The
+figure is the median of the per-repetition ratios. A put refused because staging is full (the disk is
+behind) waits for room and is retried (--refused poll retries every 0.2 ms instead; each refused call
+costs a pass over its keys, CPU the writer needs). Both sides write fresh files, and each repetition
 first deletes both sides' old files and syncs, outside the timed steps: on a filesystem mounted with
 `discard`, deleting a file inside a timed write (or truncating one) put the TRIM in that side's window and
 made it up to ~30% slower, which flattered whichever side it was not. The first repetition checks every
