@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from umbp.tools.benchutil import Progress, human, write_json
+from umbp.tools.benchutil import Progress, human, spread, write_json
 from umbp.tools.local_redis import LocalRedis
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -281,20 +281,21 @@ def _print_table(report: dict[str, Any]) -> None:
     cfg, srv = report["config"], report["server"]
     print(f"umbp bench remote: redis-server {srv['version']} at {cfg['url']} ({cfg['server']}), working set "
           f"{human(cfg['working_set_bytes'])}, {cfg['reps']} reps, batch {cfg['batch']}, medians; load avg "
-          f"{report['machine']['load_avg'][0]:.2f} on {report['machine']['cpus']} CPUs"
+          f"{report['machine']['load_avg'][0]:.2f} on {report['machine']['cpus']} CPUs; reps: lowest-highest repetition's ratio"
           + ("  [--quick: not representative]" if cfg["quick"] else ""))
     lk = report["lookup"]
     print(f"lookup {lk['keys']} keys ({lk['present']} present, {lk['key_bytes']}-char keys): median "
           f"{lk['median_ms']:.2f} ms, p90 {lk['p90_ms']:.2f}, min {lk['min_ms']:.2f}, first {lk['first_ms']:.2f}"
           f"   target <= {lk['target_ms']:.0f} ms  {lk['verdict']}")
-    print(f"{'op':<10}{'size':>8}{'umbp GB/s':>11}{'redis-benchmark':>17}{'ratio':>7}{'target':>8}  result"
+    print(f"{'op':<10}{'size':>8}{'umbp GB/s':>11}{'redis-benchmark':>17}{'ratio':>7}{'reps':>12}{'target':>8}  result"
           f"{'rb one key':>12}")
     for r in report["results"]:
         ref = f"{r['ref_gbps']:.2f}" if r["ref_gbps"] is not None else "-"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
         target = f">={r['target_ratio']:.1f}" if r["target_ratio"] is not None else "-"
         one = r.get("ref_one_key_gbps")
-        print(f"{r['op']:<10}{human(r['size_bytes']):>8}{r['umbp_gbps']:>11.2f}{ref:>17}{ratio:>7}{target:>8}"
+        reps = spread(r["ratios"]) if r["ratios"] else "-"
+        print(f"{r['op']:<10}{human(r['size_bytes']):>8}{r['umbp_gbps']:>11.2f}{ref:>17}{ratio:>7}{reps:>12}{target:>8}"
               f"  {r['verdict']:<6}{f'{one:.2f}' if one is not None else '-':>10}")
 
 

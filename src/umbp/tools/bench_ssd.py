@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from umbp.tools.benchutil import human, timed, write_json
+from umbp.tools.benchutil import human, spread, timed, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -266,11 +266,11 @@ def _print_table(report: dict[str, Any]) -> None:
     print(f"umbp bench ssd: {cfg['dir']}, working set {human(cfg['working_set_bytes'])}, {cfg['reps']} reps, "
           f"{human(cfg['batch_bytes'])} per call, {cfg['copy_threads']} copy threads, refused puts "
           f"{cfg['refused']}, {io}; disk = sequential {human(cfg['io_bytes'])} I/Os of one "
-          "file; medians; ratio = tier / disk" + ("  [--quick: not representative]" if cfg["quick"] else ""))
-    print(f"{'op':<7}{'size':>9}{'tier MB/s':>11}{'disk MB/s':>11}{'ratio':>8}{'target':>9}  result")
+          "file; medians; ratio = tier / disk (reps: lowest-highest repetition)" + ("  [--quick: not representative]" if cfg["quick"] else ""))
+    print(f"{'op':<7}{'size':>9}{'tier MB/s':>11}{'disk MB/s':>11}{'ratio':>8}{'reps':>12}{'target':>9}  result")
     for r in report["results"]:
         print(f"{r['op']:<7}{human(r['size_bytes']):>9}{r['tier_mbps']:>11.0f}{r['disk_mbps']:>11.0f}"
-              f"{r['ratio']:>8.2f}{'>=' + format(r['target_ratio'], '.2f'):>9}  {r['verdict']}")
+              f"{r['ratio']:>8.2f}{spread(r['ratios']):>12}{'>=' + format(r['target_ratio'], '.2f'):>9}  {r['verdict']}")
     c = report["checksum_gbps"]
     load = report["machine"]["loadavg_start_end"]
     print("checksum GB/s (4 MiB, cache-hot): " + ", ".join(f"{k} {v:.1f}" for k, v in c.items())

@@ -7,7 +7,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,11 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def human(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def spread(values: Sequence[float]) -> str:
+    """'lowest-highest' of per-repetition ratios: a median near a target means little when they span 0.2."""
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 def check_output(tool: str, path: str | Path, directory: bool = False) -> None:
