@@ -94,13 +94,52 @@ def test_objects_larger_than_dram_go_to_ssd_and_restart_serves_them(tmp_path):
 
 
 def test_the_dram_eviction_hook_sees_intact_bytes_before_reuse():
-    """DramIndex.on_evict sees each victim while its bytes are still intact (TieredPool demotes through it)."""
+    """DramIndex.on_evict sees the victims while their bytes are still intact (TieredPool demotes through
+    it): one call per put batch, even when the batch's new objects take the victims' pages."""
     dram = DramPool(capacity_bytes=32 * KiB, pinned=False, high_watermark=1.0, low_watermark=1.0)
-    seen = []
-    install_evict_hook(dram, lambda key, slot: seen.append((key, dram.arena.view(slot.offset, slot.nbytes).copy())))
+    calls = []
+    install_evict_hook(dram, lambda victims: calls.append(
+        [(key, dram.arena.view(slot.offset, slot.nbytes).copy()) for key, slot in victims]))
     assert isinstance(dram.index, DramIndex)
     blobs = [_blob(8 * KiB, i) for i in range(6)]
     for i, b in enumerate(blobs):
         dram.put([f"k{i}"], [b])
-    assert [k for k, _ in seen] == ["k0", "k1"]
+    assert [[k for k, _ in c] for c in calls] == [["k0"], ["k1"]]
+    new = [_blob(8 * KiB, 100 + i) for i in range(3)]
+    assert dram.put(["n0", "n1", "n2"], new) == [True] * 3  # one batch evicting three, into their pages
+    assert [k for k, _ in calls[-1]] == ["k2", "k3", "k4"] and len(calls) == 3
+    seen = [kv for c in calls for kv in c]
     assert all(np.array_equal(data, blobs[int(k[1:])]) for k, data in seen)
+    assert all(np.array_equal(_get(dram, f"n{i}", 8 * KiB), b) for i, b in enumerate(new))
+
+
+def test_a_put_batch_demotes_its_victims_in_one_lower_put(tmp_path, monkeypatch):
+    calls = []
+    real = SsdTier.put
+    monkeypatch.setattr(SsdTier, "put", lambda self, keys, bufs, checksums=None: (
+        calls.append(list(keys)), real(self, keys, bufs, checksums=checksums))[1])
+    old = {f"k{i}": _blob(8 * KiB, i) for i in range(8)}
+    with _pool(tmp_path) as pool:  # 64 KiB of DRAM, evicting from 100% down to 75%
+        assert pool.put(list(old), list(old.values())) == [True] * 8
+        assert calls == []
+        new = {f"n{i}": _blob(8 * KiB, 50 + i) for i in range(4)}
+        assert pool.put(list(new), list(new.values())) == [True] * 4
+        # two watermark evictions in the batch (100% -> 75% twice): six victims, the oldest, in one put
+        assert calls == [[f"k{i}" for i in range(6)]]
+        s = pool.stats()
+        assert s["demotions"] == s["tiers"][0]["evictions"] == 6
+        assert s["demotions_dropped"] == s["demotion_errors"] == 0
+        assert all(np.array_equal(_get(pool.tiers[1], f"k{i}", 8 * KiB), old[f"k{i}"]) for i in range(6))
+        assert all(np.array_equal(_get(pool, k, 8 * KiB), v) for k, v in {**old, **new}.items())
+
+
+def test_a_victim_too_large_for_the_lower_tier_does_not_stop_the_others(tmp_path):
+    with _pool(tmp_path, queue_bytes=40 * KiB) as pool:  # SSD staging 40 KiB: a 40 KiB object never fits
+        big, small = _blob(40 * KiB, 1), [_blob(8 * KiB, 2 + i) for i in range(3)]
+        assert pool.put(["big", "s0", "s1", "s2"], [big, *small]) == [True] * 4  # DRAM full (64 KiB)
+        new = [_blob(8 * KiB, 10 + i) for i in range(6)]
+        assert pool.put([f"n{i}" for i in range(6)], new) == [True] * 6  # evicts big, s0, s1, s2 together
+        s = pool.stats()
+        assert s["demotion_errors"] == 1 and s["demotions"] == 3  # big cannot go down; the rest did
+        assert not pool.exists(["big"])[0]
+        assert all(np.array_equal(_get(pool.tiers[1], f"s{i}", 8 * KiB), b) for i, b in enumerate(small))

@@ -162,7 +162,7 @@ class DramPool(Pool):
         counters, index = self._counters, self._index
         results: list[bool] = []
         slots: list[Slot | None] = []
-        with self._lock:
+        with self._lock, index.batched_evictions():  # a burst of victims goes down a tier in one call
             for key, src in zip(keys, srcs, strict=True):
                 slot = None
                 if index.state(key) in (COMMITTED, PENDING):  # duplicate put: a no-op

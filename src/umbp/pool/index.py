@@ -23,7 +23,8 @@ single-threaded), so the hot path pays for no second lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -124,8 +125,10 @@ class DramIndex:
         self._alloc = PageAllocator(self.npages)
         self._live: dict[str, _Entry] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # committed and unpinned only, oldest first
-        # called as on_evict(key, slot) for each LRU victim before its pages are freed (tier demotion)
-        self.on_evict: Callable[[str, Slot], None] | None = None
+        # called as on_evict([(key, slot), ...]) with LRU victims while their bytes are intact (tier
+        # demotion): once per victim, or once per batched_evictions() block
+        self.on_evict: Callable[[list[tuple[str, Slot]]], None] | None = None
+        self._deferred: list[tuple[str, Slot]] | None = None
         self._lru_pages = 0
         self._reserved: dict[str, _Entry] = {}
         self._doomed: dict[str, _Entry] = {}  # removed while pinned
@@ -243,11 +246,32 @@ class DramIndex:
             start = self._alloc.alloc(npages)
         return start
 
+    @contextmanager
+    def batched_evictions(self) -> Iterator[None]:
+        """Hand the victims of every eviction inside the block to on_evict in one call, at its end. For
+        callers that reserve a whole batch before writing into any of it (DramPool.put): a burst of
+        victims then reaches the next tier as one batch instead of one call per object (which halved
+        TieredPool's put rate at 64 KiB). The victims' pages are freed at once but keep their bytes until the caller writes
+        its new slots, after the block; so the block must end before any of those writes."""
+        if self._deferred is not None:  # nested: the outer block delivers
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+        finally:
+            victims, self._deferred = self._deferred, None
+            if victims and self.on_evict is not None:
+                self.on_evict(victims)
+
     def _evict_one(self) -> None:
         key, _ = self._lru.popitem(last=False)
         entry = self._live.pop(key)
         if self.on_evict is not None:  # the bytes are intact until the caller reuses the pages
-            self.on_evict(key, entry.slot)
+            if self._deferred is not None:
+                self._deferred.append((key, entry.slot))
+            else:
+                self.on_evict([(key, entry.slot)])
         self._lru_pages -= entry.npages
         self._live_bytes -= entry.slot.nbytes
         self._alloc.free(entry.start, entry.npages)

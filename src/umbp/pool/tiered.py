@@ -12,9 +12,10 @@
   promoted object again costs no second SSD write.
 
 Why a hook: DramIndex frees an evicted object's pages inside reserve(), and the reserving put then
-overwrites them, so the bytes must be taken while the eviction runs: `DramIndex.on_evict` is called for
-each victim first. The callback runs under DramPool's lock, so the demotion copy is paid by the put that
-caused the eviction.
+overwrites them, so the bytes must be taken before that: `DramIndex.on_evict` gets the victims of a whole
+put batch in one call, after the batch's reservations and before its copies (`batched_evictions`), and
+demotes them with one put to the next tier (a call per victim halved the put rate at 64 KiB). The callback
+runs under DramPool's lock, so the demotion copy is paid by the put that caused the eviction.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, UmbpError, hu
 from umbp.pool.index import Slot
 from umbp.pool.ssd import SsdTier
 
-EvictCallback = Callable[[str, Slot], None]
+EvictCallback = Callable[[list[tuple[str, Slot]]], None]
 
 
 def install_evict_hook(dram: DramPool, callback: EvictCallback) -> None:
-    """Call callback(key, slot) for every object `dram` evicts, before its pages are freed."""
+    """Call callback([(key, slot), ...]) with the objects `dram` evicts while their bytes are intact: once
+    per put batch that evicted anything (see DramIndex.batched_evictions)."""
     dram.index.on_evict = callback
 
 
@@ -66,22 +68,38 @@ class TieredPool(Pool):
         with self._lock:
             self._counters[name] += n
 
-    def _demote(self, key: str, slot: Slot) -> None:
-        """Runs inside DramPool's eviction, under its lock: copy the victim down, never raise."""
+    def _demote(self, victims: list[tuple[str, Slot]]) -> None:
+        """Runs inside DramPool's eviction, under its lock: copy a burst of victims down in one batch
+        (one put, its copies split across the tier's copy threads), never raise."""
+        arena = self.tiers[0].arena
+        checked = [(k, s) for k, s in victims if s.checksum is not None]
+        unchecked = [(k, s) for k, s in victims if s.checksum is None]
+        for part, sums in ((checked, [s.checksum for _, s in checked]), (unchecked, None)):
+            if part:
+                self._demote_part([k for k, _ in part], [arena.view(s.offset, s.nbytes) for _, s in part], sums)
+
+    def _demote_part(self, keys: list[str], srcs: list, sums: list[int] | None) -> None:
         lower = self.tiers[1]
         try:
-            src = self.tiers[0].arena.view(slot.offset, slot.nbytes)
-            sums = None if slot.checksum is None else [slot.checksum]
             if hasattr(lower, "put_async"):  # a networked tier: queue a checked copy, no I/O under DRAM's lock
-                ok = lower.put_async([key], [src], checksums=sums)[0]
+                ok = lower.put_async(keys, srcs, checksums=sums)
             elif isinstance(lower, SsdTier):
-                ok = lower.put([key], [src], checksums=sums)[0]
+                ok = lower.put(keys, srcs, checksums=sums)
             else:
-                ok = lower.put([key], [src])[0]
-        except UmbpError:  # too large for the lower tier, or it is closed
-            self._count("demotion_errors")
+                ok = lower.put(keys, srcs)
+        except ObjectTooLargeError:  # one of them can never fit below: the others must still go down
+            if len(keys) == 1:
+                self._count("demotion_errors")
+                return
+            for i, key in enumerate(keys):
+                self._demote_part([key], [srcs[i]], None if sums is None else [sums[i]])
             return
-        self._count("demotions" if ok else "demotions_dropped")
+        except UmbpError:  # the lower tier is closed
+            self._count("demotion_errors", len(keys))
+            return
+        stored = sum(ok)
+        self._count("demotions", stored)
+        self._count("demotions_dropped", len(ok) - stored)
 
     # ---- Pool API ------------------------------------------------------------------------------------
 
