@@ -65,6 +65,17 @@ class _Model(RuleBasedStateMachine):
         for key in keys:  # one call each: DRAM evicts (and demotes) between them
             self.put(key, n)
 
+    @rule(keys=st.lists(KEYS, min_size=2, max_size=6, unique=True), n=SIZES)
+    def put_batch(self, keys, n):
+        """One call: DRAM reserves the whole batch first, and its victims are demoted together."""
+        blobs = []
+        for _ in keys:
+            self.version += 1
+            blobs.append(_blob(n, self.version))
+        for key, data, ok in zip(keys, blobs, self.pool.put(keys, blobs)):
+            if ok:
+                self.allowed.setdefault(key, set()).add(data)
+
     @rule()
     def get_all(self):
         """Read back every key (one batch per candidate size)."""
