@@ -251,8 +251,9 @@ class DramIndex:
         """Hand the victims of every eviction inside the block to on_evict in one call, at its end. For
         callers that reserve a whole batch before writing into any of it (DramPool.put): a burst of
         victims then reaches the next tier as one batch instead of one call per object (which halved
-        TieredPool's put rate at 64 KiB). The victims' pages are freed at once but keep their bytes until the caller writes
-        its new slots, after the block; so the block must end before any of those writes."""
+        TieredPool's put rate at 64 KiB). The victims' pages are freed at once but keep their bytes
+        until the caller writes its new slots, after the block; so the block must end before any of
+        those writes."""
         if self._deferred is not None:  # nested: the outer block delivers
             yield
             return
