@@ -143,3 +143,30 @@ def test_a_victim_too_large_for_the_lower_tier_does_not_stop_the_others(tmp_path
         assert s["demotion_errors"] == 1 and s["demotions"] == 3  # big cannot go down; the rest did
         assert not pool.exists(["big"])[0]
         assert all(np.array_equal(_get(pool.tiers[1], f"s{i}", 8 * KiB), b) for i, b in enumerate(small))
+
+
+@pytest.mark.parametrize("capped", [True, False])
+def test_a_watermark_burst_is_capped_to_what_the_ssd_staging_takes(tmp_path, monkeypatch, capped):
+    """DRAM evicting 75% of itself at once would overflow a 64 KiB SSD staging buffer (its writer wedged
+    here): TieredPool caps one eviction at half the staging, so nothing is dropped."""
+    gate = threading.Event()
+    real = ssd_mod._pwritev
+    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(), real(*a))[1])
+    dram = DramPool(capacity_bytes=256 * KiB, pinned=False, high_watermark=1.0, low_watermark=0.25)
+    pool = TieredPool([dram, SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=64 * KiB)])
+    try:
+        assert dram.index.max_evict_pages == 8  # 32 KiB of 4 KiB pages
+        if not capped:
+            dram.index.max_evict_pages = None
+        for i in range(32):  # fills DRAM exactly; nothing evicted yet
+            assert pool.put([f"k{i}"], [_blob(8 * KiB, i)]) == [True]
+        assert pool.put(["new"], [_blob(8 * KiB, 99)]) == [True]
+        s = pool.stats()
+        if capped:  # 4 victims (32 KiB), all staged for the disk
+            assert s["tiers"][0]["evictions"] == 4 and s["demotions"] == 4 and s["demotions_dropped"] == 0
+        else:  # down to the low watermark: 25 victims, most of them dropped for lack of staging
+            assert s["tiers"][0]["evictions"] == 25 and s["demotions_dropped"] > 0
+        gate.set()
+    finally:
+        gate.set()
+        pool.close()

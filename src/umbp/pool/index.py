@@ -129,6 +129,9 @@ class DramIndex:
         # demotion): once per victim, or once per batched_evictions() block
         self.on_evict: Callable[[list[tuple[str, Slot]]], None] | None = None
         self._deferred: list[tuple[str, Slot]] | None = None
+        # pages one watermark eviction frees at most (None: down to the low watermark); TieredPool sets it
+        # to what the next tier can take in one call, so a burst of victims does not overflow it
+        self.max_evict_pages: int | None = None
         self._lru_pages = 0
         self._reserved: dict[str, _Entry] = {}
         self._doomed: dict[str, _Entry] = {}  # removed while pinned
@@ -231,12 +234,15 @@ class DramIndex:
         return out
 
     def _make_room(self, npages: int) -> None:
-        """Past the high watermark, evict least-recently-used objects down to the low one."""
+        """Past the high watermark, evict least-recently-used objects down to the low one (at most
+        max_evict_pages of them per call, at least one object)."""
         used = self.npages - self._alloc.free_pages
         if used + npages > self._high_pages:
             target = max(self._low_pages - npages, 0)
-            while self._lru and self.npages - self._alloc.free_pages > target:
-                self._evict_one()
+            budget = self.npages if self.max_evict_pages is None else self.max_evict_pages
+            freed = 0
+            while self._lru and self.npages - self._alloc.free_pages > target and freed < budget:
+                freed += self._evict_one()
 
     def _allocate(self, npages: int) -> int | None:
         self._make_room(npages)
@@ -265,7 +271,8 @@ class DramIndex:
             if victims and self.on_evict is not None:
                 self.on_evict(victims)
 
-    def _evict_one(self) -> None:
+    def _evict_one(self) -> int:
+        """Evict the least recently used object; returns its pages."""
         key, _ = self._lru.popitem(last=False)
         entry = self._live.pop(key)
         if self.on_evict is not None:  # the bytes are intact until the caller reuses the pages
@@ -280,6 +287,7 @@ class DramIndex:
         self.evicted_bytes += entry.slot.nbytes
         if self._track_evicted:
             self._evicted.append(key)
+        return entry.npages
 
     def commit(self, key: str, checksum: int | None = None) -> bool:
         """Make a reserved key visible. False if it was removed/cleared meanwhile (its pages are freed)."""

@@ -474,6 +474,11 @@ class SsdTier(Pool):
         shard.cv.notify()
 
     @property
+    def queue_bytes(self) -> int:
+        """Bytes of staging: what puts can hand over before the writer has written any of it."""
+        return self._queue_bytes
+
+    @property
     def max_object_bytes(self) -> int:
         """The largest payload put() accepts (for any key up to MAX_KEY_BYTES)."""
         room = min(self._queue_bytes, self._shards[0].capacity - seal_bytes(_ENTRY_BYTES + MAX_KEY_BYTES))

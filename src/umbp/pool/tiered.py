@@ -40,6 +40,14 @@ def install_evict_hook(dram: DramPool, callback: EvictCallback) -> None:
     dram.index.on_evict = callback
 
 
+def _intake_bytes(tier: Pool) -> int | None:
+    """What a tier takes in one call before its writer drains any of it (None: not bounded that way)."""
+    if isinstance(tier, SsdTier):
+        return tier.queue_bytes
+    config = getattr(tier, "config", None)
+    return getattr(config, "write_queue_bytes", None)
+
+
 def _max_object_bytes(tier: Pool) -> int | None:
     if isinstance(tier, SsdTier):
         return tier.max_object_bytes
@@ -63,6 +71,10 @@ class TieredPool(Pool):
         self._misses = 0
         if demote and len(self.tiers) > 1 and isinstance(self.tiers[0], DramPool):
             install_evict_hook(self.tiers[0], self._demote)
+            intake = _intake_bytes(self.tiers[1])
+            if intake is not None:  # DRAM's watermark burst (10% of it by default) must not overflow it
+                index = self.tiers[0].index
+                index.max_evict_pages = max(1, intake // 2 // index.alignment)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
