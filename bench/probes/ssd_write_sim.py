@@ -25,6 +25,7 @@ import numpy as np
 
 import umbp.pool.ssd as ssd
 from umbp.pool.buffers import aligned_buffer
+from umbp.tools.bench_ssd import put_all
 
 MiB = 1 << 20
 
@@ -83,15 +84,7 @@ def run(disk: QueuedDisk, size: int, ws: int, passes: int, depth: int, copy_thre
             refused0 = tier.stats()["dropped_backpressure"]
             disk.reset()
             cpu0, t0 = thread_cpu_ns(), time.perf_counter()
-            for b in range(0, n, batch):
-                pending = list(range(b, min(b + batch, n)))
-                while pending:
-                    ok = tier.put([keys[i] for i in pending], [objs[i] for i in pending])
-                    pending = [i for i, stored in zip(pending, ok, strict=True) if not stored]
-                    if pending and refused == "poll":
-                        time.sleep(0.0002)
-                    elif pending:
-                        tier.wait_for_room([size] * len(pending))
+            put_all(tier, keys, objs, batch, refused)
             tier.flush()
             dt, cpu1 = time.perf_counter() - t0, thread_cpu_ns()
             cpu = {k: (cpu1[k] - cpu0.get(k, 0)) / n / 1e3 for k in cpu1}

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import umbp.pool.ssd as ssd
-from umbp.tools.bench_ssd import _Bench, _config
+from umbp.tools.bench_ssd import _Bench, _config, put_all
 from umbp.tools.benchutil import timed
 
 MiB = 1 << 20
@@ -78,13 +78,7 @@ def main() -> None:
                                segment_bytes=v["seg"] * MiB, max_io_bytes=v["max_io"] * MiB)
 
             def tier_write(tier: ssd.SsdTier = tier) -> None:
-                for s0 in range(0, n, 256):
-                    pending = list(range(s0, min(s0 + 256, n)))
-                    while pending:
-                        ok = tier.put([keys[i] for i in pending], [objs[i] for i in pending])
-                        pending = [i for i, stored in zip(pending, ok) if not stored]
-                        if pending:
-                            tier.wait_for_room([size] * len(pending))
+                put_all(tier, keys, objs, 256)
                 assert tier.flush(timeout=600)
 
             for rep in range(2):

@@ -57,16 +57,6 @@ def _wait(cond, timeout=5.0) -> bool:
     return False
 
 
-@pytest.fixture
-def blocked_writer(monkeypatch):
-    """The writer thread stalls on its first write until the event is set (a wedged disk)."""
-    gate = threading.Event()
-    real = ssd_mod._pwritev
-    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(), real(*a))[1])
-    yield gate
-    gate.set()
-
-
 def test_backpressure_skips_saves_without_blocking_and_lookups_stay_right(tmp_path, blocked_writer):
     blobs = {f"k{i}": _blob(100 * KiB, i) for i in range(30)}
     with _tier(tmp_path, queue_bytes=1 * MiB) as tier:

@@ -1,13 +1,11 @@
 """TieredPool (DRAM over SSD): demotion on DRAM eviction (verified, never blocking), promotion of SSD hits,
 objects too large for DRAM, restart from the SSD tier, and the DramIndex hook it relies on."""
 
-import threading
 import time
 
 import numpy as np
 import pytest
 
-import umbp.pool.ssd as ssd_mod
 from umbp.pool import DramIndex, DramPool, ObjectTooLargeError, Pool
 from umbp.pool.ssd import SsdTier
 from umbp.pool.tiered import TieredPool, install_evict_hook
@@ -62,10 +60,8 @@ def test_a_corrupt_dram_copy_is_not_demoted(tmp_path):
         assert _get(pool, "bad", 8 * KiB) is None
 
 
-def test_demotion_under_backpressure_drops_and_never_blocks(tmp_path, monkeypatch):
-    gate = threading.Event()
-    real = ssd_mod._pwritev
-    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(), real(*a))[1])
+def test_demotion_under_backpressure_drops_and_never_blocks(tmp_path, blocked_writer):
+    gate = blocked_writer
     try:
         with _pool(tmp_path, queue_bytes=40 * KiB) as pool:
             start = time.monotonic()
@@ -146,12 +142,10 @@ def test_a_victim_too_large_for_the_lower_tier_does_not_stop_the_others(tmp_path
 
 
 @pytest.mark.parametrize("capped", [True, False])
-def test_a_watermark_burst_is_capped_to_what_the_ssd_staging_takes(tmp_path, monkeypatch, capped):
+def test_a_watermark_burst_is_capped_to_what_the_ssd_staging_takes(tmp_path, blocked_writer, capped):
     """DRAM evicting 75% of itself at once would overflow a 64 KiB SSD staging buffer (its writer wedged
     here): TieredPool caps one eviction at half the staging, so nothing is dropped."""
-    gate = threading.Event()
-    real = ssd_mod._pwritev
-    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(), real(*a))[1])
+    gate = blocked_writer
     dram = DramPool(capacity_bytes=256 * KiB, pinned=False, high_watermark=1.0, low_watermark=0.25)
     pool = TieredPool([dram, SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=64 * KiB)])
     try:

@@ -60,6 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(SsdTier.wait_for_room, default) or retry every 0.2 ms (a polling client)")
 
 
+def put_all(tier: Any, keys: list[str], objs: list[Any], batch: int, refused: str = "wait") -> None:
+    """Put every object, `batch` per call; a put refused because staging is full (the writer behind) is
+    retried once there is room (`refused="wait"`: SsdTier.wait_for_room) or every 0.2 ms ("poll").
+    The bench's write loop, shared with the probes in bench/probes/."""
+    for b in range(0, len(keys), batch):
+        pending = list(range(b, min(b + batch, len(keys))))
+        while pending:
+            ok = tier.put([keys[i] for i in pending], [objs[i] for i in pending])
+            pending = [i for i, stored in zip(pending, ok, strict=True) if not stored]
+            if pending and refused == "poll":
+                time.sleep(0.0002)  # staging full: the writer is behind; try again soon
+            elif pending:
+                tier.wait_for_room([objs[i].size for i in pending])
+
+
 def _drop_cache(paths: list[Path]) -> None:
     """Evict the files' clean pages (buffered fallback only; no privileges needed)."""
     for p in paths:
@@ -150,15 +165,7 @@ class _Bench:
                        direct_io=self.direct, copy_threads=cfg["copy_threads"])
 
         def tier_write() -> None:
-            for b in batches:
-                pending = list(range(b.start, min(b.stop, n)))
-                while pending:
-                    ok = tier.put([keys[i] for i in pending], [objs[i] for i in pending])
-                    pending = [i for i, stored in zip(pending, ok, strict=True) if not stored]
-                    if pending and cfg["refused"] == "poll":
-                        time.sleep(0.0002)  # staging full: the writer is behind; try again soon
-                    elif pending:
-                        tier.wait_for_room([size] * len(pending))
+            put_all(tier, keys, objs, batch, cfg["refused"])
             if not tier.flush(timeout=600):
                 raise RuntimeError("umbp bench ssd: flush timed out")
 
