@@ -1,0 +1,45 @@
+"""Probe (not a test; see bench/results/history/27-session11-host-limits.txt): the client's CPU per value of
+RedisTier.get_into (batches of 16, 256 MiB of values) against a redis-server the probe starts on
+127.0.0.1, beside the wall time per value. The first repetition pays the destination's page faults.
+
+    SIZE=65536 PYTHONPATH=$PWD/src python3 bench/probes/remote_get_cpu.py 5
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from umbp.pool.remote import RedisTier, RemoteConfig
+from umbp.tools.local_redis import LocalRedis
+
+
+def main() -> None:
+    size = int(os.environ.get("SIZE", 65536))
+    n, batch = (256 << 20) // size, 16
+    server = LocalRedis("remote_get_cpu", "--url")
+    try:
+        tier = RedisTier(RemoteConfig.from_options({"url": server.url, "key_prefix": "p:", "quarantine_s": 0,
+                                                    "timeout_s": 30}))
+        src = np.random.default_rng(0).integers(0, 256, n * size, dtype=np.uint8)
+        keys = [f"k/{i:08d}/" + "x" * 100 for i in range(n)]
+        for i in range(0, n, batch):
+            assert all(tier.put(keys[i : i + batch], [src[j * size : (j + 1) * size] for j in range(i, i + batch)]))
+        dst = np.empty(n * size, np.uint8)
+        views = [dst[j * size : (j + 1) * size] for j in range(n)]
+        for rep in range(int(sys.argv[1]) if len(sys.argv) > 1 else 5):
+            c0, t0 = time.process_time(), time.perf_counter()
+            for i in range(0, n, batch):
+                assert all(tier.get_into(keys[i : i + batch], views[i : i + batch]))
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            print(f"rep {rep}: {n * size / dt / 1e9:.2f} GB/s, client CPU {cpu / n * 1e6:.1f} us/value, "
+                  f"wall {dt / n * 1e6:.1f} us/value", flush=True)
+        assert np.array_equal(dst, src)
+        tier.close()
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
