@@ -1,6 +1,7 @@
 """Probe (not a test; see bench/results/history/27-session11-host-limits.txt): the client's CPU per value of
 RedisTier.get_into (batches of 16, 256 MiB of values) against a redis-server the probe starts on
-127.0.0.1, beside the wall time per value. The first repetition pays the destination's page faults.
+127.0.0.1 (or REDIS_URL's, which it fills and leaves filled), beside the wall time per value. The first
+repetition pays the destination's page faults.
 
     SIZE=65536 PYTHONPATH=$PWD/src python3 bench/probes/remote_get_cpu.py 5
 """
@@ -18,10 +19,11 @@ from umbp.tools.local_redis import LocalRedis
 def main() -> None:
     size = int(os.environ.get("SIZE", 65536))
     n, batch = (256 << 20) // size, 16
-    server = LocalRedis("remote_get_cpu", "--url")
+    url = os.environ.get("REDIS_URL")
+    server = None if url else LocalRedis("remote_get_cpu", "REDIS_URL=redis://host:port/0")
     try:
-        tier = RedisTier(RemoteConfig.from_options({"url": server.url, "key_prefix": "p:", "quarantine_s": 0,
-                                                    "timeout_s": 30}))
+        tier = RedisTier(RemoteConfig.from_options({"url": url or server.url, "key_prefix": "p:",
+                                                    "quarantine_s": 0, "timeout_s": 30}))
         src = np.random.default_rng(0).integers(0, 256, n * size, dtype=np.uint8)
         keys = [f"k/{i:08d}/" + "x" * 100 for i in range(n)]
         for i in range(0, n, batch):
@@ -38,7 +40,8 @@ def main() -> None:
         assert np.array_equal(dst, src)
         tier.close()
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 if __name__ == "__main__":

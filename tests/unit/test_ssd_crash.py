@@ -49,7 +49,7 @@ time.sleep(600)  # stopped: the kill may land here (nothing torn), or mid-stream
 
 
 def _run_and_kill(directory: str, direct: bool, start: int, rng: random.Random) -> int:
-    """Start a writer at key `start`, let it pass 16-40 flushed keys, SIGKILL it a few ms later (mid-write);
+    """Start a writer at key `start`, let it pass 16-40 flushed keys, SIGKILL it 0-20 ms later (usually mid-write);
     returns the last key it reported flushed before it died. The writer stops by itself after 64 keys:
     with no bound, a fast disk (or this process descheduled for a while) let it store ~600 MB before the
     kill, the second round outgrew the capacity and reclaimed the first round's objects, a legitimate
