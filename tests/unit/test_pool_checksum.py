@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from umbp.pool import Arena, checksum
 from umbp.pool.psum import _GOLDEN, CHUNK_BYTES, ROW_BYTES, _weights, copy_many, copy_with_checksum
 
+pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
+
 RNG = np.random.default_rng(1234)
 
 
@@ -155,3 +157,22 @@ def test_batched_combine_needs_whole_rows():
 
     with pytest.raises(ValueError):
         combine_rows(np.zeros((2, 1), np.uint64), ROW_BYTES + 8)
+
+
+@pytest.mark.parametrize("impl", ["native"], indirect=True)  # the C entry point itself
+def test_native_psum_copy_pieces_and_bad_input(impl):
+    """Pieces of an object (row0s) add up to its psum64, and a length mismatch or a read-only destination
+    is a clear error with nothing written."""
+    from umbp.pool import native
+    from umbp.pool.psum import finish
+
+    data = _data(5 * ROW_BYTES + 99, seed=8)
+    cut = 2 * ROW_BYTES
+    parts = native.lib.psum_copy([data[:cut], data[cut:]], None, [0, 2])
+    assert finish(sum(parts), data.size) == checksum(data) == native.lib.psum_copy([data])[0]
+    dst = np.zeros(10, np.uint8)
+    with pytest.raises(ValueError, match="source has 11 bytes, destination 10"):
+        native.lib.psum_copy([dst], [np.ones(11, np.uint8)])
+    assert not dst.any()
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        native.lib.psum_copy([b"read-only!"], [b"0123456789"])

@@ -11,6 +11,8 @@ from umbp.pool import DramPool, Pool
 KiB = 1024
 
 
+pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
+
 def _blob(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 

@@ -20,6 +20,8 @@ from umbp.pool.errors import BufferSizeError, BufferTypeError  # noqa: E402
 from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
 from umbp.pool.remote_format import HEADER_SIZE  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
+
 NS = "0123456789abcdef0123456789abcdef"
 
 
@@ -233,6 +235,26 @@ def test_same_size_batch_round_trip_and_every_single_corruption(tier, raw, n):
         assert all(np.array_equal(o, d) for i, (o, d) in enumerate(zip(outs, data)) if i != victim)
         assert tier.put([keys[victim]], [data[victim]]) == [True]  # removed as corrupt; store it again
     assert tier.stats()["checksum_failures"] == 3
+
+
+def test_same_size_batch_longer_than_the_get_window_with_misses_throughout(tier, raw):
+    """200 values of 64 KiB (12.5 MiB: the get window of 4 MiB is topped up mid-batch, so the batched read
+    is resumed at each refill) with absent and damaged values spread through it, one at a window edge."""
+    n, count = 65536, 200
+    keys = [f"w{i}" for i in range(count)]
+    data = [blob(n, 1000 + i) for i in range(count)]
+    assert all(tier.put(keys, data))
+    absent, damaged = {0, 63, 64, 65, 127, 199}, {1, 62, 128, 198}
+    for i in absent:
+        raw.delete(f"umbp:d:{keys[i]}")
+    for i in damaged:
+        raw.setrange(f"umbp:d:{keys[i]}", HEADER_SIZE + 7, bytes([data[i][7] ^ 1]))
+    outs = [np.zeros(n, np.uint8) for _ in keys]
+    got = tier.get_into(keys, outs)
+    assert got == [i not in absent | damaged for i in range(count)]
+    assert all(np.array_equal(outs[i], data[i]) for i in range(count) if got[i])
+    s = tier.stats()
+    assert (s["misses_absent"], s["checksum_failures"], s["connection_errors"]) == (6, 4, 0)
 
 
 def test_marker_without_value_heals(tier, raw):

@@ -278,3 +278,123 @@ def test_descriptor_shortcut_only_on_a_socket_with_a_timeout():
     finally:
         a.close()
         b.close()
+
+
+# ---- framed_payloads: a run of same-size values in one call (the C loop when built) ------------------
+
+ROWS = 4096
+BATCH = {f"key-{i}": np.random.default_rng(i).integers(0, 256, 3 * ROWS, dtype=np.uint8).tobytes() for i in range(12)}
+BATCH_STREAM = b"".join(framed_reply(k, p, digest=i) for i, (k, p) in enumerate(BATCH.items()))
+
+
+def _feed(sock: socket.socket, data: bytes, step: int, pause: float = 0.0) -> threading.Thread:
+    """Send data in pieces of `step` bytes from a thread (pausing between them), then close for writing."""
+    import time
+
+    def run() -> None:
+        for i in range(0, len(data), step):
+            sock.sendall(data[i : i + step])
+            if pause:
+                time.sleep(pause)
+        sock.shutdown(socket.SHUT_WR)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _read_batch(w: Wire, keys: list[str], size: int, r0: int = 0, r1: int | None = None):
+    """framed_payloads over keys[r0:r1]: (stop, payloads, fields, rows) as RedisTier._read_same_size reads them."""
+    n = len(keys)
+    dsts = [np.zeros(size, np.uint8) for _ in keys]
+    rows = np.zeros((n, size // ROWS), np.uint64)
+    fields = bytearray(n * CHECKSUM_SIZE)
+    lead = head(size) + header_before_checksum(size)
+    stop = w.framed_payloads(lead, CHECKSUM_SIZE, [header_after_checksum(k) for k in keys], dsts, rows, fields,
+                             r0, n if r1 is None else r1)
+    return stop, dsts, fields, rows
+
+
+def _pair(timeout: float = 5.0) -> tuple[socket.socket, socket.socket, Wire]:
+    a, b = socket.socketpair()
+    a.settimeout(timeout)
+    return a, b, Wire(SockConn(a))
+
+
+@pytest.mark.parametrize("step, pause", [(1 << 20, 0.0), (1, 0.0), (4093, 0.0), (9000, 0.001), (60, 0.0)])
+def test_framed_payloads_reads_a_batch_however_it_arrives(impl, step, pause):
+    """Every value, checksum field and row sum, whatever the receive boundaries; the buffer drained."""
+    keys = list(BATCH)
+    a, b, w = _pair()
+    sender = _feed(b, BATCH_STREAM, step, pause)
+    try:
+        stop, dsts, fields, rows = _read_batch(w, keys, 3 * ROWS)
+        assert stop == len(keys) and w.drained
+        for i, key in enumerate(keys):
+            assert dsts[i].tobytes() == BATCH[key]
+            assert fields[i * 8 : i * 8 + 8] == i.to_bytes(8, "little")
+            assert rows[i].tolist() == dsts[i].view("<u8").reshape(-1, 512).sum(axis=1, dtype=np.uint64).tolist()
+    finally:
+        sender.join()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("other", [b"$-1\r\n", b"-ERR boom\r\n", b"$3\r\nabc\r\n",
+                                   _other_header("key-3", 3 * ROWS, 25)])
+def test_framed_payloads_stops_at_another_reply_and_goes_on_after_it(impl, other):
+    """A reply that is not the expected value stops the run there, unconsumed and without waiting for more
+    bytes (the sender has not closed: a wait would time out); after the generic parse the run goes on."""
+    keys = list(BATCH)
+    replies = [framed_reply(k, p, digest=i) for i, (k, p) in enumerate(BATCH.items())]
+    first = b"".join(replies[:3]) + other
+    a, b, w = _pair(timeout=5.0)
+    try:
+        b.sendall(first)
+        import time
+
+        t0 = time.monotonic()
+        stop, dsts, _fields, _rows = _read_batch(w, keys, 3 * ROWS)
+        assert stop == 3 and time.monotonic() - t0 < 2.0
+        assert [d.tobytes() for d in dsts[:3]] == [BATCH[k] for k in keys[:3]]
+        assert w.reply() is not None or other == b"$-1\r\n"
+        assert w.drained
+        b.sendall(b"".join(replies[4:]))
+        stop, dsts, _fields, _rows = _read_batch(w, keys, 3 * ROWS, r0=4)
+        assert stop == len(keys) and [d.tobytes() for d in dsts[4:]] == [BATCH[k] for k in keys[4:]]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_framed_payloads_errors(impl):
+    """EOF mid-value is a ConnectionError, silence a TimeoutError, bytes other than CRLF after a payload a
+    ProtocolError: the caller then drops the connection."""
+    keys = list(BATCH)
+    one = framed_reply(keys[0], BATCH[keys[0]], digest=0)
+    for cut in (len(head(3 * ROWS)) + 3, len(one) // 2, len(one) - 1):
+        a, b, w = _pair()
+        try:
+            b.sendall(one[:cut])
+            b.shutdown(socket.SHUT_WR)
+            with pytest.raises(ConnectionError):
+                _read_batch(w, keys[:1], 3 * ROWS)
+        finally:
+            a.close()
+            b.close()
+    a, b, w = _pair(timeout=0.05)
+    try:
+        b.sendall(one[:100])
+        with pytest.raises(TimeoutError):
+            _read_batch(w, keys[:1], 3 * ROWS)
+    finally:
+        a.close()
+        b.close()
+    a, b, w = _pair()
+    try:
+        b.sendall(one[:-2] + b"XY\r\n")
+        with pytest.raises(ProtocolError):
+            _read_batch(w, keys[:1], 3 * ROWS)
+    finally:
+        a.close()
+        b.close()

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from umbp.pool import native
 from umbp.pool.buffers import as_u8
 
 ROW_BYTES = 4096
@@ -94,6 +95,8 @@ def _combine(rows: np.ndarray, region: np.ndarray, full: int) -> int:
 
 def checksum_u8(region: np.ndarray) -> int:
     """psum64 of a flat uint8 array (one pass, no copy)."""
+    if native.lib is not None:
+        return native.lib.psum_copy((region,))[0]
     full = region.size // ROW_BYTES * ROW_BYTES
     body = region if full == region.size else region[:full]  # whole rows, the usual object: no slice
     rows = np.add.reduce(as_rows(body), axis=1)
@@ -146,6 +149,8 @@ def copy_with_checksum(region: np.ndarray, other: np.ndarray, to_region: bool) -
     """Copy `other` into `region` (to_region) or `region` into `other`, chunk by chunk, and return the
     psum64 of `region` computed while each chunk is still in cache. Both arrays are flat uint8 views of
     the same length; `region` must start 8-byte aligned (arena slots do)."""
+    if native.lib is not None:
+        return native.lib.psum_copy((region,), (other,))[0] if to_region else native.lib.psum_copy((other,), (region,))[0]
     nbytes = region.size
     if nbytes <= CHUNK_BYTES:  # one chunk: the fewest numpy calls (their fixed cost matters here)
         if to_region:
@@ -173,7 +178,12 @@ def copy_many(
     when one raises (so no worker writes into a slot the caller is about to give back)."""
     total = sum(r.size for r, _ in pairs)
     if threads <= 1 or executor is None or total < max(PARALLEL_MIN_BYTES, len(pairs) * PARALLEL_MIN_MEAN_OBJECT):
+        if native.lib is not None:  # the whole batch in one call, one GIL release
+            regions, others = [r for r, _o in pairs], [o for _r, o in pairs]
+            return native.lib.psum_copy(regions, others) if to_region else native.lib.psum_copy(others, regions)
         return [copy_with_checksum(r, o, to_region) for r, o in pairs]
+    if native.lib is not None:
+        return _copy_many_native(pairs, to_region, executor, threads)
     rows = [np.empty(r.size // ROW_BYTES, np.uint64) for r, _ in pairs]
     units = [(i, c0, min(c0 + CHUNK_BYTES, r.size)) for i, (r, _) in enumerate(pairs) for c0 in range(0, r.size, CHUNK_BYTES)]
     per = -(-len(units) // threads)
@@ -191,3 +201,53 @@ def copy_many(
     for f in futures:
         f.result()  # re-raise a worker's error
     return [_combine(rows[i], r, rows[i].size * ROW_BYTES) for i, (r, _) in enumerate(pairs)]
+
+
+def _copy_many_native(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], to_region: bool, executor: Executor, threads: int
+) -> list[int]:
+    """copy_many across threads with the C extension: the batch's bytes are cut into `threads` equal
+    spans (at row boundaries, across objects), each copied and summed by one call that holds no GIL, so
+    a thread never waits for the interpreter mid-span. psum64 is a sum of weighted rows, so the pieces
+    of an object cut apart add up to its checksum (finish)."""
+    total = sum(r.size for r, _ in pairs)
+    span = -(-total // threads // ROW_BYTES) * ROW_BYTES
+    shares: list[list[tuple[int, int, int]]] = [[]]
+    room = span
+    for i, (r, _) in enumerate(pairs):
+        c0 = 0
+        while c0 < r.size:
+            c1 = min(r.size, c0 + room)
+            if c1 < r.size:  # a cut inside an object falls on a row boundary (c0 always does)
+                c1 = c0 + (c1 - c0) // ROW_BYTES * ROW_BYTES
+            if c1 == c0:
+                shares.append([])
+                room = span
+                continue
+            shares[-1].append((i, c0, c1))
+            room -= c1 - c0
+            c0 = c1
+
+    def work(share: list[tuple[int, int, int]]) -> list[int]:
+        regions = [pairs[i][0][c0:c1] for i, c0, c1 in share]
+        others = [pairs[i][1][c0:c1] for i, c0, c1 in share]
+        row0s = [c0 // ROW_BYTES for _i, c0, _c1 in share]
+        lib = native.lib
+        return lib.psum_copy(regions, others, row0s) if to_region else lib.psum_copy(others, regions, row0s)
+
+    futures = [executor.submit(work, share) for share in shares[1:]]
+    try:
+        parts = [work(shares[0])]
+    finally:
+        wait(futures)
+    parts += [f.result() for f in futures]  # re-raises a worker's error
+    sums = [0] * len(pairs)
+    for share, got in zip(shares, parts, strict=True):
+        for (i, _c0, _c1), h in zip(share, got, strict=True):
+            sums[i] += h
+    return [finish(h, r.size) for h, (r, _) in zip(sums, pairs, strict=True)]
+
+
+def finish(weighted: int, nbytes: int) -> int:
+    """psum64 from the sum of an object's weighted rows (pieces from psum_copy with row0s)."""
+    return ((weighted & _M64) ^ (nbytes * _GOLDEN)) & _M64

@@ -519,28 +519,25 @@ class RedisTier(Pool):
         compared for the whole batch at the end. What can be prepared per value is prepared first,
         while the server is still working on the first reply. Anything unexpected takes the
         reply-by-reply path (_read_other), which names the problem."""
-        size = dsts[0].size
+        size, n = dsts[0].size, len(keys)
         lead = b"$%d\r\n" % (HEADER_SIZE + size) + header_before_checksum(size)
         tails = [header_after_checksum(k) for k in keys]
-        views = [memoryview(d) for d in dsts]
-        words = [psum.as_rows(d) for d in dsts]
-        rows = np.zeros((len(keys), size // psum.ROW_BYTES), np.uint64)
-        sums = list(rows)
-        fields: list[bytes | None] = [None] * len(keys)
-        for r in range(len(keys)):
+        rows = np.zeros((n, size // psum.ROW_BYTES), np.uint64)
+        fields = bytearray(n * CHECKSUM_SIZE)
+        framed = np.zeros(n, bool)
+        r = 0
+        while r < n:
             if r >= window.due:
                 window.top_up(wire, r)
-            field = wire.framed_payload(lead, CHECKSUM_SIZE, tails[r], views[r])
-            if field is None:
-                res[order[r]] = self._read_other(wire, keys[r], dsts[r])
-            else:
-                psum.row_sums_into(words[r], sums[r])
-                fields[r] = field
-        stored = np.frombuffer(b"".join(f or bytes(CHECKSUM_SIZE) for f in fields), "<u8")
-        good = (psum.combine_rows(rows, size) == stored).tolist()
-        for r, field in enumerate(fields):
-            if field is not None:
-                res[order[r]] = True if good[r] else "checksum_failures"
+            stop = wire.framed_payloads(lead, CHECKSUM_SIZE, tails, dsts, rows, fields, r, min(n, window.due))
+            framed[r:stop] = True
+            if stop < min(n, window.due):  # not the expected frame: read it reply by reply
+                res[order[stop]] = self._read_other(wire, keys[stop], dsts[stop])
+                stop += 1
+            r = stop
+        good = psum.combine_rows(rows, size) == np.frombuffer(fields, "<u8")
+        for r in np.flatnonzero(framed).tolist():
+            res[order[r]] = True if good[r] else "checksum_failures"
 
     def _read_value(self, wire: Wire, key: str, dst: np.ndarray) -> Any:
         """One GET reply into dst: True, or the counter that explains the miss. The reply of a stored

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from umbp.pool import native, psum
+
 CRLF = b"\r\n"
 _COALESCE = 128 * 1024  # parts below this are copied into one send; larger ones go out as they are
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
@@ -93,6 +95,7 @@ class Wire:
         self.sock = sock
         self.gather = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg")
         self.fd = _nonblocking_fd(sock) if self.gather else -1  # for _recv_into's first try
+        self.timeout_ms = _timeout_ms(sock)
         self.buf = bytearray(bufsize)
         self.mv = memoryview(self.buf)
         self.start = self.end = 0
@@ -108,6 +111,7 @@ class Wire:
             conn._umbp_wire = wire
         elif wire.gather:
             wire.fd = _nonblocking_fd(wire.sock)
+            wire.timeout_ms = _timeout_ms(wire.sock)
         return wire
 
     # ---- writing ------------------------------------------------------------------------------------
@@ -237,6 +241,28 @@ class Wire:
         self.expect_crlf()
         return out
 
+    def framed_payloads(self, lead: bytes, field: int, tails: Sequence[bytes], dsts: Sequence[np.ndarray],
+                        rows: np.ndarray, fields: bytearray, r0: int, r1: int) -> int:
+        """framed_payload for replies r0..r1-1 of a batch of same-size values, each value's 4 KiB row
+        sums (psum.row_sums_into) into rows[r] and its `field` bytes into fields[r * field:]. Returns
+        the first reply not read: r1, or one that is not so framed (nothing of it consumed). On a plain
+        TCP socket the C extension runs the whole loop without the GIL (receive, match, copy, sum);
+        otherwise, and when it is not built, the same steps run here."""
+        lib = native.lib
+        if lib is not None and self.fd >= 0:
+            r, self.start, self.end, err, errnum = lib.read_frames(
+                self.fd, self.timeout_ms, self.buf, self.start, self.end, lead, field, tails, dsts, rows, fields, r0, r1)
+            if err:
+                raise _stream_error(err, errnum)
+            return r
+        for r in range(r0, r1):
+            got = self.framed_payload(lead, field, tails[r], memoryview(dsts[r]))
+            if got is None:
+                return r
+            fields[r * field : (r + 1) * field] = got
+            psum.row_sums_into(psum.as_rows(dsts[r]), rows[r])
+        return r1
+
     def _continues_with(self, expected: bytes) -> bool:
         """Whether the stream continues with `expected`, consuming nothing; reads more only while what
         is buffered still matches."""
@@ -324,6 +350,23 @@ def _nonblocking_fd(sock: Any) -> int:
     if isinstance(sock, socket.socket) and sock.gettimeout():
         return sock.fileno()
     return -1
+
+
+def _timeout_ms(sock: Any) -> int:
+    """The socket's timeout for the C loop's poll(), in whole milliseconds (at least 1)."""
+    t = sock.gettimeout() if isinstance(sock, socket.socket) else None
+    return max(1, int(t * 1000 + 0.999)) if t else -1
+
+
+def _stream_error(err: int, errnum: int) -> OSError:
+    """The exception the socket calls would have raised for read_frames' error code."""
+    if err == 1:
+        return ConnectionError("umbp: the server closed the connection")
+    if err == 2:
+        return TimeoutError("umbp: timed out waiting for the server's reply")
+    if err == 3:
+        return OSError(errnum, f"umbp: receive failed: {os.strerror(errnum)}")
+    return ProtocolError("umbp: a bulk reply did not end where its length said")
 
 
 def _sendmsg_all(sock: Any, parts: Sequence[bytes | memoryview]) -> None:

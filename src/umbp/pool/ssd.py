@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from umbp.pool import native
 from umbp.pool.allocator import PageAllocator
 from umbp.pool.base import Pool
 from umbp.pool.buffers import aligned_buffer, prepare_buffers
@@ -621,6 +622,14 @@ class SsdTier(Pool):
         per object: the interpreter time per 64 KiB object matters here."""
         it = staged[i][1]
         n = it.length
+        if native.lib is not None:  # copy + psum64 of the whole run in one call that holds no GIL
+            regions = [self._staging_view(item) for _k, item in staged[i:j]]
+            digests = native.lib.psum_copy([r[BLOCK : BLOCK + n] for r in regions], [srcs[k] for k, _it in staged[i:j]])
+            for (_k, item), region, digest in zip(staged[i:j], regions, digests, strict=True):
+                item.checksum = digest
+                if n % BLOCK:
+                    region[BLOCK + n :] = 0
+            return
         for k, item in staged[i:j]:
             region = self._staging_view(item)
             if j - i == 1:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from umbp.pool import native
 from umbp.tools.benchutil import Progress, human, spread, write_json
 from umbp.tools.local_redis import LocalRedis
 
@@ -267,7 +268,8 @@ def _machine() -> dict[str, Any]:
     import redis
 
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "numpy": np.__version__, "redis_py": redis.__version__, "load_avg": os.getloadavg()}
+            "numpy": np.__version__, "redis_py": redis.__version__, "load_avg": os.getloadavg(),
+            "umbp_paths": native.describe()}
 
 
 def _server_info(url: str) -> dict[str, Any]:
@@ -281,7 +283,8 @@ def _print_table(report: dict[str, Any]) -> None:
     cfg, srv = report["config"], report["server"]
     print(f"umbp bench remote: redis-server {srv['version']} at {cfg['url']} ({cfg['server']}), working set "
           f"{human(cfg['working_set_bytes'])}, {cfg['reps']} reps, batch {cfg['batch']}, medians; load avg "
-          f"{report['machine']['load_avg'][0]:.2f} on {report['machine']['cpus']} CPUs; reps: lowest-highest repetition's ratio"
+          f"{report['machine']['load_avg'][0]:.2f} on {report['machine']['cpus']} CPUs; umbp's paths: "
+          f"{report['machine']['umbp_paths']}; reps: lowest-highest repetition's ratio"
           + ("  [--quick: not representative]" if cfg["quick"] else ""))
     lk = report["lookup"]
     print(f"lookup {lk['keys']} keys ({lk['present']} present, {lk['key_bytes']}-char keys): median "

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from umbp.pool import native
 from umbp.tools.benchutil import human, spread, timed, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -273,7 +274,8 @@ def _print_table(report: dict[str, Any]) -> None:
     print(f"umbp bench ssd: {cfg['dir']}, working set {human(cfg['working_set_bytes'])}, {cfg['reps']} reps, "
           f"{human(cfg['batch_bytes'])} per call, {cfg['copy_threads']} copy threads, refused puts "
           f"{cfg['refused']}, {io}; disk = sequential {human(cfg['io_bytes'])} I/Os of one "
-          "file; medians; ratio = tier / disk (reps: lowest-highest repetition)" + ("  [--quick: not representative]" if cfg["quick"] else ""))
+          f"file; umbp's paths: {report['machine'].get('umbp_paths', '?')}; medians; ratio = tier / disk "
+          "(reps: lowest-highest repetition)" + ("  [--quick: not representative]" if cfg["quick"] else ""))
     print(f"{'op':<7}{'size':>9}{'tier MB/s':>11}{'disk MB/s':>11}{'ratio':>8}{'reps':>12}{'target':>9}  result")
     for r in report["results"]:
         print(f"{r['op']:<7}{human(r['size_bytes']):>9}{r['tier_mbps']:>11.0f}{r['disk_mbps']:>11.0f}"
@@ -301,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "tool": "umbp bench ssd", "created_unix": time.time(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "numpy": np.__version__, "loadavg_start_end": [load0, os.getloadavg()[0]]},
+                    "numpy": np.__version__, "loadavg_start_end": [load0, os.getloadavg()[0]],
+                    "umbp_paths": native.describe()},
         "config": cfg, "results": results, "checksum_gbps": checksums,
         "all_targets_met": all(r["verdict"] == "PASS" for r in results),
         "seconds": time.perf_counter() - t0,

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from umbp.pool import native
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.layout import describe
 from umbp.vllm.metadata import UMBPConnectorMetadata
@@ -48,9 +49,9 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = WorkerSide(self.cfg, self.layout, kv_cache_config)
         logger.info(
-            "umbp: %s connector, namespace %s, unit %d, groups %s, eagle groups %s",
+            "umbp: %s connector, namespace %s, unit %d, groups %s, eagle groups %s; pool paths: %s",
             role.name.lower(), self.layout.namespace, self.layout.unit,
-            [type(g).__name__ for g in self.layout.groups], sorted(self.layout.eagle_groups),
+            [type(g).__name__ for g in self.layout.groups], sorted(self.layout.eagle_groups), native.describe(),
         )
 
     # A best-effort cache: a dropped save is a future miss, not a lost hand-off.

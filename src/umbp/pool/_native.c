@@ -1,0 +1,456 @@
+/* umbp.pool._native: the per-byte and per-value loops of the pool's hot paths, out of the interpreter.
+ *
+ * Why: the pure-Python paths (umbp.pool.psum, umbp.pool.resp) are already one numpy call or one buffer
+ * check per object, but on a 16-core host the interpreter steps around them (and the GIL they retake)
+ * cap a 64 KiB object stream at 2-4 GB/s, below the disk and the server (docs/ssd.md, docs/remote.md).
+ * Here a whole batch runs with the GIL released: copy + checksum of many objects in one call, and the
+ * receive + frame check + checksum of a run of same-size GET replies in one call.
+ *
+ * Everything here has a pure-Python twin that gives identical results (tests compare them); the
+ * extension is optional and umbp.pool.native falls back when it is missing or UMBP_NATIVE=0.
+ *
+ * psum64 (see psum.py): 4 KiB rows of little-endian uint64 words summed mod 2**64, row r weighted by
+ * splitmix64(r * GOLDEN + SEED) | 1, a partial last row zero-padded and weighted like a row, the
+ * length mixed in with xor (nbytes * GOLDEN).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "umbp._native assumes a little-endian host (psum64 reads little-endian words)"
+#endif
+
+#define ROW_BYTES 4096
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define MIX1 0xBF58476D1CE4E5B9ULL
+#define MIX2 0x94D049BB133111EBULL
+#define SEED 0x756D6270ULL
+
+static inline uint64_t weight(uint64_t r) {
+    uint64_t z = r * GOLDEN + SEED;
+    z = (z ^ (z >> 30)) * MIX1;
+    z = (z ^ (z >> 27)) * MIX2;
+    z ^= z >> 31;
+    return z | 1;
+}
+
+/* Sum of the little-endian words of p[0:n], n <= ROW_BYTES, the last partial word zero-padded. Four
+ * accumulators so the compiler can keep several vector adds in flight. */
+static inline uint64_t row_sum(const unsigned char *p, size_t n) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, w0, w1, w2, w3;
+    size_t words = n / 8, i = 0;
+    for (; i + 4 <= words; i += 4) {
+        memcpy(&w0, p + 8 * i, 8);
+        memcpy(&w1, p + 8 * i + 8, 8);
+        memcpy(&w2, p + 8 * i + 16, 8);
+        memcpy(&w3, p + 8 * i + 24, 8);
+        s0 += w0;
+        s1 += w1;
+        s2 += w2;
+        s3 += w3;
+    }
+    for (; i < words; i++) {
+        memcpy(&w0, p + 8 * i, 8);
+        s0 += w0;
+    }
+    size_t rest = n - words * 8;
+    if (rest) {
+        w0 = 0;
+        memcpy(&w0, p + words * 8, rest);
+        s0 += w0;
+    }
+    return s0 + s1 + s2 + s3;
+}
+
+/* Copy src into dst (when src is not NULL) row by row and return the weighted row sums of the copied
+ * bytes, rows numbered from row0: each row is summed while it is still in L1. */
+__attribute__((target_clones("avx2", "default")))
+static uint64_t copy_weighted(unsigned char *dst, const unsigned char *src, size_t n, uint64_t row0) {
+    uint64_t h = 0, r = row0;
+    for (size_t off = 0; off < n; off += ROW_BYTES, r++) {
+        size_t len = n - off < ROW_BYTES ? n - off : ROW_BYTES;
+        if (src != NULL)
+            memcpy(dst + off, src + off, len);
+        h += row_sum(dst + off, len) * weight(r);
+    }
+    return h;
+}
+
+/* ---- buffer lists -------------------------------------------------------------------------------- */
+
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t count; /* views acquired so far (released on error too) */
+} Views;
+
+static void release_views(Views *v) {
+    for (Py_ssize_t i = 0; i < v->count; i++)
+        PyBuffer_Release(&v->views[i]);
+    PyMem_Free(v->views);
+    v->views = NULL;
+    v->count = 0;
+}
+
+/* Buffers of seq[lo:hi] (contiguous; writable when asked), or -1 with an exception set. */
+static int acquire_views(PyObject *seq, Py_ssize_t lo, Py_ssize_t hi, int writable, Views *v) {
+    v->count = 0;
+    v->views = PyMem_Calloc(hi > lo ? (size_t)(hi - lo) : 1, sizeof(Py_buffer));
+    if (v->views == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(item, &v->views[i - lo], flags) < 0) {
+            release_views(v);
+            return -1;
+        }
+        v->count++;
+    }
+    return 0;
+}
+
+/* ---- psum_copy ----------------------------------------------------------------------------------- */
+
+PyDoc_STRVAR(psum_copy_doc,
+"psum_copy(dsts, srcs=None, row0s=None) -> list[int]\n\n"
+"For each i: copy srcs[i] into dsts[i] (same length; skipped when srcs is None) and return the psum64\n"
+"of the bytes, all with the GIL released. With row0s, return instead the weighted row sums of each\n"
+"buffer as a piece of a larger object starting at row row0s[i] (row0s[i] * 4096 bytes in), without\n"
+"the length mix: the pieces of one object add up mod 2**64 (see psum.finish).");
+
+static PyObject *psum_copy(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dsts", "srcs", "row0s", NULL};
+    PyObject *dsts_in, *srcs_in = Py_None, *row0s_in = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:psum_copy", kwlist, &dsts_in, &srcs_in, &row0s_in))
+        return NULL;
+    PyObject *dsts = PySequence_Fast(dsts_in, "psum_copy: dsts must be a sequence of buffers");
+    if (dsts == NULL)
+        return NULL;
+    PyObject *srcs = NULL, *out = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(dsts);
+    uint64_t *row0 = NULL, *res = NULL;
+    Views dv = {0}, sv = {0};
+    int copy = srcs_in != Py_None;
+
+    if (copy) {
+        srcs = PySequence_Fast(srcs_in, "psum_copy: srcs must be a sequence of buffers");
+        if (srcs == NULL)
+            goto done;
+        if (PySequence_Fast_GET_SIZE(srcs) != n) {
+            PyErr_SetString(PyExc_ValueError, "psum_copy: dsts and srcs differ in length");
+            goto done;
+        }
+    }
+    row0 = PyMem_Calloc(n ? (size_t)n : 1, sizeof(uint64_t));
+    res = PyMem_Calloc(n ? (size_t)n : 1, sizeof(uint64_t));
+    if (row0 == NULL || res == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (row0s_in != Py_None) {
+        PyObject *r = PySequence_Fast(row0s_in, "psum_copy: row0s must be a sequence of ints");
+        if (r == NULL)
+            goto done;
+        if (PySequence_Fast_GET_SIZE(r) != n) {
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_ValueError, "psum_copy: dsts and row0s differ in length");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            row0[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(r, i));
+            if (PyErr_Occurred()) {
+                Py_DECREF(r);
+                goto done;
+            }
+        }
+        Py_DECREF(r);
+    }
+    if (acquire_views(dsts, 0, n, copy, &dv) < 0)
+        goto done;
+    if (copy) {
+        if (acquire_views(srcs, 0, n, 0, &sv) < 0)
+            goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (sv.views[i].len != dv.views[i].len) {
+                PyErr_Format(PyExc_ValueError, "psum_copy: object %zd: source has %zd bytes, destination %zd",
+                             i, sv.views[i].len, dv.views[i].len);
+                goto done;
+            }
+        }
+    }
+    int whole = row0s_in == Py_None;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t len = (size_t)dv.views[i].len;
+        uint64_t h = copy_weighted(dv.views[i].buf, copy ? sv.views[i].buf : NULL, len, row0[i]);
+        res[i] = whole ? h ^ ((uint64_t)len * GOLDEN) : h;
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(res[i]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+done:
+    release_views(&dv);
+    release_views(&sv);
+    PyMem_Free(row0);
+    PyMem_Free(res);
+    Py_XDECREF(srcs);
+    Py_DECREF(dsts);
+    return out;
+}
+
+/* ---- read_frames ---------------------------------------------------------------------------------- */
+
+enum { RF_OK = 0, RF_CLOSED = 1, RF_TIMEOUT = 2, RF_OSERROR = 3, RF_PROTOCOL = 4 };
+
+/* Bytes buffered per read: enough for a reply's head and the next one's, little of a payload. Payloads
+ * are read straight into their destination (readv: the rest of the payload, then this much of what
+ * follows into the buffer), so a value crosses memory once instead of twice (kernel -> buffer -> dst). */
+#define FILL_MAX 4096
+
+typedef struct {
+    int fd;
+    int timeout_ms;
+    unsigned char *buf;
+    size_t cap, start, end;
+    int err, errnum;
+} Stream;
+
+/* readv once, waiting up to timeout_ms for the first byte: > 0 bytes, or 0 with s->err set. The
+ * descriptor is non-blocking (Python keeps a socket with a timeout so). */
+static ssize_t stream_readv(Stream *s, struct iovec *iov, int n) {
+    for (;;) {
+        ssize_t k = readv(s->fd, iov, n);
+        if (k > 0)
+            return k;
+        if (k == 0) {
+            s->err = RF_CLOSED;
+            return 0;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            s->err = RF_OSERROR;
+            s->errnum = errno;
+            return 0;
+        }
+        struct pollfd pfd = {.fd = s->fd, .events = POLLIN};
+        int ready = poll(&pfd, 1, s->timeout_ms);
+        if (ready == 0) {
+            s->err = RF_TIMEOUT;
+            return 0;
+        }
+        if (ready < 0 && errno != EINTR) {
+            s->err = RF_OSERROR;
+            s->errnum = errno;
+            return 0;
+        }
+    }
+}
+
+/* Buffer up to FILL_MAX more bytes (moving what is left to the front when short of room): 0, or -1
+ * with s->err set. */
+static int stream_fill(Stream *s) {
+    if (s->start == s->end) {
+        s->start = s->end = 0;
+    } else if (s->cap - s->end < FILL_MAX) {
+        memmove(s->buf, s->buf + s->start, s->end - s->start);
+        s->end -= s->start;
+        s->start = 0;
+    }
+    size_t room = s->cap - s->end < FILL_MAX ? s->cap - s->end : FILL_MAX;
+    struct iovec iov = {.iov_base = s->buf + s->end, .iov_len = room};
+    ssize_t k = stream_readv(s, &iov, 1);
+    if (k <= 0)
+        return -1;
+    s->end += (size_t)k;
+    return 0;
+}
+
+/* Fill dst[0:n]: what is buffered first; the rest straight from the socket, with what follows it (up
+ * to FILL_MAX bytes) into the emptied buffer. */
+static int stream_into(Stream *s, unsigned char *dst, size_t n) {
+    size_t have = s->end - s->start;
+    if (have > n)
+        have = n;
+    memcpy(dst, s->buf + s->start, have);
+    s->start += have;
+    size_t got = have;
+    while (got < n) { /* the buffer is empty here: all of it went into dst */
+        s->start = s->end = 0;
+        struct iovec iov[2] = {{.iov_base = dst + got, .iov_len = n - got}, {.iov_base = s->buf, .iov_len = FILL_MAX}};
+        ssize_t k = stream_readv(s, iov, 2);
+        if (k <= 0)
+            return -1;
+        if ((size_t)k <= n - got) {
+            got += (size_t)k;
+        } else {
+            s->end = (size_t)k - (n - got);
+            got = n;
+        }
+    }
+    return 0;
+}
+
+/* 1 when the stream continues with lead, buffering at least need >= lead_len bytes; 0 when it does not
+ * (nothing consumed, and nothing waited for once the buffered bytes differ); -1 on an error. */
+static int stream_match(Stream *s, const unsigned char *lead, size_t lead_len, size_t need) {
+    if (need > s->cap)
+        return 0; /* cannot happen with the Wire's 256 KiB buffer; Python's path would grow it */
+    while (s->end - s->start < need) {
+        size_t have = s->end - s->start;
+        size_t cmp = have < lead_len ? have : lead_len;
+        if (memcmp(s->buf + s->start, lead, cmp) != 0)
+            return 0;
+        if (stream_fill(s) < 0)
+            return -1;
+    }
+    return memcmp(s->buf + s->start, lead, lead_len) == 0;
+}
+
+PyDoc_STRVAR(read_frames_doc,
+"read_frames(fd, timeout_ms, buf, start, end, lead, field, tails, dsts, rows, fields, r0, r1)\n"
+"    -> (r, start, end, err, errno)\n\n"
+"resp.Wire.framed_payload + row sums for replies r0..r1-1 of a same-size GET batch, GIL released:\n"
+"reply r must be lead, `field` bytes (copied to fields[r*field:]), tails[r], then the rest of the bulk\n"
+"(into dsts[r]) and CRLF; the 4 KiB row sums of dsts[r] go to row r of `rows` (a C-contiguous uint64\n"
+"matrix). Stops at r1 or at the first reply that is not so framed (consuming nothing of it, and never\n"
+"waiting for bytes once the buffered ones differ from lead). err: 0 ok, 1 closed, 2 timeout,\n"
+"3 OS error (errno), 4 a bulk not ending in CRLF. buf[start:end] is the Wire's buffered data; the\n"
+"returned start/end replace the Wire's.");
+
+static PyObject *read_frames(PyObject *self, PyObject *args) {
+    int fd, timeout_ms;
+    PyObject *buf_obj, *tails_in, *dsts_in, *rows_obj, *fields_obj;
+    Py_ssize_t start, end, field, r0, r1;
+    Py_buffer lead = {0}, buf = {0}, rows = {0}, fields = {0};
+    if (!PyArg_ParseTuple(args, "iiOnny*nOOOOnn:read_frames", &fd, &timeout_ms, &buf_obj, &start, &end, &lead,
+                          &field, &tails_in, &dsts_in, &rows_obj, &fields_obj, &r0, &r1))
+        return NULL;
+    PyObject *tails = NULL, *dsts = NULL, *out = NULL;
+    Views dv = {0};
+    const char **tail_ptr = NULL;
+    size_t tail_len = 0;
+
+    if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (PyObject_GetBuffer(rows_obj, &rows, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (PyObject_GetBuffer(fields_obj, &fields, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    tails = PySequence_Fast(tails_in, "read_frames: tails must be a sequence of bytes");
+    dsts = PySequence_Fast(dsts_in, "read_frames: dsts must be a sequence of buffers");
+    if (tails == NULL || dsts == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(dsts);
+    if (r0 < 0 || r1 < r0 || r1 > n || PySequence_Fast_GET_SIZE(tails) != n || start < 0 || end < start ||
+        end > buf.len || field < 0 || buf.len < 2 * FILL_MAX) {
+        PyErr_SetString(PyExc_ValueError, "read_frames: inconsistent arguments");
+        goto done;
+    }
+    if (acquire_views(dsts, r0, r1, 1, &dv) < 0)
+        goto done;
+    Py_ssize_t size = r1 > r0 ? dv.views[0].len : 0;
+    size_t nrows = ((size_t)size + ROW_BYTES - 1) / ROW_BYTES;
+    if (rows.len < (Py_ssize_t)(n * nrows * sizeof(uint64_t)) || fields.len < n * field) {
+        PyErr_SetString(PyExc_ValueError, "read_frames: rows or fields too small for the batch");
+        goto done;
+    }
+    tail_ptr = PyMem_Calloc(r1 > r0 ? (size_t)(r1 - r0) : 1, sizeof(char *));
+    if (tail_ptr == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(tails, r);
+        if (!PyBytes_Check(t) || (r > r0 && (size_t)PyBytes_GET_SIZE(t) != tail_len) ||
+            dv.views[r - r0].len != size) {
+            PyErr_SetString(PyExc_ValueError, "read_frames: tails must be bytes of one length, dsts of one size");
+            goto done;
+        }
+        tail_len = (size_t)PyBytes_GET_SIZE(t);
+        tail_ptr[r - r0] = PyBytes_AS_STRING(t);
+    }
+
+    Stream s = {.fd = fd, .timeout_ms = timeout_ms, .buf = buf.buf, .cap = (size_t)buf.len,
+                .start = (size_t)start, .end = (size_t)end};
+    uint64_t *row_out = rows.buf;
+    unsigned char *field_out = fields.buf;
+    const unsigned char *lead_p = lead.buf;
+    size_t lead_len = (size_t)lead.len, need = lead_len + (size_t)field + tail_len;
+    Py_ssize_t r = r0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; r < r1; r++) {
+        int m = stream_match(&s, lead_p, lead_len, need);
+        if (m <= 0)
+            break;
+        unsigned char *at = s.buf + s.start + lead_len;
+        if (memcmp(at + field, tail_ptr[r - r0], tail_len) != 0)
+            break;
+        memcpy(field_out + r * field, at, (size_t)field);
+        s.start += need;
+        unsigned char *dst = dv.views[r - r0].buf;
+        if (stream_into(&s, dst, (size_t)size) < 0)
+            break;
+        while (s.end - s.start < 2)
+            if (stream_fill(&s) < 0)
+                break;
+        if (s.err)
+            break;
+        if (s.buf[s.start] != '\r' || s.buf[s.start + 1] != '\n') {
+            s.err = RF_PROTOCOL;
+            break;
+        }
+        s.start += 2;
+        uint64_t *rr = row_out + (size_t)r * nrows;
+        for (size_t k = 0; k < nrows; k++) {
+            size_t off = k * ROW_BYTES, len = (size_t)size - off < ROW_BYTES ? (size_t)size - off : ROW_BYTES;
+            rr[k] = row_sum(dst + off, len);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    out = Py_BuildValue("nnnii", r, (Py_ssize_t)s.start, (Py_ssize_t)s.end, s.err, s.errnum);
+done:
+    release_views(&dv);
+    PyMem_Free(tail_ptr);
+    Py_XDECREF(tails);
+    Py_XDECREF(dsts);
+    if (lead.obj != NULL)
+        PyBuffer_Release(&lead);
+    if (buf.obj != NULL)
+        PyBuffer_Release(&buf);
+    if (rows.obj != NULL)
+        PyBuffer_Release(&rows);
+    if (fields.obj != NULL)
+        PyBuffer_Release(&fields);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"psum_copy", (PyCFunction)(void (*)(void))psum_copy, METH_VARARGS | METH_KEYWORDS, psum_copy_doc},
+    {"read_frames", read_frames, METH_VARARGS, read_frames_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_native", .m_doc = NULL, .m_size = -1, .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,31 @@
+"""The optional C extension (umbp.pool._native), or None.
+
+Why optional: umbp must install and run wherever numpy does; the extension only makes the pool's
+per-object loops cheaper (psum64 copies, GET-reply parsing), and every caller keeps its pure-Python path,
+which gives identical results. Set UMBP_NATIVE=0 to use the Python paths (e.g. to compare them).
+UMBP_REQUIRE_NATIVE=1 (set by CI) makes a missing extension an import error instead of a quiet fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+lib: ModuleType | None = None
+why_not: str = ""
+
+if os.environ.get("UMBP_NATIVE", "1") == "0":
+    why_not = "disabled by UMBP_NATIVE=0"
+else:
+    try:
+        from umbp.pool import _native as lib  # type: ignore[attr-defined,no-redef]
+    except ImportError as exc:
+        why_not = f"not built ({exc}); reinstall umbp with a C compiler present (pip install -e .)"
+
+if lib is None and os.environ.get("UMBP_REQUIRE_NATIVE") == "1" and os.environ.get("UMBP_NATIVE", "1") != "0":
+    raise ImportError(f"umbp: UMBP_REQUIRE_NATIVE=1 but the C extension umbp.pool._native is {why_not}")
+
+
+def describe() -> str:
+    """One line for `umbp stats` and bench headers: which paths this process runs."""
+    return "native (C extension)" if lib is not None else f"pure Python: extension {why_not}"
