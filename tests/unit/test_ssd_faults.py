@@ -21,6 +21,8 @@ from umbp.pool.ssd_format import BLOCK, record_bytes, scan, scan_directory
 
 KiB, MiB = 1024, 1 << 20
 
+pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
+
 
 def _blob(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)

@@ -1041,8 +1041,18 @@ class SsdTier(Pool):
     def _verify_bounced(self, run: list[int], plans: list, dsts: list, status: list[int], buf: np.ndarray,
                         got: int) -> None:
         """One numpy call for every block's sum and one for the psum64 of every payload of the run, then
-        a copy per intact object into its destination."""
+        a copy per intact object into its destination. With the C extension: one call copies every whole
+        record's payload into its destination and sums it on the way (a miss leaves its buffer undefined,
+        as Pool.get_into allows)."""
         start = plans[run[0]].offset
+        if native.lib is not None:
+            whole = [i for i in run if plans[i].offset - start + record_bytes(plans[i].length) <= got]
+            srcs = [buf[plans[i].offset - start + BLOCK :][: plans[i].length] for i in whole]
+            digests = dict(zip(whole, native.lib.psum_copy([dsts[i] for i in whole], srcs), strict=True))
+            for i in run:
+                d = digests.get(i)
+                status[i] = _IOERR if d is None else _OK if d == plans[i].checksum else _BAD
+            return
         rows = block_rows(buf[:got])
         length = plans[run[0]].length
         if all(plans[i].length == length for i in run):
