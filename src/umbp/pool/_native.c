@@ -69,16 +69,23 @@ static inline uint64_t row_sum(const unsigned char *p, size_t n) {
     return s0 + s1 + s2 + s3;
 }
 
-/* Copy src into dst (when src is not NULL) row by row and return the weighted row sums of the copied
- * bytes, rows numbered from row0: each row is summed while it is still in L1. */
+/* Copy src into dst (when src is not NULL) and return the weighted row sums of the copied bytes, rows
+ * numbered from row0. The copy goes 64 KiB at a time and each piece is summed right after, from L2: on
+ * the dev VM this ran at 16-19 GB/s from DRAM (a plain memcpy: 21), where copying and summing 4 KiB
+ * row by row ran at 9-11 (bench/results/history/28). */
+#define COPY_CHUNK (64 * 1024)
+
 __attribute__((target_clones("avx2", "default")))
 static uint64_t copy_weighted(unsigned char *dst, const unsigned char *src, size_t n, uint64_t row0) {
     uint64_t h = 0, r = row0;
-    for (size_t off = 0; off < n; off += ROW_BYTES, r++) {
-        size_t len = n - off < ROW_BYTES ? n - off : ROW_BYTES;
+    for (size_t c = 0; c < n; c += COPY_CHUNK) {
+        size_t clen = n - c < COPY_CHUNK ? n - c : COPY_CHUNK;
         if (src != NULL)
-            memcpy(dst + off, src + off, len);
-        h += row_sum(dst + off, len) * weight(r);
+            memcpy(dst + c, src + c, clen);
+        for (size_t off = 0; off < clen; off += ROW_BYTES, r++) {
+            size_t len = clen - off < ROW_BYTES ? clen - off : ROW_BYTES;
+            h += row_sum(dst + c + off, len) * weight(r);
+        }
     }
     return h;
 }
