@@ -227,10 +227,14 @@ done:
 
 enum { RF_OK = 0, RF_CLOSED = 1, RF_TIMEOUT = 2, RF_OSERROR = 3, RF_PROTOCOL = 4 };
 
-/* Bytes buffered per read: enough for a reply's head and the next one's, little of a payload. Payloads
- * are read straight into their destination (readv: the rest of the payload, then this much of what
- * follows into the buffer), so a value crosses memory once instead of twice (kernel -> buffer -> dst). */
-#define FILL_MAX 4096
+/* Bytes buffered per read: a reply's head and the next one's, and a little of a payload. Payloads are
+ * read straight into their destination (readv: the rest of the payload, then up to this much of what
+ * follows into the buffer), so most of a value crosses memory once instead of twice (kernel -> buffer
+ * -> dst). 16 KiB used the least client CPU per 64 KiB value on the dev VM (4 and 64 KiB: more system
+ * time or more copying; bench/results/history/28). */
+#ifndef FILL_MAX
+#define FILL_MAX (16 * 1024)
+#endif
 
 typedef struct {
     int fd;

@@ -29,6 +29,7 @@ from umbp.pool import native, psum
 CRLF = b"\r\n"
 _COALESCE = 128 * 1024  # parts below this are copied into one send; larger ones go out as they are
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
+_NATIVE_MIN_BUFFER = 64 * 1024  # the C read loop buffers up to 16 KiB at a time and wants twice that free
 
 
 class ProtocolError(ConnectionError):
@@ -249,7 +250,7 @@ class Wire:
         TCP socket the C extension runs the whole loop without the GIL (receive, match, copy, sum);
         otherwise, and when it is not built, the same steps run here."""
         lib = native.lib
-        if lib is not None and self.fd >= 0:
+        if lib is not None and self.fd >= 0 and len(self.buf) >= _NATIVE_MIN_BUFFER:
             r, self.start, self.end, err, errnum = lib.read_frames(
                 self.fd, self.timeout_ms, self.buf, self.start, self.end, lead, field, tails, dsts, rows, fields, r0, r1)
             if err:
