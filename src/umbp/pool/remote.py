@@ -43,9 +43,9 @@ from umbp.pool.remote_config import RemoteConfig, redact_url
 from umbp.pool.remote_format import (
     CHECKSUM_SIZE,
     HEADER_SIZE,
-    header_after_checksum,
     header_before_checksum,
     header_problem,
+    headers_after_checksum,
     inspect_header,
     pack_header,
     stored_checksum,
@@ -521,7 +521,7 @@ class RedisTier(Pool):
         reply-by-reply path (_read_other), which names the problem."""
         size, n = dsts[0].size, len(keys)
         lead = b"$%d\r\n" % (HEADER_SIZE + size) + header_before_checksum(size)
-        tails = [header_after_checksum(k) for k in keys]
+        tails = headers_after_checksum(keys)
         rows = np.zeros((n, size // psum.ROW_BYTES), np.uint64)
         fields = bytearray(n * CHECKSUM_SIZE)
         framed = np.zeros(n, bool)
@@ -585,6 +585,9 @@ class RedisTier(Pool):
         return next(iter(groups.values()))[0].prefix
 
     def _finish_get(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> list[bool]:
+        if res.count(True) == len(res):  # every key a hit (the usual batch): one counter update
+            self._count(hits=len(res), bytes_read=sum(d.size for d in dsts))
+            return [True] * len(res)
         tally: dict[str, int] = {}
         out: list[bool] = []
         failed: list[str] = []
