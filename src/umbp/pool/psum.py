@@ -150,7 +150,8 @@ def copy_with_checksum(region: np.ndarray, other: np.ndarray, to_region: bool) -
     psum64 of `region` computed while each chunk is still in cache. Both arrays are flat uint8 views of
     the same length; `region` must start 8-byte aligned (arena slots do)."""
     if native.lib is not None:
-        return native.lib.psum_copy((region,), (other,))[0] if to_region else native.lib.psum_copy((other,), (region,))[0]
+        dst, src = (region, other) if to_region else (other, region)
+        return native.lib.psum_copy((dst,), (src,))[0]
     nbytes = region.size
     if nbytes <= CHUNK_BYTES:  # one chunk: the fewest numpy calls (their fixed cost matters here)
         if to_region:
