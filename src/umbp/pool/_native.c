@@ -27,6 +27,14 @@
 #error "umbp._native assumes a little-endian host (psum64 reads little-endian words)"
 #endif
 
+/* AVX2 and baseline versions of the hot loop, picked at load time (GCC/Clang on x86-64 with ifunc);
+ * elsewhere (aarch64, e.g. GH200 hosts) one portable version, which the compiler vectorises itself. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
+#define HOT_LOOP __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT_LOOP
+#endif
+
 #define ROW_BYTES 4096
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define MIX1 0xBF58476D1CE4E5B9ULL
@@ -75,7 +83,7 @@ static inline uint64_t row_sum(const unsigned char *p, size_t n) {
  * row by row ran at 9-11 (bench/results/history/28). */
 #define COPY_CHUNK (64 * 1024)
 
-__attribute__((target_clones("avx2", "default")))
+HOT_LOOP
 static uint64_t copy_weighted(unsigned char *dst, const unsigned char *src, size_t n, uint64_t row0) {
     uint64_t h = 0, r = row0;
     for (size_t c = 0; c < n; c += COPY_CHUNK) {
