@@ -8,6 +8,7 @@ UMBP_REQUIRE_NATIVE=1 (set by CI) makes a missing extension an import error inst
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -18,9 +19,10 @@ if os.environ.get("UMBP_NATIVE", "1") == "0":
     why_not = "disabled by UMBP_NATIVE=0"
 else:
     try:
-        from umbp.pool import _native as lib  # type: ignore[attr-defined,no-redef]
-    except ImportError as exc:
-        why_not = f"not built ({exc}); reinstall umbp with a C compiler present (pip install -e .)"
+        lib = importlib.import_module("umbp.pool._native")
+    except ImportError as exc:  # a missing module is the usual case; anything else is worth showing
+        why_not = "not built" if isinstance(exc, ModuleNotFoundError) else f"not loadable ({exc})"
+        why_not += "; reinstall umbp with a C compiler present (e.g. apt-get install gcc; pip install -e .)"
 
 if lib is None and os.environ.get("UMBP_REQUIRE_NATIVE") == "1" and os.environ.get("UMBP_NATIVE", "1") != "0":
     raise ImportError(f"umbp: UMBP_REQUIRE_NATIVE=1 but the C extension umbp.pool._native is {why_not}")
