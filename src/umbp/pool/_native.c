@@ -137,10 +137,11 @@ static int acquire_views(PyObject *seq, Py_ssize_t lo, Py_ssize_t hi, int writab
 
 PyDoc_STRVAR(psum_copy_doc,
 "psum_copy(dsts, srcs=None, row0s=None) -> list[int]\n\n"
-"For each i: copy srcs[i] into dsts[i] (same length; skipped when srcs is None) and return the psum64\n"
-"of the bytes, all with the GIL released. With row0s, return instead the weighted row sums of each\n"
-"buffer as a piece of a larger object starting at row row0s[i] (row0s[i] * 4096 bytes in), without\n"
-"the length mix: the pieces of one object add up mod 2**64 (see psum.finish).");
+"For each i: copy srcs[i] into dsts[i] (same length, not overlapping; skipped when srcs is None)\n"
+"and return the psum64 of the bytes, all with the GIL released. With row0s, return instead the\n"
+"weighted row sums of each buffer as a piece of a larger object starting at row row0s[i]\n"
+"(row0s[i] * 4096 bytes in), without the length mix: the pieces of one object add up mod 2**64\n"
+"(see psum.finish).");
 
 static PyObject *psum_copy(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dsts", "srcs", "row0s", NULL};
