@@ -25,7 +25,7 @@ release the GIL.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, wait
 from typing import Any
 
@@ -194,14 +194,20 @@ def copy_many(
         for i, c0, c1 in share:
             _copy_chunk(pairs[i][0], pairs[i][1], rows[i], c0, c1, to_region)
 
-    futures = [executor.submit(work, share) for share in shares[1:]]
+    run_split(executor, work, shares)
+    return [_combine(rows[i], r, rows[i].size * ROW_BYTES) for i, (r, _) in enumerate(pairs)]
+
+
+def run_split(executor: Executor | None, work: Callable[[Any], Any], shares: Sequence[Any]) -> list[Any]:
+    """work(share) for every share, the first on the calling thread and the rest on `executor` (which may
+    be None when there is one share); their results in order. Returns, or raises the first error, only
+    once every share has finished, so no worker still writes into memory the caller is about to reuse."""
+    futures = [executor.submit(work, share) for share in shares[1:]] if len(shares) > 1 else []
     try:
-        work(shares[0])
+        first = work(shares[0])
     finally:
         wait(futures)
-    for f in futures:
-        f.result()  # re-raise a worker's error
-    return [_combine(rows[i], r, rows[i].size * ROW_BYTES) for i, (r, _) in enumerate(pairs)]
+    return [first, *(f.result() for f in futures)]
 
 
 def _copy_many_native(
@@ -236,12 +242,7 @@ def _copy_many_native(
         lib = native.lib
         return lib.psum_copy(regions, others, row0s) if to_region else lib.psum_copy(others, regions, row0s)
 
-    futures = [executor.submit(work, share) for share in shares[1:]]
-    try:
-        parts = [work(shares[0])]
-    finally:
-        wait(futures)
-    parts += [f.result() for f in futures]  # re-raises a worker's error
+    parts = run_split(executor, work, shares)
     sums = [0] * len(pairs)
     for share, got in zip(shares, parts, strict=True):
         for (i, _c0, _c1), h in zip(share, got, strict=True):

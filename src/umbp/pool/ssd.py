@@ -37,7 +37,7 @@ import time
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -48,7 +48,7 @@ from umbp.pool.allocator import PageAllocator
 from umbp.pool.base import Pool
 from umbp.pool.buffers import aligned_buffer, prepare_buffers
 from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, OptionValueError, UmbpError, human_bytes
-from umbp.pool.psum import checksum_u8, copy_with_checksum
+from umbp.pool.psum import checksum_u8, copy_with_checksum, run_split
 from umbp.pool.ssd_format import (
     BLOCK,
     DATA,
@@ -587,18 +587,14 @@ class SsdTier(Pool):
         total = sum(it.nbytes for _i, it in staged)
         n = 1 if self._copy_pool is None or len(runs) < 2 or total < 2 * _SUM_RUN_BYTES else self._copy_threads
         shares = [range(t, len(runs), n) for t in range(min(n, len(runs)))]
-        futures = [self._copy_pool.submit(work, share) for share in shares[1:]]
         try:
-            work(shares[0])
+            run_split(self._copy_pool, work, shares)
         finally:
-            wait(futures)
             left = [it for r, (i, j) in enumerate(runs) if not queued[r] for _k, it in staged[i:j]]
             if left:
                 with self._lock:
                     for it in left:
                         self._finish(self._route(it.key), it)
-        for f in futures:
-            f.result()
 
     def _sum_runs(self, staged: list[tuple[int, _Item]]) -> list[tuple[int, int]]:
         """[i, j) ranges of staged items summed together: records of one size that sit side by side in
