@@ -15,7 +15,8 @@ from types import ModuleType
 lib: ModuleType | None = None
 why_not: str = ""
 
-if os.environ.get("UMBP_NATIVE", "1") == "0":
+_disabled = os.environ.get("UMBP_NATIVE", "1") == "0"
+if _disabled:
     why_not = "disabled by UMBP_NATIVE=0"
 else:
     try:
@@ -24,10 +25,10 @@ else:
         why_not = "not built" if isinstance(exc, ModuleNotFoundError) else f"not loadable ({exc})"
         why_not += "; reinstall umbp with a C compiler present (e.g. apt-get install gcc; pip install -e .)"
 
-if lib is None and os.environ.get("UMBP_REQUIRE_NATIVE") == "1" and os.environ.get("UMBP_NATIVE", "1") != "0":
+if lib is None and not _disabled and os.environ.get("UMBP_REQUIRE_NATIVE") == "1":
     raise ImportError(f"umbp: UMBP_REQUIRE_NATIVE=1 but the C extension umbp.pool._native is {why_not}")
 
 
 def describe() -> str:
-    """One line for `umbp stats` and bench headers: which paths this process runs."""
+    """One line for the bench reports and the connector's start-up log: which paths this process runs."""
     return "native (C extension)" if lib is not None else f"pure Python: extension {why_not}"

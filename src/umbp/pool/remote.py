@@ -43,9 +43,9 @@ from umbp.pool.remote_config import RemoteConfig, redact_url
 from umbp.pool.remote_format import (
     CHECKSUM_SIZE,
     HEADER_SIZE,
+    header_after_checksum,
     header_before_checksum,
     header_problem,
-    headers_after_checksum,
     inspect_header,
     pack_header,
     stored_checksum,
@@ -514,14 +514,14 @@ class RedisTier(Pool):
     def _read_same_size(self, wire: Wire, window: _GetWindow, keys: list[str], dsts: list[np.ndarray],
                         order: list[int], res: list[Any]) -> None:
         """The common batch: values of one size in whole 4 KiB rows, each small enough to stay in cache
-        (one model's pages). Per value: one framed read (reply head and the header's fixed fields
-        matched in the buffer), then its row sums while it is in cache; checksums are combined and
-        compared for the whole batch at the end. What can be prepared per value is prepared first,
+        (one model's pages). Up to each window refill, one Wire.framed_payloads call reads the replies
+        (reply head and the header's fixed fields matched in the buffer, payload, row sums while it is in
+        cache; in C when built); checksums are combined and compared for the whole batch at the end. What can be prepared per value is prepared first,
         while the server is still working on the first reply. Anything unexpected takes the
         reply-by-reply path (_read_other), which names the problem."""
         size, n = dsts[0].size, len(keys)
         lead = b"$%d\r\n" % (HEADER_SIZE + size) + header_before_checksum(size)
-        tails = headers_after_checksum(keys)
+        tails = [header_after_checksum(k) for k in keys]
         rows = np.zeros((n, size // psum.ROW_BYTES), np.uint64)
         fields = bytearray(n * CHECKSUM_SIZE)
         framed = np.zeros(n, bool)
@@ -529,9 +529,10 @@ class RedisTier(Pool):
         while r < n:
             if r >= window.due:
                 window.top_up(wire, r)
-            stop = wire.framed_payloads(lead, CHECKSUM_SIZE, tails, dsts, rows, fields, r, min(n, window.due))
+            end = min(n, window.due)
+            stop = wire.framed_payloads(lead, CHECKSUM_SIZE, tails, dsts, rows, fields, r, end)
             framed[r:stop] = True
-            if stop < min(n, window.due):  # not the expected frame: read it reply by reply
+            if stop < end:  # not the expected frame: read it reply by reply
                 res[order[stop]] = self._read_other(wire, keys[stop], dsts[stop])
                 stop += 1
             r = stop

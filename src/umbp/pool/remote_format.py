@@ -48,12 +48,6 @@ def header_after_checksum(key: str) -> bytes:
     return _AFTER_CHECKSUM.pack(key_crc(key))
 
 
-def headers_after_checksum(keys: list[str]) -> list[bytes]:
-    """header_after_checksum for a batch of keys (one list pass, no call per key)."""
-    pack, crc = _AFTER_CHECKSUM.pack, zlib.crc32
-    return [pack(crc(k.encode())) for k in keys]
-
-
 def inspect_header(header: bytes | memoryview, key: str, nbytes: int) -> tuple[str | None, int]:
     """(None, stored checksum) when the header fits `key` and an object of `nbytes`; else (why not, for
     the counters, and the checksum field)."""
