@@ -160,11 +160,11 @@ def test_exhausted_connection_pool_is_a_miss_not_a_dead_server(tmp_path):
     try:
         assert tier.put(["k"], [b"v"]) == [True]
         pool = tier._backend.pool(tier._backend.name)
-        held = pool.get_connection()  # another thread holds the only connection
+        held = tier._conns.take(pool)  # another thread of the tier holds the only connection
         assert tier.exists(["k"]) == [False]
         s = tier.stats()
         assert s["pool_exhausted"] == 1 and s["servers_down"] == [] and s["connection_errors"] == 0
-        pool.release(held)
+        tier._conns.give(pool, held)
         assert tier.exists(["k"]) == [True]
     finally:
         tier.close()

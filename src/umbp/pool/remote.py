@@ -40,6 +40,7 @@ from umbp.pool.errors import BufferSizeError
 from umbp.pool.psum import checksum_u8, copy_with_checksum
 from umbp.pool.remote_backend import Cluster, Group, Standalone
 from umbp.pool.remote_config import RemoteConfig, redact_url
+from umbp.pool.remote_conns import KeptConnections
 from umbp.pool.remote_format import (
     CHECKSUM_SIZE,
     HEADER_SIZE,
@@ -105,11 +106,11 @@ class _Job:
 
 
 class _Session:
-    """A checked-out connection; returned to the pool only when its replies were fully read."""
+    """A checked-out connection; kept for the next call only when its replies were fully read."""
 
-    def __init__(self, pool: redis.ConnectionPool) -> None:
-        self.pool = pool
-        self.conn = pool.get_connection()
+    def __init__(self, kept: KeptConnections, pool: redis.ConnectionPool) -> None:
+        self.kept, self.pool = kept, pool
+        self.conn = kept.take(pool)
         try:
             self.wire = Wire.of(self.conn)
         except BaseException:
@@ -117,9 +118,10 @@ class _Session:
             raise
 
     def close(self) -> None:
-        if not self.wire.drained:
-            self.conn.disconnect()
-        self.pool.release(self.conn)
+        if self.wire.drained:
+            self.kept.give(self.pool, self.conn)
+            return
+        self.fail()
 
     def fail(self) -> None:
         self.conn.disconnect()
@@ -317,6 +319,7 @@ class RedisTier(Pool):
         self._down_until: dict[str, float] = {}
         self._last_error = ""
         self._quarantine = _Quarantine(cfg.quarantine_s, cfg.quarantine_max_keys)
+        self._conns = KeptConnections(cfg.max_connections)
         self._writer = _Writer(self, cfg.write_queue_bytes, cfg.write_batch)
         self._ttl_ms = None if cfg.ttl_s is None else max(1, round(cfg.ttl_s * 1000))
         # 'SET k v NX [PX ms]': the array header, and the arguments after the value (command() minus its header)
@@ -349,10 +352,17 @@ class RedisTier(Pool):
         if node == self._backend.name and isinstance(self._backend, Cluster):
             return  # the cluster as a whole is unreachable: nothing to disconnect or refresh
         try:
-            self._backend.pool(node).disconnect(inuse_connections=False)
+            pool = self._backend.pool(node)
+            self._conns.drop(pool)
+            pool.disconnect(inuse_connections=False)
         except _NET_ERRORS:
             pass
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Re-read a cluster's topology; kept connections of nodes that left it are dropped."""
         self._backend.refresh()
+        self._conns.keep_only(self._backend.pools())
 
     def _is_down(self, node: str) -> bool:
         until = self._down_until.get(node)
@@ -378,7 +388,7 @@ class RedisTier(Pool):
                 self._count(unavailable_skips=job.n)
                 continue
             try:
-                sess = _Session(self._backend.pool(job.node))
+                sess = _Session(self._conns, self._backend.pool(job.node))
             except redis.exceptions.MaxConnectionsError:  # our own pool is busy, the server is fine
                 self._count(pool_exhausted=job.n)
                 continue
@@ -458,7 +468,7 @@ class RedisTier(Pool):
         res[idx] = _UNANSWERED
         for i, v in zip(order, values, strict=True):
             res[i] = v == b"1"
-        self._backend.refresh()
+        self._refresh()
 
     def _finish_exists(self, keys: list[str], res: np.ndarray) -> list[bool]:
         errors = int((res < 0).sum())
@@ -579,7 +589,7 @@ class RedisTier(Pool):
                 res[i] = "load_errors"
                 continue
             res[i] = _check_value(keys[i], value, dsts[i])
-        self._backend.refresh()
+        self._refresh()
 
     def _prefix_of(self, key: str) -> str:
         groups = self._backend.groups([key])
@@ -753,7 +763,7 @@ class RedisTier(Pool):
             except _NET_ERRORS as exc:
                 self._last_error = f"{type(exc).__name__}: {exc}"[:200]
                 res[j] = None
-        self._backend.refresh()
+        self._refresh()
 
     def _finish_put(self, items: list[_Item], res: list[Any]) -> list[bool]:
         stored = [it for it, r in zip(items, res, strict=True) if r is True]
@@ -884,6 +894,7 @@ class RedisTier(Pool):
             return
         self._closed = True
         self._writer.close(5.0 if timeout is None else timeout)
+        self._conns.close()
         self._backend.close()
 
 

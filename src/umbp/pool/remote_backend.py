@@ -85,6 +85,9 @@ class Standalone:
     def client(self) -> redis.Redis:
         return self._client
 
+    def pools(self) -> list[redis.ConnectionPool]:
+        return [self._pool]
+
     def primaries(self) -> list[redis.Redis]:
         return [self._client]
 
@@ -159,6 +162,13 @@ class Cluster:
         if cn is None or cn.redis_connection is None:
             raise redis.ConnectionError(f"umbp: cluster node {node} is not in the topology any more")
         return cn.redis_connection.connection_pool
+
+    def pools(self) -> list[redis.ConnectionPool]:
+        """The pools of every node in the current topology (none before the first connect)."""
+        if self._rc is None:
+            return []
+        nodes = list(self._rc.nodes_manager.nodes_cache.values())
+        return [n.redis_connection.connection_pool for n in nodes if n.redis_connection is not None]
 
     def primaries(self) -> list[redis.Redis]:
         rc = self.client()
