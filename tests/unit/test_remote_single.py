@@ -321,6 +321,37 @@ def test_put_sends_each_object_before_summing_later_ones(tier, monkeypatch):
     assert all(np.array_equal(o, blob(big, i)) for i, o in enumerate(outs))
 
 
+def test_get_interrupted_mid_read_drops_the_connection(server, monkeypatch):
+    """An exception while replies are being read (Ctrl-C) leaves replies unread on the connection: it
+    must be dropped and given back, not kept for the next call and not leaked (with two connections
+    allowed, three interrupted gets would otherwise exhaust the pool)."""
+    tier = RedisTier(RemoteConfig.from_options({"url": server.url, "max_connections": 2, "quarantine_s": 0}))
+    data = [blob(65536, i) for i in range(3)]
+    keys = ["g0", "g1", "g2"]
+    real_read = RedisTier._read_same_size
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+
+    try:
+        assert tier.put(keys, data) == [True] * 3
+        outs = [np.empty(65536, np.uint8) for _ in keys]
+        monkeypatch.setattr(RedisTier, "_read_same_size", interrupted)
+        for _ in range(3):
+            with pytest.raises(KeyboardInterrupt):
+                tier.get_into(keys, outs)
+        monkeypatch.setattr(RedisTier, "_read_same_size", real_read)
+        for _ in range(3):  # no connection with unread replies was kept
+            outs = [np.empty(65536, np.uint8) for _ in keys]
+            assert tier.get_into(keys, outs) == [True] * 3
+            assert all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))
+        s = tier.stats()
+        assert s["pool_exhausted"] == 0 and s["connection_errors"] == 0 and s["reply_errors"] == 0
+    finally:
+        tier.clear()
+        tier.close()
+
+
 def test_put_interrupted_mid_batch_drops_the_connection(server, monkeypatch):
     """An exception while a batch is being sent (here: in a checksum) leaves half a command on the wire:
     that connection must be dropped and given back to the pool, not reused and not leaked (with two

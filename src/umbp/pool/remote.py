@@ -405,13 +405,17 @@ class RedisTier(Pool):
                 for _, s in [*open_, (job, sess)]:
                     s.fail()
                 raise
-        for job, sess in open_:
+        for k, (job, sess) in enumerate(open_):
             try:
                 job.read(sess.wire)
                 sess.close()
             except _NET_ERRORS as exc:
                 sess.fail()
                 self._node_failed(job.node, exc)
+            except BaseException:  # e.g. Ctrl-C mid-read: replies are left unread on this and later ones
+                for _, s in open_[k:]:
+                    s.fail()
+                raise
 
     def _reply_error(self, err: ReplyError) -> str | None:
         """_REDIRECT for MOVED/ASK (redis-py's cluster client will follow it), else None (a counted miss)."""
