@@ -398,3 +398,34 @@ def test_framed_payloads_errors(impl):
     finally:
         a.close()
         b.close()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_framed_payloads_stops_at_once_on_a_signal_that_raises(impl):
+    """A signal whose handler raises (Ctrl-C) ends a read that waits for the server at once, not at the
+    socket timeout: the C loop runs Python's handlers when its wait is interrupted, as a recv would."""
+    import signal
+    import time
+
+    def handler(signum, frame):
+        raise _Interrupted
+
+    keys = list(BATCH)
+    one = framed_reply(keys[0], BATCH[keys[0]], digest=0)
+    a, b, w = _pair(timeout=20.0)
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        b.sendall(one[:100])  # part of a value; the rest never comes
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        t0 = time.monotonic()
+        with pytest.raises(_Interrupted):
+            _read_batch(w, keys[:1], 3 * ROWS)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        a.close()
+        b.close()

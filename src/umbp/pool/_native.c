@@ -234,7 +234,7 @@ done:
 
 /* ---- read_frames ---------------------------------------------------------------------------------- */
 
-enum { RF_OK = 0, RF_CLOSED = 1, RF_TIMEOUT = 2, RF_OSERROR = 3, RF_PROTOCOL = 4 };
+enum { RF_OK = 0, RF_CLOSED = 1, RF_TIMEOUT = 2, RF_OSERROR = 3, RF_PROTOCOL = 4, RF_INTERRUPTED = 5 };
 
 /* Bytes buffered per read: a reply's head and the next one's, and a little of a payload. Payloads are
  * read straight into their destination (readv: the rest of the payload, then up to this much of what
@@ -251,7 +251,17 @@ typedef struct {
     unsigned char *buf;
     size_t cap, start, end;
     int err, errnum;
+    PyThreadState *save; /* the GIL is released while the stream waits; taken back to run signal handlers */
 } Stream;
+
+/* A signal interrupted the wait: run Python's handlers (with the GIL) as a blocking recv would, so Ctrl-C
+ * stops a read at once instead of at the socket timeout. 1 when a handler raised (the exception is set). */
+static int stream_interrupted(Stream *s) {
+    PyEval_RestoreThread(s->save);
+    int raised = PyErr_CheckSignals() < 0;
+    s->save = PyEval_SaveThread();
+    return raised;
+}
 
 /* readv once, waiting up to timeout_ms for the first byte: > 0 bytes, or 0 with s->err set. The
  * descriptor is non-blocking (Python keeps a socket with a timeout so). */
@@ -280,6 +290,10 @@ static ssize_t stream_readv(Stream *s, struct iovec *iov, int n) {
         if (ready < 0 && errno != EINTR) {
             s->err = RF_OSERROR;
             s->errnum = errno;
+            return 0;
+        }
+        if (ready < 0 && stream_interrupted(s)) {
+            s->err = RF_INTERRUPTED;
             return 0;
         }
     }
@@ -354,7 +368,8 @@ PyDoc_STRVAR(read_frames_doc,
 "matrix). Stops at r1 or at the first reply that is not so framed (consuming nothing of it, and never\n"
 "waiting for bytes once the buffered ones differ from lead). err: 0 ok, 1 closed, 2 timeout,\n"
 "3 OS error (errno), 4 a bulk not ending in CRLF. buf[start:end] is the Wire's buffered data; the\n"
-"returned start/end replace the Wire's.");
+"returned start/end replace the Wire's. A signal handler that raises while the loop waits (Ctrl-C)\n"
+"stops it with that exception; the stream position is then unknown.");
 
 static PyObject *read_frames(PyObject *self, PyObject *args) {
     int fd, timeout_ms;
@@ -416,7 +431,7 @@ static PyObject *read_frames(PyObject *self, PyObject *args) {
     const unsigned char *lead_p = lead.buf;
     size_t lead_len = (size_t)lead.len, need = lead_len + (size_t)field + tail_len;
     Py_ssize_t r = r0;
-    Py_BEGIN_ALLOW_THREADS
+    s.save = PyEval_SaveThread();
     for (; r < r1; r++) {
         int m = stream_match(&s, lead_p, lead_len, need);
         if (m <= 0)
@@ -445,8 +460,9 @@ static PyObject *read_frames(PyObject *self, PyObject *args) {
             rr[k] = row_sum(dst + off, len);
         }
     }
-    Py_END_ALLOW_THREADS
-    out = Py_BuildValue("nnnii", r, (Py_ssize_t)s.start, (Py_ssize_t)s.end, s.err, s.errnum);
+    PyEval_RestoreThread(s.save);
+    if (s.err != RF_INTERRUPTED) /* else the handler's exception propagates; the caller drops the connection */
+        out = Py_BuildValue("nnnii", r, (Py_ssize_t)s.start, (Py_ssize_t)s.end, s.err, s.errnum);
 done:
     release_views(&dv);
     PyMem_Free(tail_ptr);
