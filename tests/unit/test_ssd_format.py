@@ -10,10 +10,13 @@ from umbp.pool.ssd import aligned_buffer
 from umbp.pool.ssd_format import (
     BLOCK,
     DATA,
+    MAX_KEY_BYTES,
     TOMBSTONE,
     RecordInfo,
     block_rows,
     pack_header,
+    pack_header_at,
+    pack_headers,
     pack_summary,
     pack_trailer,
     parse_header,
@@ -44,6 +47,56 @@ def test_header_round_trip_and_every_corrupted_byte_is_rejected():
         bad[pos] ^= 0x04
         assert parse_header(bad) is None, pos
     assert parse_header(np.zeros(BLOCK, np.uint8)) is None and parse_header(b"") is None
+
+
+def test_pack_headers_writes_what_pack_header_at_writes(impl):
+    """The writer's batched form (one C call with the extension) gives the same blocks byte for byte,
+    whatever was in the buffer before (every block is zero-padded), and parse_header reads them back."""
+    rng = np.random.default_rng(5)
+    keys = [b"", b"k", "n\u00e9/tp1/g0/".encode() + b"f" * 40, b"x" * MAX_KEY_BYTES]
+    keys += [bytes(rng.integers(33, 127, int(rng.integers(1, 300)), dtype=np.uint8)) for _ in range(20)]
+    n = len(keys)
+    ats = [int(a) * BLOCK for a in rng.permutation(2 * n)[:n]]
+    flags = [int(f) for f in rng.integers(0, 2, n)]
+    seqs = [int(v) for v in rng.integers(0, 2**63, n, dtype=np.int64)]
+    seqs[0] = 2**64 - 1
+    lengths = [int(v) for v in rng.integers(0, 2**40, n)]
+    checksums = [int(v) for v in rng.integers(0, 2**63, n, dtype=np.int64)]
+    checksums[1] = 2**64 - 1
+    got = np.frombuffer(bytearray(rng.integers(0, 256, 2 * n * BLOCK, dtype=np.uint8).tobytes()), np.uint8)
+    want = np.zeros_like(got)
+    pack_headers(memoryview(got), ats, keys, flags, seqs, lengths, checksums)
+    for args in zip(ats, keys, flags, seqs, lengths, checksums, strict=True):
+        pack_header_at(memoryview(want), *args)
+    for i, at in enumerate(ats):
+        assert np.array_equal(got[at : at + BLOCK], want[at : at + BLOCK]), i
+        h = parse_header(got[at : at + BLOCK])
+        assert (h.flags, h.seq, h.length, h.checksum, h.key.encode()) == (flags[i], seqs[i], lengths[i],
+                                                                          checksums[i], keys[i])
+
+
+def test_native_pack_headers_rejects_bad_input():
+    from umbp.pool import native
+
+    if native.lib is None:
+        pytest.skip(f"the C extension is {native.why_not}")
+    from umbp.pool.ssd_format import MAGIC, VERSION
+
+    buf = bytearray(2 * BLOCK)
+    ok = ([0], [b"k"], [0], [1], [2], [3])
+    native.lib.pack_headers(buf, *ok, MAGIC, VERSION)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.lib.pack_headers(buf, [BLOCK + 1], *ok[1:], MAGIC, VERSION)  # runs past the buffer
+    with pytest.raises(ValueError, match="does not fit"):
+        native.lib.pack_headers(buf, [0], [b"k" * (BLOCK - 47)], *ok[2:], MAGIC, VERSION)
+    with pytest.raises(ValueError, match="differ in length"):
+        native.lib.pack_headers(buf, [0, BLOCK], *ok[1:], MAGIC, VERSION)
+    with pytest.raises(TypeError):
+        native.lib.pack_headers(buf, [0], ["k"], *ok[2:], MAGIC, VERSION)
+    with pytest.raises(OverflowError):
+        native.lib.pack_headers(buf, [-1], *ok[1:], MAGIC, VERSION)
+    with pytest.raises(BufferError):
+        native.lib.pack_headers(bytes(BLOCK), *ok, MAGIC, VERSION)  # read-only
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 4095, 4096, 4097, 100_003, 3 * 4096])

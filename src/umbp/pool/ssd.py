@@ -61,6 +61,7 @@ from umbp.pool.ssd_format import (
     entry_bytes,
     pack_header,
     pack_header_at,
+    pack_headers,
     pack_summary,
     pack_trailer,
     padded,
@@ -1300,11 +1301,14 @@ class SsdTier(Pool):
         tview = memoryview(tombs) if ntombs else None
         staging = self._staging_view_all
         spans: list[tuple[memoryview, int, int]] = []  # (buffer, start, end), merged while adjacent
+        puts = [it for it in group if it.kind == _PUT]
+        pack_headers(staging, [it.start * BLOCK for it in puts], [it.key_bytes for it in puts], [DATA] * len(puts),
+                     [seq for it, seq in zip(group, seqs, strict=True) if it.kind == _PUT],
+                     [it.length for it in puts], [it.checksum for it in puts])
         t = 0
         for it, seq in zip(group, seqs, strict=True):
             if it.kind == _PUT:
                 buf, lo = staging, it.start * BLOCK
-                pack_header_at(buf, lo, it.key_bytes, DATA, seq, it.length, it.checksum)
             else:
                 buf, lo = tview, t * BLOCK
                 t += 1

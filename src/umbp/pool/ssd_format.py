@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from umbp.pool import native
 from umbp.pool.psum import as_rows, checksum_u8, combine_padded_rows
 
 BLOCK = 4096
@@ -117,6 +118,17 @@ def pack_header_at(view: memoryview, at: int, key_bytes: bytes, flags: int, seq:
     n = len(raw)
     view[at : at + n] = raw
     view[at + n : at + BLOCK] = _ZEROS[n:]
+
+
+def pack_headers(view: memoryview, ats: list[int], keys: list[bytes], flags: list[int], seqs: list[int],
+                 lengths: list[int], checksums: list[int]) -> None:
+    """pack_header_at for a write group's records: one C call when the extension is built (the writer's
+    per-record Python was its largest cost after the copies), else the loop."""
+    if native.lib is not None:
+        native.lib.pack_headers(view, ats, keys, flags, seqs, lengths, checksums, MAGIC, VERSION)
+        return
+    for args in zip(ats, keys, flags, seqs, lengths, checksums, strict=True):
+        pack_header_at(view, *args)
 
 
 def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
