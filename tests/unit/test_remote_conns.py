@@ -51,7 +51,7 @@ def test_one_connection_serves_every_call(server):
             assert tier.exists(keys) == [True] * 8
             assert tier.get_into(keys, out) == [True] * 8
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
-        assert tier._conns.idle_count() == 1
+        assert tier._conns.idle_count() == 1 and tier.stats()["idle_connections"] == 1
         assert pool_of(tier)._created_connections == 1
     finally:
         tier.close()

@@ -888,6 +888,7 @@ class RedisTier(Pool):
         out["hit_rate"] = out["hits"] / loads if loads else 0.0
         out["write_queue_items"], out["write_queue_bytes"] = self._writer.gauges()
         out["quarantine_size"] = len(self._quarantine)
+        out["idle_connections"] = self._conns.idle_count()
         out["backend"] = "redis-cluster" if isinstance(self._backend, Cluster) else "redis"
         out["config"] = self.config.summary()
         return out
