@@ -149,3 +149,32 @@ def test_threads_share_kept_connections_up_to_the_limit(server):
         assert tier.stats()["pool_exhausted"] == 0
     finally:
         tier.close()
+
+
+def test_pools_that_left_the_topology_lose_their_kept_connections(server):
+    """keep_only (called after a cluster's slot table is re-read) drops what is kept for pools no longer
+    in it: disconnected and handed back, so nothing lingers on a removed node."""
+    import redis
+
+    from umbp.pool.remote_conns import KeptConnections
+
+    kept = KeptConnections(4)
+    host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1].split("/")[0])
+    a, b = redis.ConnectionPool(host=host, port=port), redis.ConnectionPool(host=host, port=port)
+    try:
+        ca, cb = kept.take(a), kept.take(b)
+        kept.give(a, ca)
+        kept.give(b, cb)
+        assert kept.idle_count() == 2
+        kept.keep_only([a])
+        assert kept.idle_count() == 1
+        assert cb._sock is None and b._available_connections == [cb]  # disconnected, back in its pool
+        assert kept.take(a) is ca  # the one kept is handed out again
+        kept.give(a, ca)
+        kept.close()
+        assert kept.idle_count() == 0 and ca._sock is None
+        kept.give(a, ca)  # after close, a connection goes straight back to redis-py
+        assert kept.idle_count() == 0 and ca in a._available_connections
+    finally:
+        a.disconnect()
+        b.disconnect()
