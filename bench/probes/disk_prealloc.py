@@ -36,37 +36,21 @@ def _open(path: str, falloc: int) -> int:
     return fd
 
 
-def one_file(root: str, buf: np.ndarray, qd: int, falloc: bool) -> float:
-    pool = ThreadPoolExecutor(qd)
-    t = time.perf_counter()
-    fd = _open(os.path.join(root, "f"), TOTAL if falloc else 0)
-    pending = []
-    for off in range(0, TOTAL, IO):
-        pending.append(pool.submit(os.pwritev, fd, [buf[:IO]], off))
-        if len(pending) >= qd:
-            pending.pop(0).result()
-    for f in pending:
-        f.result()
-    os.fdatasync(fd)
-    dt = time.perf_counter() - t
-    os.close(fd)
-    pool.shutdown()
-    return TOTAL / dt / 1e6
-
-
-def segments(root: str, buf: np.ndarray, falloc: bool) -> float:
-    pool, sealer = ThreadPoolExecutor(3), ThreadPoolExecutor(1)
+def segments(root: str, buf: np.ndarray, seg: int, qd: int, falloc: bool) -> float:
+    """Files of `seg` bytes opened one after another, `qd` writes in flight, each file fdatasync()ed on
+    another thread once its writes have landed (the tier's seal) while the next one is written. One file
+    of the whole pass (seg=TOTAL) is the bench's baseline shape."""
+    pool, sealer = ThreadPoolExecutor(qd), ThreadPoolExecutor(1)
     t = time.perf_counter()
     pending, seals, fds = [], [], []
-    for s in range(0, TOTAL, SEG):
-        fd = _open(os.path.join(root, f"seg-{s // SEG}"), SEG if falloc else 0)
+    for s in range(0, TOTAL, seg):
+        fd = _open(os.path.join(root, f"seg-{s // seg}"), seg if falloc else 0)
         fds.append(fd)
-        for off in range(0, min(SEG, TOTAL - s), IO):
-            n = min(IO, SEG - off)
+        for off in range(0, min(seg, TOTAL - s), IO):
+            n = min(IO, seg - off)
             pending.append(pool.submit(os.pwritev, fd, [buf[:n]], off))
-            if len(pending) >= 3:
+            if len(pending) >= qd:
                 pending.pop(0).result()
-        # seal once this segment's writes have landed, while the next segment is written
         mine = list(pending)
         seals.append(sealer.submit(lambda fd=fd, mine=mine: ([f.result() for f in mine], os.fdatasync(fd))))
     for f in pending + seals:
@@ -80,12 +64,12 @@ def segments(root: str, buf: np.ndarray, falloc: bool) -> float:
 
 
 VARIANTS = {
-    "fresh file, qd 1 (baseline)": lambda r, b: one_file(r, b, 1, False),
-    "fresh file, qd 3": lambda r, b: one_file(r, b, 3, False),
-    "fallocated file, qd 1": lambda r, b: one_file(r, b, 1, True),
-    "fallocated file, qd 3": lambda r, b: one_file(r, b, 3, True),
-    "28 MiB segments, qd 3, sealed": lambda r, b: segments(r, b, False),
-    "28 MiB segments fallocated, qd 3, sealed": lambda r, b: segments(r, b, True),
+    "fresh file, qd 1 (baseline)": lambda r, b: segments(r, b, TOTAL, 1, False),
+    "fresh file, qd 3": lambda r, b: segments(r, b, TOTAL, 3, False),
+    "fallocated file, qd 1": lambda r, b: segments(r, b, TOTAL, 1, True),
+    "fallocated file, qd 3": lambda r, b: segments(r, b, TOTAL, 3, True),
+    "28 MiB segments, qd 3, sealed": lambda r, b: segments(r, b, SEG, 3, False),
+    "28 MiB segments fallocated, qd 3, sealed": lambda r, b: segments(r, b, SEG, 3, True),
 }
 
 

@@ -40,7 +40,7 @@ from umbp.pool.errors import BufferSizeError
 from umbp.pool.psum import checksum_u8, copy_with_checksum
 from umbp.pool.remote_backend import Cluster, Group, Standalone
 from umbp.pool.remote_config import RemoteConfig, redact_url
-from umbp.pool.remote_conns import KeptConnections
+from umbp.pool.remote_conns import KeptConnections, discard
 from umbp.pool.remote_format import (
     CHECKSUM_SIZE,
     HEADER_SIZE,
@@ -124,8 +124,7 @@ class _Session:
         self.fail()
 
     def fail(self) -> None:
-        self.conn.disconnect()
-        self.pool.release(self.conn)
+        discard(self.pool, self.conn)
 
 
 class _Quarantine:

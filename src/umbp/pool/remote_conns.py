@@ -40,6 +40,13 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def discard(pool: redis.ConnectionPool, conn: Any) -> None:
+    """Close a connection whose stream cannot be trusted (failed, unread replies, stale) and give its slot
+    back to redis-py's pool."""
+    conn.disconnect()
+    pool.release(conn)
+
+
 def _stale(conn: Any) -> bool:
     """True when the idle connection has something to read (EOF or an unsolicited reply): not usable."""
     sock = getattr(conn, "_sock", None)
@@ -66,8 +73,7 @@ class KeptConnections:
         while conn is not None:
             if not _stale(conn):
                 return conn
-            conn.disconnect()
-            pool.release(conn)
+            discard(pool, conn)
             conn = self._pop(pool)
         return pool.get_connection()
 
@@ -90,8 +96,7 @@ class KeptConnections:
             taken = [(p, self._idle.pop(p, [])) for p in pools]
         for p, conns in taken:
             for conn in conns:
-                conn.disconnect()
-                p.release(conn)
+                discard(p, conn)
 
     def keep_only(self, pools: list[redis.ConnectionPool]) -> None:
         """Drop pools that left the topology (a cluster node removed or replaced)."""

@@ -1301,10 +1301,10 @@ class SsdTier(Pool):
         tview = memoryview(tombs) if ntombs else None
         staging = self._staging_view_all
         spans: list[tuple[memoryview, int, int]] = []  # (buffer, start, end), merged while adjacent
-        puts = [it for it in group if it.kind == _PUT]
-        pack_headers(staging, [it.start * BLOCK for it in puts], [it.key_bytes for it in puts], [DATA] * len(puts),
-                     [seq for it, seq in zip(group, seqs, strict=True) if it.kind == _PUT],
-                     [it.length for it in puts], [it.checksum for it in puts])
+        puts = [(it, seq) for it, seq in zip(group, seqs, strict=True) if it.kind == _PUT]
+        pack_headers(staging, [it.start * BLOCK for it, _ in puts], [it.key_bytes for it, _ in puts],
+                     [DATA] * len(puts), [seq for _, seq in puts], [it.length for it, _ in puts],
+                     [it.checksum for it, _ in puts])
         t = 0
         for it, seq in zip(group, seqs, strict=True):
             if it.kind == _PUT:
