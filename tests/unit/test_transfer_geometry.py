@@ -240,3 +240,28 @@ def test_table_pool_never_drops_a_buffer_the_device_still_reads():
         e.done = True
     pool.give(torch.empty(8, dtype=torch.int64), None)
     assert len(pool._idle) == pool.KEEP
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-reach", "mixed-reaches"])
+def test_disjoint_check_agrees_with_a_pairwise_reference(mixed: bool) -> None:
+    """check_disjoint (a sort when every slot spans the same bytes, an argsort otherwise) against every
+    pair of slots, on random batches that overlap about half the time (touching slots do not overlap)."""
+    import numpy as np
+
+    from umbp.transfer.api import check_disjoint
+
+    rng = np.random.default_rng(7)
+    raised = 0
+    for _ in range(400):
+        parts = int(rng.integers(1, 4))
+        reaches = [int(rng.choice([8, 24])) if mixed else 16 for _ in range(parts)]
+        starts = [rng.integers(0, 40, int(rng.integers(0, 5))).astype(np.int64) * 8 for _ in range(parts)]
+        spans = [(int(a), int(a) + r) for st, r in zip(starts, reaches) for a in st]
+        overlap = any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans) for b0, b1 in spans[i + 1:])
+        try:
+            check_disjoint(starts, reaches)
+            assert not overlap, (starts, reaches)
+        except ValueError:
+            assert overlap, (starts, reaches)
+            raised += 1
+    assert 100 < raised < 300  # both outcomes were exercised
