@@ -89,6 +89,29 @@ def test_every_rank_and_group_of_one_prefix_shares_a_slot(tier, cluster):
     assert len(names) == 2 * len(keys) and len(slots) == 1  # values and markers, one slot
 
 
+def test_misses_across_masters_are_repaired(tier, cluster):
+    """Values evicted apart from their markers and a damaged value, spread over every master, in one
+    get: the stale markers and the damaged value are removed (one pipelined repair, routed per slot)."""
+    from umbp.pool.remote_format import HEADER_SIZE
+
+    keys = [okey(i) for i in range(90)]
+    assert all(tier.put(keys, [blob(4096, i) for i in range(90)]))
+
+    def on_owner(k: str, *args):
+        return cmd(cluster.owner_of(slot_of_tag(k[-2:])), *args)
+
+    for k in keys[:60]:
+        on_owner(k, "DEL", f"umbp:{{{k[-2:]}}}d:{k}")
+    on_owner(keys[60], "SETRANGE", f"umbp:{{{keys[60][-2:]}}}d:{keys[60]}", HEADER_SIZE + 3, b"\xff\xfe")
+    assert len({cluster.owner_of(slot_of_tag(k[-2:])).port for k in keys[:60]}) == 3
+    got = tier.get_into(keys, [np.zeros(4096, np.uint8) for _ in keys])
+    assert got == [False] * 61 + [True] * 29
+    s = tier.stats()
+    assert (s["stale_markers_removed"], s["corrupt_removed"], s["misses_absent"]) == (60, 1, 60)
+    assert tier.exists(keys[:61]) == [False] * 61
+    assert sum(on_owner(k, "EXISTS", f"umbp:{{{k[-2:]}}}m:{k}") for k in keys[:61]) == 0
+
+
 def test_lookup_of_8192_keys_spans_masters_in_one_call(tier):
     keys = [okey(i * 7919) for i in range(8192)]
     assert all(tier.put(keys[::4], [b"v"] * 2048))

@@ -264,6 +264,38 @@ def test_marker_without_value_heals(tier, raw):
     assert tier.stats()["stale_markers_removed"] == 1 and raw.exists("umbp:m:k") == 0
 
 
+def test_a_batch_of_misses_is_repaired_in_one_round_trip(tier, raw, monkeypatch):
+    """300 values evicted apart from their markers and 2 corrupt ones in one get: every stale marker and
+    every corrupt value is removed, through one pipelined round trip (a command per key, each awaited,
+    made a batch of 1,024 absent keys ~10x slower than a batch of hits), and a value that is present is
+    left alone."""
+    import redis
+
+    n = 4096
+    keys = [f"s{i}" for i in range(303)]
+    assert all(tier.put(keys, [blob(n, i) for i in range(303)]))
+    for k in keys[:300]:
+        raw.delete(f"umbp:d:{k}")
+    for k in keys[300:302]:
+        raw.setrange(f"umbp:d:{k}", HEADER_SIZE + 5, b"\xff\xfe")
+    rounds = []
+    real = redis.client.Pipeline.execute
+
+    def counted(self, *a, **kw):
+        rounds.append(len(self.command_stack))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
+    got = tier.get_into(keys, [np.zeros(n, np.uint8) for _ in keys])
+    assert got == [False] * 302 + [True]
+    s = tier.stats()
+    assert (s["misses_absent"], s["checksum_failures"]) == (300, 2)
+    assert (s["stale_markers_removed"], s["corrupt_removed"]) == (300, 2)
+    assert rounds == [302]
+    assert sum(raw.exists(f"umbp:m:{k}", f"umbp:d:{k}") for k in keys[:302]) == 0
+    assert raw.exists("umbp:m:s302", "umbp:d:s302") == 2
+
+
 def test_ttl(server, raw):
     t = RedisTier(RemoteConfig.from_options({"url": server.url, "ttl_s": 0.3}))
     assert t.put(["k"], [b"v"]) == [True]

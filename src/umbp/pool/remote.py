@@ -65,6 +65,7 @@ GET_WINDOW_BYTES = 4 << 20
 PUT_SEND_BYTES = 256 << 10  # a put sends whenever this much payload is ready (see _store_job)
 _STORED = b"+OK\r\n+OK\r\n"  # SET value, SET marker
 _HEAL = ("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end return 0")
+_DROP = "return redis.call('UNLINK', KEYS[1], KEYS[2])"  # a script: cluster pipelines refuse multi-key UNLINK
 
 _COUNTERS = (
     "exists_keys", "exists_present", "lookup_errors", "quarantine_skips", "unavailable_skips",
@@ -623,21 +624,30 @@ class RedisTier(Pool):
 
     def _repair(self, keys: list[str], res: list[Any]) -> None:
         """Best effort: delete values that failed their checksum, and markers whose value is gone (evicted
-        or expired apart), so no other instance keeps trying them."""
+        or expired apart), so no other instance keeps trying them. One pipelined round trip for the
+        batch: a command per key, each awaited, made a get of 1,024 absent 16 KiB keys take 132-146 ms
+        on loopback against 8-15 ms for 1,024 hits (16-20 ms with the pipeline)."""
         corrupt = [k for k, r in zip(keys, res, strict=True) if r == "checksum_failures"]
         absent = [k for k, r in zip(keys, res, strict=True) if r == "misses_absent"]
         if not corrupt and not absent:
             return
+        affected = corrupt + absent
         try:
-            client = self._backend.client()
-            for k in corrupt:
-                p = self._prefix_of(k)
-                self._count(corrupt_removed=int(client.unlink(p + "d:" + k, p + "m:" + k) > 0))
-            for k in absent:
-                p = self._prefix_of(k)
-                self._count(stale_markers_removed=int(client.eval(_HEAL, 2, p + "d:" + k, p + "m:" + k) or 0))
-        except _NET_ERRORS as exc:
+            prefixes = [""] * len(affected)
+            for groups in self._backend.groups(affected).values():
+                for g in groups:
+                    for i in g.indices:
+                        prefixes[i] = g.prefix
+            pipe = self._backend.client().pipeline(transaction=False)  # EVAL via execute_command: a
+            # cluster pipeline's eval() is blocked, its execute_command routes EVAL by its keys' slot
+            for i, (k, p) in enumerate(zip(affected, prefixes, strict=True)):
+                pipe.execute_command("EVAL", _DROP if i < len(corrupt) else _HEAL, 2, p + "d:" + k, p + "m:" + k)
+            replies = pipe.execute(raise_on_error=False)
+        except (*_NET_ERRORS, redis.exceptions.RedisClusterException) as exc:  # best effort: never fails a get
             self._last_error = f"repair: {type(exc).__name__}: {exc}"[:200]
+            return
+        done = [not isinstance(r, Exception) and int(r or 0) > 0 for r in replies]
+        self._count(corrupt_removed=sum(done[:len(corrupt)]), stale_markers_removed=sum(done[len(corrupt):]))
 
     # ---- put -----------------------------------------------------------------------------------------
 
