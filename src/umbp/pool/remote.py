@@ -544,7 +544,10 @@ class RedisTier(Pool):
             if r >= window.due:
                 window.top_up(wire, r)
             end = min(n, window.due)
-            stop = wire.framed_payloads(lead, CHECKSUM_SIZE, tails, dsts, rows, fields, r, end)
+            # a reply already seen not to be the framed value (a miss) skips the batched read, which
+            # prepares the rest of the window's buffers each time it is called
+            stop = r if wire.differs_from(lead) else wire.framed_payloads(lead, CHECKSUM_SIZE, tails, dsts,
+                                                                           rows, fields, r, end)
             framed[r:stop] = True
             if stop < end:  # not the expected frame: read it reply by reply
                 res[order[stop]] = self._read_other(wire, keys[stop], dsts[stop])

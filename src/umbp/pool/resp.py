@@ -264,6 +264,12 @@ class Wire:
             psum.row_sums_into(psum.as_rows(dsts[r]), rows[r])
         return r1
 
+    def differs_from(self, expected: bytes) -> bool:
+        """Whether the bytes already buffered show that the stream does not continue with `expected`
+        (without reading): e.g. the next reply of a batch is a miss, not the framed value."""
+        have = min(len(expected), self.end - self.start)
+        return have > 0 and not self.buf.startswith(expected[:have], self.start, self.start + have)
+
     def _continues_with(self, expected: bytes) -> bool:
         """Whether the stream continues with `expected`, consuming nothing; reads more only while what
         is buffered still matches."""
