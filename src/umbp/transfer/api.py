@@ -170,9 +170,9 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 def check_disjoint(starts: list[np.ndarray], reaches: list[int]) -> None:
     """Slots written by one save must not overlap (two writers of one byte race); loads may share them.
     starts[i]: the offsets of one Moves, whose slots each span reaches[i] bytes. When every slot spans
-    the same bytes (one group, the usual batch) sorted starts must lie a reach apart: one sort, ~4x
-    cheaper than the argsort and two gathers that mixed reaches need (the check was most of a call's host
-    time before its copy could start; history/30-session14.txt)."""
+    the same bytes (one group, the usual batch) sorted starts must lie a reach apart: one sort instead of
+    the argsort and two gathers that mixed reaches need (4,096 objects on an H200 host: 0.04 vs 0.38 ms,
+    about half of a call's validation before its copy can start; history/30-session14.txt)."""
     s = _joined(starts)
     if s.size < 2:
         return
