@@ -71,6 +71,44 @@ def test_read_paths_aligned_unaligned_large_and_batched(tmp_path, max_io):
             assert all(np.array_equal(o, b) for o, b in zip(outs, blobs))
 
 
+def test_a_key_named_twice_in_a_get_is_read_once_and_fills_both(tmp_path, monkeypatch):
+    """A batch that names records more than once reads each once (a repeat used to break the run of
+    adjacent records into single-record reads: twice the time) and fills every destination; a damaged
+    record named twice is two misses, and a staged object named twice is served twice."""
+    import umbp.pool.ssd as ssd_mod
+
+    blobs = [_blob(16 * KiB, i) for i in range(64)]
+    keys = [f"d{i}" for i in range(64)]
+    with _tier(tmp_path, io_threads=2) as tier:
+        assert tier.put(keys, blobs) == [True] * 64
+        tier.flush()
+        reads = []
+        real = ssd_mod._preadv
+
+        def counted(fd, bufs, offset):
+            reads.append(sum(len(b) for b in bufs))
+            return real(fd, bufs, offset)
+
+        monkeypatch.setattr(ssd_mod, "_preadv", counted)
+        order = keys + keys[::-1] + keys[5:9]
+        outs = [np.zeros(16 * KiB, np.uint8) for _ in order]
+        assert tier.get_into(order, outs) == [True] * len(order)
+        assert all(np.array_equal(o, blobs[int(k[1:])]) for o, k in zip(outs, order))
+        assert sum(reads) == 64 * 20 * KiB  # each record (4 KiB header + 16 KiB) read once
+        path = tier._route("d3").index["d3"].seg.path
+        at = tier._route("d3").index["d3"].offset + 4 * KiB + 7
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(bytes([blobs[3][7] ^ 1]))
+        outs = [np.zeros(16 * KiB, np.uint8) for _ in range(3)]
+        assert tier.get_into(["d3", "d4", "d3"], outs) == [False, True, False]
+        assert tier.stats()["checksum_failures"] >= 1
+        assert tier.put(["late"], [blobs[0]]) == [True]  # still queued or just written: served either way
+        outs = [np.zeros(16 * KiB, np.uint8) for _ in range(2)]
+        assert tier.get_into(["late", "late"], outs) == [True, True]
+        assert all(np.array_equal(o, blobs[0]) for o in outs)
+
+
 @pytest.mark.parametrize("size", [64 * KiB, 10_000])
 def test_batched_puts_of_one_size(tmp_path, size):
     """A put of many objects of one size stages them side by side and sums them together (_copy_in): the
