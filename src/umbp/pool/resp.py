@@ -273,14 +273,11 @@ class Wire:
     def _continues_with(self, expected: bytes) -> bool:
         """Whether the stream continues with `expected`, consuming nothing; reads more only while what
         is buffered still matches."""
-        n = len(expected)
-        while True:
-            have = min(n, self.end - self.start)
-            if not self.buf.startswith(expected[:have], self.start, self.start + have):
-                return False
-            if have == n:
+        while not self.differs_from(expected):
+            if self.end - self.start >= len(expected):
                 return True
             self._fill()
+        return False
 
     def discard(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
@@ -293,15 +290,10 @@ class Wire:
         """Consume `expected` if the stream continues with exactly it (the common all-OK replies of a
         batch, matched at once); otherwise consume nothing, for a reply-by-reply parse. Reads more only
         while what is buffered still matches, so it never waits for bytes that will not come."""
-        n = len(expected)
-        while True:
-            have = min(n, self.end - self.start)
-            if self.buf[self.start : self.start + have] != expected[:have]:
-                return False
-            if have == n:
-                self.start += n
-                return True
-            self._fill()
+        if not self._continues_with(expected):
+            return False
+        self.start += len(expected)
+        return True
 
     def expect_crlf(self) -> None:
         if self.buf.startswith(CRLF, self.start, self.end):  # the usual case: already buffered
