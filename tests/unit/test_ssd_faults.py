@@ -17,7 +17,7 @@ import pytest
 
 import umbp.pool.ssd as ssd_mod
 from umbp.pool.ssd import SsdDirectoryError, SsdTier
-from umbp.pool.ssd_format import BLOCK, record_bytes, scan, scan_directory
+from umbp.pool.ssd_format import BLOCK, padded, scan, scan_directory
 
 KiB, MiB = 1024, 1 << 20
 
@@ -199,7 +199,7 @@ def test_truncated_segment_while_running_and_at_restart(tmp_path):
         tier.put(list(blobs), list(blobs.values()))
         tier.flush()
         (seg,) = _segments(tmp_path)
-        os.truncate(seg, 4 * record_bytes(30 * KiB) + BLOCK)  # mid-record 4
+        os.truncate(seg, BLOCK + 4 * padded(30 * KiB) + BLOCK)  # the group's head, records 0-3, a block of 4
         served = _check(tier, blobs)
         assert served == [f"k{i}" for i in range(4)] and tier.stats()["read_errors"] == 4
     with _tier(tmp_path) as tier:  # the sealed summary is gone with the tail: walked, torn record dropped
@@ -214,7 +214,7 @@ def test_bit_flips_are_misses_never_wrong_bytes(tmp_path):
         (seg,) = _segments(tmp_path)
         loc = scan_directory(str(tmp_path))["k2"]
         with open(seg, "r+b") as f:  # one bit in k2's payload
-            f.seek(loc.offset + BLOCK + 12_345)
+            f.seek(loc.offset + 12_345)
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0x20]))
@@ -272,7 +272,7 @@ def test_a_torn_record_in_the_middle_of_a_walked_segment_ends_the_walk(tmp_path)
     _unseal(seg)
     loc = scan_directory(str(tmp_path))["k2"]
     with open(seg, "r+b") as f:  # k2's last payload block never reached the disk (a hole reads as zeros)
-        f.seek(loc.offset + record_bytes(loc.length) - BLOCK)
+        f.seek(loc.offset + padded(loc.length) - BLOCK)
         f.write(bytes(BLOCK))
     assert sorted(scan_directory(str(tmp_path))) == ["k0", "k1"]
     with _tier(tmp_path) as tier:
@@ -370,3 +370,26 @@ def test_direct_writes_refused_mid_run_fall_back_to_buffered(tmp_path, monkeypat
         assert sorted(_check(tier, blobs)) == sorted(blobs)
     with _tier(tmp_path / "d", direct_io=False) as tier:
         assert sorted(_check(tier, blobs)) == sorted(blobs)
+
+
+def test_a_torn_block_of_a_long_group_head_keeps_the_entries_before_it(tmp_path):
+    """A group of many records with long keys has a head of several blocks. If one of its later blocks
+    never reached the disk, the entries packed before it are still whole and so are their payloads
+    (they sit after the whole head): those are kept, the rest of the group and everything after it is
+    discarded, and nothing is served wrong."""
+    keys = [f"ns/tp0/g1/{i:04d}/" + "h" * 200 for i in range(60)]  # ~256 bytes an entry: 4 head blocks
+    blobs = {k: _blob(8 * KiB, i) for i, k in enumerate(keys)}
+    with _tier(tmp_path) as tier:
+        assert tier.put(keys, list(blobs.values())) == [True] * 60
+    (seg,) = _segments(tmp_path)
+    _unseal(seg)
+    assert scan_directory(str(tmp_path))[keys[0]].offset == 4 * BLOCK  # one group, its head 4 blocks
+    with open(seg, "r+b") as f:
+        f.seek(2 * BLOCK)  # the head's third block
+        f.write(bytes(BLOCK))
+    kept = sorted(scan_directory(str(tmp_path)), key=keys.index)
+    assert 16 <= len(kept) < 32 and kept == keys[: len(kept)]
+    with _tier(tmp_path) as tier:
+        assert _check(tier, blobs) == kept and tier.stats()["checksum_failures"] == 0
+    with _tier(tmp_path) as tier:  # cut after the last kept payload and sealed: the same again
+        assert _check(tier, blobs) == kept

@@ -227,14 +227,15 @@ def test_wait_for_room_blocks_until_staging_is_given_back(tmp_path, monkeypatch)
     monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(10), real(*a))[1])
     tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=1 * MiB, max_io_bytes=64 * KiB)
     try:
-        blobs = [_blob(OBJ, i) for i in range(16)]  # 16 records of 64 KiB fill the 1 MiB of staging
+        obj = 64 * KiB
+        blobs = [_blob(obj, i) for i in range(16)]  # 16 payloads of 64 KiB fill the 1 MiB of staging
         assert all(tier.put([f"k{i}" for i in range(16)], blobs))
         assert tier.put(["late"], [blobs[0]]) == [False]
         t0 = time.monotonic()
-        assert tier.wait_for_room([OBJ], timeout=0.1) is False and time.monotonic() - t0 >= 0.1
+        assert tier.wait_for_room([obj], timeout=0.1) is False and time.monotonic() - t0 >= 0.1
         threading.Timer(0.05, gate.set).start()
         t0 = time.monotonic()
-        assert tier.wait_for_room([OBJ] * 4, timeout=20) is True
+        assert tier.wait_for_room([obj] * 4, timeout=20) is True
         assert time.monotonic() - t0 < 5  # woken as written records give staging back, not by the timeout
         assert tier.put(["late"], [blobs[0]]) == [True]
         assert tier.wait_for_room([64 * MiB], timeout=10) is True  # more than the buffer: waits for it to be empty
@@ -242,7 +243,7 @@ def test_wait_for_room_blocks_until_staging_is_given_back(tmp_path, monkeypatch)
     finally:
         gate.set()
         tier.close()
-    assert tier.wait_for_room([OBJ], timeout=1) is False  # closed: no room will come
+    assert tier.wait_for_room([obj], timeout=1) is False  # closed: no room will come
 
 
 def test_a_seal_runs_while_the_next_segment_is_written(tmp_path, monkeypatch):

@@ -130,9 +130,9 @@ def test_a_put_batch_demotes_its_victims_in_one_lower_put(tmp_path, monkeypatch)
 
 
 def test_a_victim_too_large_for_the_lower_tier_does_not_stop_the_others(tmp_path):
-    with _pool(tmp_path, queue_bytes=40 * KiB) as pool:  # SSD staging 40 KiB: a 40 KiB object never fits
-        big, small = _blob(40 * KiB, 1), [_blob(8 * KiB, 2 + i) for i in range(3)]
-        assert pool.put(["big", "s0", "s1", "s2"], [big, *small]) == [True] * 4  # DRAM full (64 KiB)
+    with _pool(tmp_path, dram_kib=68, queue_bytes=40 * KiB) as pool:  # SSD staging 40 KiB: 44 KiB never fits
+        big, small = _blob(44 * KiB, 1), [_blob(8 * KiB, 2 + i) for i in range(3)]
+        assert pool.put(["big", "s0", "s1", "s2"], [big, *small]) == [True] * 4  # DRAM full (68 KiB)
         new = [_blob(8 * KiB, 10 + i) for i in range(6)]
         assert pool.put([f"n{i}" for i in range(6)], new) == [True] * 6  # evicts big, s0, s1, s2 together
         s = pool.stats()

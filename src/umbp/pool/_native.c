@@ -513,18 +513,21 @@ static int item_u64(PyObject *seq, Py_ssize_t i, uint64_t *out) {
 }
 
 PyDoc_STRVAR(pack_headers_doc,
-"pack_headers(buf, ats, keys, flags, seqs, lengths, checksums, magic, version) -> None\n\n"
-"ssd_format.pack_header_at for many records: at byte ats[i] of the writable buffer buf, the 4 KiB\n"
-"header block of a record (magic, version, flags[i], len(keys[i]), seqs[i], lengths[i], checksums[i],\n"
-"the crc32, keys[i]: bytes), zero-padded. One call per write group instead of ~2 us of Python a record.");
+"pack_headers(buf, ats, keys, flags, seqs, lengths, checksums, magic, version, span=4096) -> None\n\n"
+"ssd_format.pack_header_at for many records: at byte ats[i] of the writable buffer buf, the header of\n"
+"a record (magic, version, flags[i], len(keys[i]), seqs[i], lengths[i], checksums[i], the crc32,\n"
+"keys[i]: bytes), zero-padded to `span` bytes (a whole block in format 1; 0 = the header's own size\n"
+"rounded up to 8 bytes, the packed entries of a format-2 group). One call per write group instead of\n"
+"~2 us of Python a record.");
 
 static PyObject *pack_headers(PyObject *self, PyObject *args) {
     PyObject *buf_obj, *lists_in[6], *lists[6] = {NULL};
     Py_buffer buf = {0}, magic = {0};
     unsigned int version;
+    Py_ssize_t span_arg = ROW_BYTES;
     PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOOy*I:pack_headers", &buf_obj, &lists_in[0], &lists_in[1], &lists_in[2],
-                          &lists_in[3], &lists_in[4], &lists_in[5], &magic, &version))
+    if (!PyArg_ParseTuple(args, "OOOOOOOy*I|n:pack_headers", &buf_obj, &lists_in[0], &lists_in[1], &lists_in[2],
+                          &lists_in[3], &lists_in[4], &lists_in[5], &magic, &version, &span_arg))
         return NULL;
     if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         goto done;
@@ -537,8 +540,8 @@ static PyObject *pack_headers(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "pack_headers: the sequences differ in length");
             goto done;
         }
-    if (magic.len != 8 || version > 0xFFFF) {
-        PyErr_SetString(PyExc_ValueError, "pack_headers: magic must be 8 bytes and version a u16");
+    if (magic.len != 8 || version > 0xFFFF || span_arg < 0 || span_arg > ROW_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "pack_headers: magic must be 8 bytes, version a u16, span 0..4096");
         goto done;
     }
     unsigned char *base = buf.buf;
@@ -553,8 +556,9 @@ static PyObject *pack_headers(PyObject *self, PyObject *args) {
             goto done;
         }
         size_t key_len = (size_t)PyBytes_GET_SIZE(key);
-        if (flags > 0xFFFF || key_len > ROW_BYTES - HEADER_BYTES || at > (uint64_t)buf.len ||
-            (uint64_t)buf.len - at < ROW_BYTES) {
+        size_t span = span_arg ? (size_t)span_arg : (HEADER_BYTES + key_len + 7) / 8 * 8;
+        if (flags > 0xFFFF || HEADER_BYTES + key_len > span || span > ROW_BYTES || at > (uint64_t)buf.len ||
+            (uint64_t)buf.len - at < span) {
             PyErr_Format(PyExc_ValueError, "pack_headers: record %zd does not fit (at %llu, key %zu bytes)", i,
                          (unsigned long long)at, key_len);
             goto done;
@@ -565,7 +569,7 @@ static PyObject *pack_headers(PyObject *self, PyObject *args) {
         memcpy(h, magic.buf, 8);
         memcpy(h + 8, u16, 8);
         memcpy(h + 16, u64, 24);
-        memset(h + HEADER_CRC_AT, 0, ROW_BYTES - HEADER_CRC_AT);
+        memset(h + HEADER_CRC_AT, 0, span - HEADER_CRC_AT);
         memcpy(h + HEADER_BYTES, PyBytes_AS_STRING(key), key_len);
         uint32_t crc = crc32_update(0, h, HEADER_CRC_AT);
         crc = crc32_update(crc, h + HEADER_CRC_AT + 4, HEADER_BYTES - HEADER_CRC_AT - 4 + key_len);

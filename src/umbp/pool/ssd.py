@@ -59,9 +59,9 @@ from umbp.pool.ssd_format import (
     RecordInfo,
     block_rows,
     entry_bytes,
-    pack_header,
-    pack_header_at,
-    pack_headers,
+    entry_span,
+    head_bytes,
+    pack_group,
     pack_summary,
     pack_trailer,
     padded,
@@ -89,6 +89,11 @@ _pwritev = os.pwritev
 _preadv = os.preadv
 
 
+def _staging_pages(length: int) -> int:
+    """Staging pages a put of `length` bytes takes: its padded payload (one page for an empty one)."""
+    return max(padded(length) // BLOCK, 1)
+
+
 class SsdError(UmbpError):
     """A directory the SSD tier cannot use."""
 
@@ -103,7 +108,7 @@ class SsdLockedError(SsdError):
 
 class _Loc(NamedTuple):
     seg: _Segment
-    offset: int
+    offset: int  # of the payload
     length: int
     checksum: int  # psum64 of the payload, from the record's header
 
@@ -138,7 +143,8 @@ class _Item:
     cancelled: bool = False
     pins: int = 0
     done: threading.Event | None = None
-    nbytes: int = BLOCK  # bytes of its record on disk: npages * BLOCK for a put (read ~30 times a record)
+    nbytes: int = 0  # bytes of its payload on disk (padded; 0 for a tombstone), a field: read ~30 times a record
+    span: int = 0  # bytes of its entry in its group's head
 
 
 @dataclass(eq=False, slots=True)
@@ -150,11 +156,12 @@ class _Write:
     group: list[_Item]
     seqs: list[int]
     offset: int
-    nbytes: int
+    nbytes: int  # the group's bytes: head and payloads
     ebytes: int
     future: Future
-    buffer: np.ndarray | None = None  # memory the write reads besides staging (tombstone headers, a seal's
+    buffer: np.ndarray | None = None  # memory the write reads besides staging (the group's head, a seal's
     # image), kept alive until it is written
+    head: int = 0  # bytes of the group's head
     seal: bool = False  # the segment's summary and trailer (no records): lands as _sealed
 
 
@@ -405,12 +412,13 @@ class SsdTier(Pool):
         return self._shards[self._shard_number(key)]
 
     def _index(self, shard: _Shard, key: str, loc: _Loc, nbytes: int = 0) -> None:
-        """Index key at loc; nbytes, when known, is its record_bytes (saves the writer a call a record)."""
+        """Index key at loc; nbytes, when known, is its payload's bytes on disk (saves the writer a call a
+        record)."""
         shard.index[key] = loc
         if key not in shard.lru:  # a written put keeps the place it took when it was put
             shard.lru[key] = None
         loc.seg.live[key] = None
-        shard.live_bytes += nbytes or record_bytes(loc.length)
+        shard.live_bytes += nbytes or padded(loc.length)
         shard.stored_bytes += loc.length
 
     def _unindex(self, shard: _Shard, key: str, gone: bool) -> _Loc | None:
@@ -420,7 +428,7 @@ class SsdTier(Pool):
             return None
         shard.lru.pop(key, None)
         loc.seg.live.pop(key, None)
-        shard.live_bytes -= record_bytes(loc.length)
+        shard.live_bytes -= padded(loc.length)
         shard.stored_bytes -= loc.length
         if gone and self._track_evicted:
             self._evicted.append(key)
@@ -483,8 +491,8 @@ class SsdTier(Pool):
     @property
     def max_object_bytes(self) -> int:
         """The largest payload put() accepts (for any key up to MAX_KEY_BYTES)."""
-        room = min(self._queue_bytes, self._shards[0].capacity - seal_bytes(_ENTRY_BYTES + MAX_KEY_BYTES))
-        return max(room - BLOCK, 0) // BLOCK * BLOCK
+        room = min(self._queue_bytes, self._shards[0].capacity - seal_bytes(_ENTRY_BYTES + MAX_KEY_BYTES) - BLOCK)
+        return max(room, 0) // BLOCK * BLOCK
 
     # ---- Pool API ------------------------------------------------------------------------------------
 
@@ -526,7 +534,7 @@ class SsdTier(Pool):
             if self._stopping:
                 raise UmbpError("umbp: this SsdTier is closed")
             wanted = []
-            pages: dict[int, int] = {}  # payload size -> staging pages of its record
+            pages: dict[int, int] = {}  # payload size -> staging pages of its padded payload
             for i, (key, src) in enumerate(zip(keys, srcs, strict=True)):
                 shard = self._route(key)
                 if key in shard.index or key in shard.staged:
@@ -537,7 +545,7 @@ class SsdTier(Pool):
                 else:
                     n = pages.get(src.size)
                     if n is None:
-                        n = pages[src.size] = record_bytes(src.size) // BLOCK
+                        n = pages[src.size] = _staging_pages(src.size)
                     wanted.append((i, shard, n))
             if len(wanted) > 1 and len(pages) == 1:
                 npages = wanted[0][2]
@@ -558,7 +566,8 @@ class SsdTier(Pool):
                     out[i] = True
                     self._alloc.free(start, npages)
                     continue
-                it = _Item(_PUT, key, blobs[i], srcs[i].size, start, npages, nbytes=npages * BLOCK)
+                it = _Item(_PUT, key, blobs[i], srcs[i].size, start, npages, nbytes=padded(srcs[i].size),
+                           span=entry_span(len(blobs[i])))
                 shard.staged[key] = it
                 shard.lru[key] = None  # recency counts from the put, not from when the write lands
                 staged.append((i, it))
@@ -566,7 +575,7 @@ class SsdTier(Pool):
 
     def _copy_in(self, staged: list[tuple[int, _Item]], srcs: list[np.ndarray], checksums: Sequence[int] | None,
                  out: list[bool]) -> None:
-        """Copy each staged object into its record image, take its psum64 and queue it, run by run (~1 MiB),
+        """Copy each staged object into its staging pages, take its psum64 and queue it, run by run (~1 MiB),
         so the writer starts on the first run while later ones are still copied (a 16 MiB put used to
         keep the disk idle until its last copy). Runs are dealt round-robin to copy_threads (the caller
         and its helpers) when the batch holds more than one: a put's time is mostly memcpy and summing,
@@ -605,7 +614,7 @@ class SsdTier(Pool):
         while i < len(staged):
             it = staged[i][1]
             j = i + 1
-            limit = i + max(1, _SUM_RUN_BYTES // it.nbytes)
+            limit = i + max(1, _SUM_RUN_BYTES // it.nbytes) if it.nbytes else j  # an empty payload goes alone
             while (j < len(staged) and j < limit and staged[j][1].length == it.length
                    and staged[j][1].start == staged[j - 1][1].start + it.npages):
                 j += 1
@@ -621,20 +630,20 @@ class SsdTier(Pool):
         n = it.length
         if native.lib is not None:  # copy + psum64 of the whole run in one call that holds no GIL
             regions = [self._staging_view(item) for _k, item in staged[i:j]]
-            digests = native.lib.psum_copy([r[BLOCK : BLOCK + n] for r in regions], [srcs[k] for k, _it in staged[i:j]])
+            digests = native.lib.psum_copy([r[:n] for r in regions], [srcs[k] for k, _it in staged[i:j]])
             for (_k, item), region, digest in zip(staged[i:j], regions, digests, strict=True):
                 item.checksum = digest
                 if n % BLOCK:
-                    region[BLOCK + n :] = 0
+                    region[n:] = 0
             return
         for k, item in staged[i:j]:
             region = self._staging_view(item)
             if j - i == 1:
-                item.checksum = copy_with_checksum(region[BLOCK : BLOCK + n], srcs[k], to_region=True)
+                item.checksum = copy_with_checksum(region[:n], srcs[k], to_region=True)
             else:
-                np.copyto(region[BLOCK : BLOCK + n], srcs[k])
+                np.copyto(region[:n], srcs[k])
             if n % BLOCK:
-                region[BLOCK + n :] = 0
+                region[n:] = 0
         if j - i > 1:
             run = self._staging[it.start * BLOCK : (it.start + (j - i) * it.npages) * BLOCK]
             for (_k, item), digest in zip(staged[i:j], psums_of_records(block_rows(run), j - i, n), strict=True):
@@ -731,7 +740,8 @@ class SsdTier(Pool):
                     tomb = tomb or it.state == WRITING  # its record may land on disk
                     it.cancelled = True
                 if tomb:
-                    self._enqueue(shard, _Item(_TOMB, key, key.encode()))
+                    kb = key.encode()
+                    self._enqueue(shard, _Item(_TOMB, key, kb, span=entry_span(len(kb))))
                 removed += present
         return removed
 
@@ -773,11 +783,11 @@ class SsdTier(Pool):
 
     def wait_for_room(self, sizes: Sequence[int], timeout: float | None = None) -> bool:
         """Block until a put of objects of these payload sizes would find staging for all of them (one
-        run of free pages, headers and padding counted), or `timeout` (s) passes: True if there is room.
+        run of free pages, padding counted), or `timeout` (s) passes: True if there is room.
         For writers that would rather wait than be refused (bulk loads, `umbp bench ssd`); a put refused
         for lack of staging costs a pass over its keys, so polling burns the CPU the writer needs. A
         batch bigger than the whole staging buffer waits for it to be empty."""
-        need = min(sum(record_bytes(int(n)) for n in sizes) // BLOCK, self._alloc.npages)
+        need = min(sum(_staging_pages(int(n)) for n in sizes), self._alloc.npages)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._room_waiters += 1
@@ -894,13 +904,14 @@ class SsdTier(Pool):
     def _fits(self, nbytes: int, key_len: int) -> bool:
         """Whether an object fits both the staging queue and a directory's capacity (its seal included)."""
         rec = record_bytes(nbytes)
-        return rec <= self._queue_bytes and rec + seal_bytes(_ENTRY_BYTES + key_len) <= self._shards[0].capacity
+        return (_staging_pages(nbytes) * BLOCK <= self._queue_bytes
+                and rec + seal_bytes(_ENTRY_BYTES + key_len) <= self._shards[0].capacity)
 
     def _check_fits(self, key: str, kb: bytes, nbytes: int) -> None:
         """_fits, or the error that names the limit the object exceeds."""
         if self._fits(nbytes, len(kb)):
             return
-        if record_bytes(nbytes) > self._queue_bytes:
+        if _staging_pages(nbytes) * BLOCK > self._queue_bytes:
             raise ObjectTooLargeError(
                 f"umbp: object '{key}' is {human_bytes(nbytes)} but the SSD staging queue holds "
                 f"{human_bytes(self._queue_bytes)}; raise queue_bytes"
@@ -938,7 +949,7 @@ class SsdTier(Pool):
         repeats: list[tuple[int, int]] = []
         for i, plan in enumerate(plans):
             if isinstance(plan, _Item):
-                got = copy_with_checksum(self._staging_view(plan)[BLOCK : BLOCK + plan.length], dsts[i], False)
+                got = copy_with_checksum(self._staging_view(plan)[: plan.length], dsts[i], False)
                 status[i] = _OK if got == plan.checksum else _BAD
             elif plan is not None:
                 j = first.setdefault(id(plan), i)
@@ -995,25 +1006,26 @@ class SsdTier(Pool):
         return bufs
 
     def _whole_in_thread(self, run: list[int], keys: Sequence[str], plans: list, dsts: list) -> bool:
-        return self._zero_copy(run, keys, plans, dsts) or record_bytes(plans[run[0]].length) > self._run_bytes
+        return self._zero_copy(run, keys, plans, dsts) or padded(plans[run[0]].length) >= self._run_bytes
 
     def _zero_copy(self, run: list[int], keys: Sequence[str], plans: list, dsts: list) -> bool:
-        """Only records larger than a run are read straight into their destination. Smaller ones go
+        """Only records of a run's size or more are read straight into their destination. Smaller ones go
         through a bounce buffer and are verified a whole run at a time on the calling thread: that one
         vectorised pass beat a checksum call per object in the reader threads (which contend for the
         GIL) by a wide margin: 256 KiB objects 0.92-0.96 vs 0.67-0.68 of the disk, 1 MiB 1.07-1.12 vs
         0.75-0.78 (docs/ssd.md)."""
-        return all(record_bytes(plans[i].length) > self._run_bytes and self._zero_copy_ok(keys[i], dsts[i])
+        return all(padded(plans[i].length) >= self._run_bytes and self._zero_copy_ok(keys[i], dsts[i])
                    for i in run)
 
     def _runs(self, plans: list, idx: list[int]) -> list[list[int]]:
-        """Adjacent records of one segment, grouped into reads of up to run_bytes."""
+        """Records of one segment whose payloads sit side by side (a write group's), grouped into reads of
+        up to run_bytes."""
         idx = sorted(idx, key=lambda i: plans[i].offset)
         runs: list[list[int]] = []
         end = nbytes = -1
         for i in idx:
             loc = plans[i]
-            rec = BLOCK + (loc.length + BLOCK - 1) // BLOCK * BLOCK
+            rec = (loc.length + BLOCK - 1) // BLOCK * BLOCK
             if runs and loc.offset == end and nbytes + rec <= self._run_bytes and len(runs[-1]) < 256:
                 runs[-1].append(i)
                 nbytes += rec
@@ -1029,7 +1041,7 @@ class SsdTier(Pool):
         first = plans[run[0]]
         if self._zero_copy(run, keys, plans, dsts):
             self._read_zero_copy(run, plans, dsts, status)
-        elif record_bytes(first.length) > self._run_bytes:
+        elif padded(first.length) >= self._run_bytes:
             status[run[0]] = self._read_large(first, dsts[run[0]])
         else:
             buf = self._bounce() if buf is None else buf
@@ -1040,7 +1052,7 @@ class SsdTier(Pool):
         """Read the run's bytes into buf; returns the whole blocks read (0 on an I/O error)."""
         start, last = plans[run[0]].offset, plans[run[-1]]
         try:
-            got = _preadv(plans[run[0]].seg.fd, [buf[: last.offset + record_bytes(last.length) - start]], start)
+            got = _preadv(plans[run[0]].seg.fd, [buf[: last.offset + padded(last.length) - start]], start)
         except OSError:
             return 0
         return got // BLOCK * BLOCK
@@ -1053,8 +1065,8 @@ class SsdTier(Pool):
         as Pool.get_into allows)."""
         start = plans[run[0]].offset
         if native.lib is not None:
-            whole = [i for i in run if plans[i].offset - start + record_bytes(plans[i].length) <= got]
-            srcs = [buf[plans[i].offset - start + BLOCK :][: plans[i].length] for i in whole]
+            whole = [i for i in run if plans[i].offset - start + padded(plans[i].length) <= got]
+            srcs = [buf[plans[i].offset - start :][: plans[i].length] for i in whole]
             digests = dict(zip(whole, native.lib.psum_copy([dsts[i] for i in whole], srcs), strict=True))
             for i in run:
                 d = digests.get(i)
@@ -1062,25 +1074,25 @@ class SsdTier(Pool):
             return
         rows = block_rows(buf[:got])
         length = plans[run[0]].length
-        if all(plans[i].length == length for i in run):
-            sums = psums_of_records(rows, min(len(run), got // record_bytes(length)), length)
+        if length and all(plans[i].length == length for i in run):
+            sums = psums_of_records(rows, min(len(run), got // padded(length)), length)
         else:
             sums = [self._psum_at(rows, plans[i], start, got) for i in run]
         for j, i in enumerate(run):
             loc = plans[i]
             rel = loc.offset - start
-            if rel + record_bytes(loc.length) > got:
+            if rel + padded(loc.length) > got:
                 status[i] = _IOERR  # truncated or unreadable
             elif sums[j] != loc.checksum:
                 status[i] = _BAD
             else:
-                np.copyto(dsts[i], buf[rel + BLOCK : rel + BLOCK + loc.length])
+                np.copyto(dsts[i], buf[rel : rel + loc.length])
                 status[i] = _OK
 
     @staticmethod
     def _psum_at(rows: np.ndarray, loc: _Loc, start: int, got: int) -> int | None:
-        r0 = (loc.offset - start) // BLOCK + 1
-        if loc.offset - start + record_bytes(loc.length) > got:
+        r0 = (loc.offset - start) // BLOCK
+        if loc.offset - start + padded(loc.length) > got:
             return None
         return psum_of_rows(rows[r0 : r0 + padded(loc.length) // BLOCK], loc.length)
 
@@ -1089,26 +1101,25 @@ class SsdTier(Pool):
         return not self._route(key).direct or dst.ctypes.data % BLOCK == 0
 
     def _blocks(self, n: int) -> np.ndarray:
-        """A per-thread aligned scratch of n blocks (headers and partial last blocks of zero-copy reads)."""
+        """A per-thread aligned scratch of n blocks (partial last blocks of zero-copy reads)."""
         buf = getattr(self._local, "blocks", None)
         if buf is None or buf.size < n * BLOCK:
             buf = self._local.blocks = aligned_buffer(max(n, 64) * BLOCK)
         return buf
 
     def _read_zero_copy(self, run: list[int], plans: list, dsts: list, status: list[int]) -> None:
-        """Large objects: one preadv for the run, each header into scratch and each payload straight into
-        its destination (its partial last block into scratch, copied after); then psum64 of dst. Headers
-        are not re-parsed on reads: the payload's psum64, recorded in the index from the header at write
-        or scan time and mixing in the length, already proves the bytes are the object's."""
-        scratch = self._blocks(2 * len(run))
+        """Large objects: one preadv for the run, each payload straight into its destination (its partial
+        last block into scratch, copied after); then psum64 of dst. Headers are not re-read: the payload's
+        psum64, recorded in the index from the header at write or scan time and mixing in the length,
+        already proves the bytes are the object's."""
+        scratch = self._blocks(len(run))
         iov, start = [], plans[run[0]].offset
         for j, i in enumerate(run):
             full = plans[i].length // BLOCK * BLOCK
-            iov.append(scratch[2 * j * BLOCK : (2 * j + 1) * BLOCK])
             if full:
                 iov.append(dsts[i][:full])
             if plans[i].length > full:
-                iov.append(scratch[(2 * j + 1) * BLOCK : (2 * j + 2) * BLOCK])
+                iov.append(scratch[j * BLOCK : (j + 1) * BLOCK])
         try:
             got = _preadv(plans[run[0]].seg.fd, iov, start)
         except OSError:
@@ -1116,17 +1127,17 @@ class SsdTier(Pool):
         for j, i in enumerate(run):
             loc, dst = plans[i], dsts[i]
             full = loc.length // BLOCK * BLOCK
-            if loc.offset - start + record_bytes(loc.length) > got:
+            if loc.offset - start + padded(loc.length) > got:
                 status[i] = _IOERR
             else:
-                tail = (2 * j + 1) * BLOCK
+                tail = j * BLOCK
                 dst[full:] = scratch[tail : tail + loc.length - full]
                 status[i] = _OK if checksum_u8(dst) == loc.checksum else _BAD
 
     def _read_large(self, loc: _Loc, dst: np.ndarray) -> int:
         """A record larger than a run whose destination cannot take a direct read: chunked reads into the
         bounce buffer, block sums taken per chunk, payload copied out per chunk."""
-        buf, off, end = self._bounce(), loc.offset, loc.offset + record_bytes(loc.length)
+        buf, off, end = self._bounce(), loc.offset, loc.offset + padded(loc.length)
         rows = np.empty((end - off) // BLOCK, np.uint64)
         pos = 0
         while off < end:
@@ -1138,11 +1149,10 @@ class SsdTier(Pool):
                 return _IOERR
             r0 = (off - loc.offset) // BLOCK
             rows[r0 : r0 + n // BLOCK] = block_rows(buf[:n])
-            data = buf[BLOCK:n] if off == loc.offset else buf[:n]
-            take = min(data.size, loc.length - pos)
-            np.copyto(dst[pos : pos + take], data[:take])
+            take = min(n, loc.length - pos)
+            np.copyto(dst[pos : pos + take], buf[:take])
             pos, off = pos + take, off + n
-        return _OK if psum_of_rows(rows[1:], loc.length) == loc.checksum else _BAD
+        return _OK if psum_of_rows(rows, loc.length) == loc.checksum else _BAD
 
     # ---- the writer thread -------------------------------------------------------------------------------
 
@@ -1241,14 +1251,19 @@ class SsdTier(Pool):
         return seg, 0
 
     def _next_group(self, shard: _Shard, batch: list[_Item], i: int) -> list[_Item]:
-        """The items from i on that go into one segment: the active one if the first fits, else a new one."""
+        """The items from i on that go into one group of one segment: the active one if the first fits,
+        else a new one (a group's head is counted with its payloads)."""
         seg = shard.active
         room = self._segment_bytes - seg.size if seg is not None and seg.size else self._segment_bytes
-        if batch[i].nbytes > room:
-            room = max(self._segment_bytes, batch[i].nbytes)
-        j, total = i, 0
-        while j < len(batch) and (j == i or total + batch[j].nbytes <= room):
-            total += batch[j].nbytes
+        first = head_bytes(batch[i].span) + batch[i].nbytes
+        if first > room:
+            room = max(self._segment_bytes, first)
+        j, payload, spans = i, 0, 0
+        while j < len(batch):
+            it = batch[j]
+            if j > i and head_bytes(spans + it.span) + payload + it.nbytes > room:
+                break
+            payload, spans = payload + it.nbytes, spans + it.span
             j += 1
         return batch[i:j]
 
@@ -1267,7 +1282,8 @@ class SsdTier(Pool):
         return self._new_segment(shard)
 
     def _write_group(self, shard: _Shard, group: list[_Item]) -> None:
-        total = sum(it.nbytes for it in group)
+        head = head_bytes(sum(it.span for it in group))
+        total = head + sum(it.nbytes for it in group)
         ebytes = sum(entry_bytes(it.key_bytes) for it in group)
         planned = self._plan_ahead(shard, total, ebytes)
         if planned is None:
@@ -1280,9 +1296,9 @@ class SsdTier(Pool):
         with self._lock:
             seqs = list(range(shard.next_seq, shard.next_seq + len(group)))
             shard.next_seq += len(group)
-        iov, tombs = self._images(group, seqs)
+        iov, image = self._images(group, seqs, head)
         self._submit(shard, _Write(seg, group, seqs, offset, total, ebytes,
-                                   shard.io.submit(self._pwrite, shard, seg, iov, offset), tombs))
+                                   shard.io.submit(self._pwrite, shard, seg, iov, offset), image, head=head))
 
     def _place(self, shard: _Shard, group: list[_Item], total: int, ebytes: int) -> _Segment | None:
         """The segment for a group once nothing is in flight: reclaim space first if needed; None (the
@@ -1302,33 +1318,24 @@ class SsdTier(Pool):
             self._drop(shard, group, "dropped_failed" if shard.failed else "dropped_write_error")
         return seg
 
-    def _images(self, group: list[_Item], seqs: list[int]) -> tuple[list[memoryview], np.ndarray | None]:
-        """The group's record images with their headers packed, as few buffers as possible (records
-        staged side by side go as one): a put's image is its staging, a tombstone's header gets a block
-        of its own (the group's, as the write may outlive this call)."""
-        ntombs = sum(it.kind != _PUT for it in group)
-        tombs = aligned_buffer(ntombs * BLOCK, populate=False) if ntombs else None
-        tview = memoryview(tombs) if ntombs else None
+    def _images(self, group: list[_Item], seqs: list[int], head: int) -> tuple[list[memoryview], np.ndarray]:
+        """The group's head (packed into a buffer of its own, as the write may outlive this call) and its
+        payloads, as few buffers as possible: payloads staged side by side go as one."""
+        image = aligned_buffer(head)
+        pack_group(memoryview(image), [it.key_bytes for it in group],
+                   [DATA if it.kind == _PUT else TOMBSTONE for it in group], seqs,
+                   [it.length for it in group], [it.checksum for it in group])
         staging = self._staging_view_all
-        spans: list[tuple[memoryview, int, int]] = []  # (buffer, start, end), merged while adjacent
-        puts = [(it, seq) for it, seq in zip(group, seqs, strict=True) if it.kind == _PUT]
-        pack_headers(staging, [it.start * BLOCK for it, _ in puts], [it.key_bytes for it, _ in puts],
-                     [DATA] * len(puts), [seq for _, seq in puts], [it.length for it, _ in puts],
-                     [it.checksum for it, _ in puts])
-        t = 0
-        for it, seq in zip(group, seqs, strict=True):
-            if it.kind == _PUT:
-                buf, lo = staging, it.start * BLOCK
+        spans: list[tuple[int, int]] = []  # (start, end) in staging, merged while adjacent
+        for it in group:
+            if it.kind != _PUT or not it.nbytes:
+                continue
+            lo = it.start * BLOCK
+            if spans and spans[-1][1] == lo:
+                spans[-1] = (spans[-1][0], lo + it.nbytes)
             else:
-                buf, lo = tview, t * BLOCK
-                t += 1
-                pack_header_at(buf, lo, it.key_bytes, TOMBSTONE, seq, 0, 0)
-            hi = lo + it.nbytes
-            if spans and spans[-1][0] is buf and spans[-1][2] == lo:
-                spans[-1] = (buf, spans[-1][1], hi)
-            else:
-                spans.append((buf, lo, hi))
-        return [buf[lo:hi] for buf, lo, hi in spans], tombs
+                spans.append((lo, lo + it.nbytes))
+        return [memoryview(image)] + [staging[lo:hi] for lo, hi in spans], image
 
     def _submit(self, shard: _Shard, w: _Write) -> None:
         """Queue a planned write; then land the older ones, keeping _WRITE_DEPTH - 1 in flight while the
@@ -1351,7 +1358,7 @@ class SsdTier(Pool):
             written = self._result(w)
             with self._lock:
                 short = w.offset != w.seg.size
-            self._commit(shard, w.seg, w.group, w.seqs, 0 if short else written)
+            self._commit(shard, w, 0 if short else written)
             if short or written < w.nbytes:
                 self._cut_back(shard, w.seg)
             self._seal_if_left(shard, w.seg)
@@ -1438,42 +1445,45 @@ class SsdTier(Pool):
         if exc.errno in _FATAL_ERRNOS:
             self._fail(shard, f"write failed: {exc.strerror}")
 
-    def _commit(self, shard: _Shard, seg: _Segment, group: list[_Item], seqs: list[int], written: int) -> None:
-        """Index the records that reached the file (a prefix of the group); drop the rest (counted). Runs
-        under the lock for every record written, so counters and staging frees go once per group."""
+    def _commit(self, shard: _Shard, w: _Write, written: int) -> None:
+        """Index the group's records if all of it reached the file, else drop them all (counted; the caller
+        cuts the file back, so the next group lands right behind the last whole one). Runs under the lock
+        for every record of the group, so counters and staging frees go once per group."""
         c = self._counters
+        whole = written >= w.nbytes
         runs: list[tuple[int, int]] = []
+        seg = w.seg
         entries, number, index = seg.entries, seg.number, shard.index
         with self._lock:
-            base, pos, records, nbytes, tombs, ebytes = seg.size, 0, 0, 0, 0, 0
-            for it, seq in zip(group, seqs, strict=True):
-                offset = base + pos
-                pos += it.nbytes
+            pos, tombs, ebytes = seg.size + w.head, 0, 0
+            for it, seq in zip(w.group, w.seqs, strict=True):
                 put = it.kind == _PUT
-                if pos <= written:
-                    entries.append((it.key, RecordInfo(number, offset, it.length, it.checksum, seq,
+                if whole:
+                    entries.append((it.key, RecordInfo(number, pos, it.length, it.checksum, seq,
                                                        DATA if put else TOMBSTONE)))
                     ebytes += entry_bytes(it.key_bytes)
-                    records, nbytes, tombs = records + 1, nbytes + it.nbytes, tombs + (not put)
+                    tombs += not put
                     if put and not it.cancelled:
                         if it.key in index:
                             self._unindex(shard, it.key, gone=False)
-                        self._index(shard, it.key, _Loc(seg, offset, it.length, it.checksum), it.nbytes)
+                        self._index(shard, it.key, _Loc(seg, pos, it.length, it.checksum), it.nbytes)
                 elif put and not it.cancelled:
                     c["dropped_write_error"] += 1
                     if self._track_evicted:
                         self._evicted.append(it.key)
                 elif not put:
                     c["tombstones_dropped"] += 1
+                pos += it.nbytes
                 if put:
                     self._finish(shard, it, runs)
                 else:
                     it.state = DONE
-            seg.size = base + nbytes
-            seg.entry_bytes += ebytes
-            c["records_written"] += records
-            c["bytes_written"] += nbytes
-            c["tombstones"] += tombs
+            if whole:
+                seg.size += w.nbytes
+                seg.entry_bytes += ebytes
+                c["records_written"] += len(w.group)
+                c["bytes_written"] += w.nbytes
+                c["tombstones"] += tombs
             self._free_runs(runs)
             self._set_reserved(shard, seg)
 
@@ -1531,13 +1541,15 @@ class SsdTier(Pool):
 
     @staticmethod
     def _seal_image(seg: _Segment) -> np.ndarray:
-        """The summary record (every entry of the segment) and the trailer, ready to append."""
+        """The summary group (one entry whose payload lists every record of the segment) and the trailer,
+        ready to append."""
         payload = np.frombuffer(pack_summary(seg.entries), np.uint8)
-        rec = record_bytes(payload.size)
+        head = head_bytes(entry_span(0))
+        rec = head + padded(payload.size)
         buf = aligned_buffer(rec + BLOCK)
-        buf[BLOCK : BLOCK + payload.size] = payload
-        buf[BLOCK + payload.size : rec] = 0
-        pack_header(buf[:BLOCK], b"", SUMMARY, 0, payload.size, checksum_u8(payload))
+        pack_group(memoryview(buf), [b""], [SUMMARY], [0], [payload.size], [checksum_u8(payload)])
+        buf[head : head + payload.size] = payload
+        buf[head + payload.size : rec] = 0
         buf[rec:] = np.frombuffer(pack_trailer(seg.size, rec), np.uint8)
         return buf
 
@@ -1601,7 +1613,7 @@ class SsdTier(Pool):
             loc = shard.index.get(key)
             if loc is not None:
                 victims.append(key)
-                excess -= record_bytes(loc.length)
+                excess -= padded(loc.length)
         for key in victims:
             self._evict(shard, key)
 
@@ -1611,36 +1623,38 @@ class SsdTier(Pool):
         self._counters["evicted_bytes"] += loc.length
 
     def _copy_forward(self, shard: _Shard, key: str, loc: _Loc) -> bool:
-        """Rewrite a live record at the head with a new seq; the payload is copied as is (its checksum is
-        verified when it is served)."""
-        rec, kb = record_bytes(loc.length), key.encode()
-        seg = self._segment_for(shard, rec)
+        """Rewrite a live record at the head, a group of its own with a new seq; the payload is copied as
+        is (its checksum is verified when it is served)."""
+        kb = key.encode()
+        head, pay = head_bytes(entry_span(len(kb))), padded(loc.length)
+        seg = self._segment_for(shard, head + pay)
         if seg is None:
             return False
         with self._lock:
             seq = shard.next_seq
             shard.next_seq += 1
         buf, base = shard.scratch, seg.size
-        pack_header(buf[:BLOCK], kb, DATA, seq, loc.length, loc.checksum)
-        if self._pwrite(shard, seg, [buf[:BLOCK]], base) != BLOCK:
+        pack_group(memoryview(buf), [kb], [DATA], [seq], [loc.length], [loc.checksum])
+        if self._pwrite(shard, seg, [buf[:head]], base) != head:
             return False
-        for pos in range(BLOCK, rec, self._max_io):
-            n = min(self._max_io, rec - pos)
+        for pos in range(0, pay, self._max_io):
+            n = min(self._max_io, pay - pos)
             try:
                 ok = _preadv(loc.seg.fd, [buf[:n]], loc.offset + pos) == n
             except OSError:
                 ok = False
-            if not ok or self._pwrite(shard, seg, [buf[:n]], base + pos) != n:
+            if not ok or self._pwrite(shard, seg, [buf[:n]], base + head + pos) != n:
                 return False
+        at = base + head
         with self._lock:
-            seg.entries.append((key, RecordInfo(seg.number, base, loc.length, loc.checksum, seq, DATA)))
+            seg.entries.append((key, RecordInfo(seg.number, at, loc.length, loc.checksum, seq, DATA)))
             seg.entry_bytes += entry_bytes(kb)
-            seg.size = base + rec
+            seg.size = at + pay
             self._set_reserved(shard, seg)
             self._counters["copied_forward"] += 1
-            self._counters["copied_forward_bytes"] += rec
+            self._counters["copied_forward_bytes"] += head + pay
             if shard.index.get(key) is loc:  # else removed meanwhile: the copy is dead, a tombstone follows
-                shard.index[key] = _Loc(seg, base, loc.length, loc.checksum)  # same place in the LRU
+                shard.index[key] = _Loc(seg, at, loc.length, loc.checksum)  # same place in the LRU
                 del loc.seg.live[key]
                 seg.live[key] = None
         return True

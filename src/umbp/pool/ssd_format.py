@@ -1,24 +1,34 @@
 """The SSD tier's on-disk format, and a read-only scanner usable from any process (see docs/ssd.md).
 
 A directory holds `LOCK` (the owner's flock) and append-only segment files `seg-<12 digits>.umbp`. A
-segment is a sequence of records; every record starts on a 4 KiB boundary and is a whole number of 4 KiB
-blocks, so the owner can write and read it with O_DIRECT::
+segment is a sequence of groups (format 2, what this code writes) or records (format 1, still read). Every
+group starts on a 4 KiB boundary and is a whole number of 4 KiB blocks, so the owner can write and read it
+with O_DIRECT::
 
-    record  = header block (4 KiB) + payload, zero-padded to a multiple of 4 KiB
-    header  = magic "UMBP-REC", version u16, flags u16, key_len u16, 0 u16, seq u64, length u64,
-              checksum u64 (psum64 of the payload), header_crc u32, 0 u32, key (utf-8), zeros to 4 KiB
+    group   = head blocks + payloads, each payload zero-padded to a multiple of 4 KiB
+    head    = group head (magic "UMBP-GRP", version u16, 0 u16, count u32, head bytes u32, crc32 of those 20
+              bytes), then `count` entries back to back, each padded to 8 bytes, then zeros to 4 KiB
+    entry   = magic "UMBP-REC", version u16 (2), flags u16, key_len u16, 0 u16, seq u64, length u64,
+              checksum u64 (psum64 of the payload), header_crc u32, 0 u32, key (utf-8)
               (little-endian; header_crc = crc32 of the other 44 header bytes and the key)
     flags   = 0 data, 1 tombstone (the key was removed; no payload), 2 summary (see below)
 
-A sealed segment ends with a summary record (its payload lists every record of the segment) and a
-trailer block ("UMBP-END", version, summary offset, crc32), so a restart reads two blocks per segment
-instead of every header. A segment without a valid trailer (the one being written when the process died)
-is walked header by header, verifying every data record's payload checksum; the walk stops at the first
-header that is torn, corrupt or runs past the end of the file, or at the first payload that fails its
-checksum. Everything after the stopping point is discarded, never served.
+The payloads follow the head in entry order (a tombstone has none). Why groups: format 1 gave every record
+a 4 KiB header block of its own, 1/17 of the bytes written for a 64 KiB object; a group of a write's
+records shares its head blocks (~150 bytes an entry). Format 1 (`record = header block + payload`, the
+same entry layout with version 1 alone in its block) is still read, so a directory written before stays
+served.
+
+A sealed segment ends with a summary group (one summary entry whose payload lists every record of the
+segment) and a trailer block ("UMBP-END", version, summary offset, crc32), so a restart reads two blocks
+per segment instead of every head. A segment without a valid trailer (the one being written when the
+process died) is walked group by group, verifying every data payload's checksum; the walk stops at the
+first head or entry that is torn or corrupt, at the first payload that runs past the end of the file, or
+at the first payload that fails its checksum. Everything after the stopping point is discarded, never served.
 
 `seq` increases with every record a directory receives, so when a key appears more than once the highest
-seq wins, and a winning tombstone means the key is absent.
+seq wins, and a winning tombstone means the key is absent. Offsets held in memory (RecordInfo.offset,
+summary entries of format 2) are payload offsets, whatever the format.
 """
 
 from __future__ import annotations
@@ -37,8 +47,10 @@ from umbp.pool.psum import as_rows, checksum_u8, combine_padded_rows
 
 BLOCK = 4096
 MAGIC = b"UMBP-REC"
+GROUP_MAGIC = b"UMBP-GRP"
 TRAILER_MAGIC = b"UMBP-END"
-VERSION = 1
+VERSION = 2  # what this code writes; it reads 1 and 2
+VERSION_1 = 1
 DATA, TOMBSTONE, SUMMARY = 0, 1, 2
 MAX_KEY_BYTES = 1024
 LOCK_NAME = "LOCK"
@@ -47,6 +59,7 @@ _HEADER = struct.Struct("<8sHHHHQQQI4x")  # 48 bytes; the crc covers the first 4
 _CRC_AT = 40
 _ENTRY = struct.Struct("<QQQQHH")  # summary entry: offset, length, checksum, seq, flags, key_len; then key
 _TRAILER = struct.Struct("<8sHHIQQI")  # magic, version, 0, 0, summary offset, summary record bytes, crc
+_GROUP = struct.Struct("<8sHHIII")  # magic, version, 0, count, head bytes, crc32 of the first 20 bytes
 _SEGMENT_RE = re.compile(r"^seg-(\d{12})\.umbp$")
 
 
@@ -56,8 +69,19 @@ def padded(n: int) -> int:
 
 
 def record_bytes(length: int) -> int:
-    """Bytes a record with a `length`-byte payload occupies on disk."""
+    """Bytes a record with a `length`-byte payload occupies on disk alone in its group (its head
+    block and its payload), at most what it takes: the bound capacity checks use."""
     return BLOCK + padded(length)
+
+
+def entry_span(key_len: int) -> int:
+    """Bytes one entry takes in a group head (its key included, padded to 8 bytes)."""
+    return (_HEADER.size + key_len + 7) // 8 * 8
+
+
+def head_bytes(spans: int) -> int:
+    """Bytes of a group head whose entries take `spans` bytes: whole 4 KiB blocks."""
+    return padded(_GROUP.size + spans)
 
 
 def entry_bytes(key_bytes: bytes) -> int:
@@ -66,8 +90,9 @@ def entry_bytes(key_bytes: bytes) -> int:
 
 
 def seal_bytes(summary_entry_bytes: int) -> int:
-    """Bytes sealing adds to a segment whose records need `summary_entry_bytes` of summary entries."""
-    return record_bytes(summary_entry_bytes) + BLOCK
+    """Bytes sealing adds to a segment whose records need `summary_entry_bytes` of summary entries:
+    the summary group (one entry, no key) and the trailer."""
+    return head_bytes(entry_span(0)) + padded(summary_entry_bytes) + BLOCK
 
 
 def segment_name(number: int) -> str:
@@ -104,41 +129,60 @@ def _header_crc(head: bytes, tail: bytes) -> int:
 
 
 def pack_header(block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> None:
-    """Write a header into `block` (a writable, contiguous 4 KiB uint8 view), zeroing the rest of the block."""
-    pack_header_at(memoryview(block), 0, key_bytes, flags, seq, length, checksum)
+    """A format-1 record header into `block` (a writable, contiguous 4 KiB uint8 view), zeroing the rest of
+    the block. This code no longer writes format 1; tests use it to build directories written before."""
+    pack_header_at(memoryview(block), 0, key_bytes, flags, seq, length, checksum, BLOCK, VERSION_1)
 
 
 def pack_header_at(view: memoryview, at: int, key_bytes: bytes, flags: int, seq: int, length: int,
-                   checksum: int) -> None:
-    """pack_header into the 4 KiB at byte `at` of a writable byte view: the writer's per-record form
-    (buffer copies, no numpy slice, zeros sliced from a memoryview: ~2 us a record instead of ~3.3)."""
-    head = _HEAD.pack(MAGIC, VERSION, flags, len(key_bytes), 0, seq, length, checksum)
+                   checksum: int, span: int = 0, version: int = VERSION) -> None:
+    """One header at byte `at` of a writable byte view, zero-padded to `span` bytes (0: to its entry_span,
+    as packed into a group head). Buffer copies, no numpy slice, zeros sliced from a memoryview."""
+    head = _HEAD.pack(MAGIC, version, flags, len(key_bytes), 0, seq, length, checksum)
     tail = _PAD + key_bytes
     raw = head + _CRC.pack(_header_crc(head, tail)) + tail
     n = len(raw)
+    end = span or entry_span(len(key_bytes))
     view[at : at + n] = raw
-    view[at + n : at + BLOCK] = _ZEROS[n:]
+    view[at + n : at + end] = _ZEROS[n:end]
 
 
 def pack_headers(view: memoryview, ats: list[int], keys: list[bytes], flags: list[int], seqs: list[int],
-                 lengths: list[int], checksums: list[int]) -> None:
-    """pack_header_at for a write group's records: one C call when the extension is built, else the loop.
+                 lengths: list[int], checksums: list[int], span: int = 0) -> None:
+    """pack_header_at for a write group's entries: one C call when the extension is built, else the loop.
     The loop cost the writer thread ~2.5 µs a record on the H200 hosts, a fifth of its CPU
     (bench/results/history/29-session13.txt)."""
     if native.lib is not None:
-        native.lib.pack_headers(view, ats, keys, flags, seqs, lengths, checksums, MAGIC, VERSION)
+        native.lib.pack_headers(view, ats, keys, flags, seqs, lengths, checksums, MAGIC, VERSION, span)
         return
     for args in zip(ats, keys, flags, seqs, lengths, checksums, strict=True):
-        pack_header_at(view, *args)
+        pack_header_at(view, *args, span)
 
 
-def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
-    """The header in `block`, or None if it is not a valid, intact header of this format version."""
+def pack_group(view: memoryview, keys: list[bytes], flags: list[int], seqs: list[int], lengths: list[int],
+               checksums: list[int]) -> int:
+    """A group head for these entries at the start of `view` (writable, at least head_bytes long, any
+    content): the head, the entries back to back, zeros to the block boundary. Returns its bytes."""
+    ats, at = [], _GROUP.size
+    for kb in keys:
+        ats.append(at)
+        at += entry_span(len(kb))
+    total = head_bytes(at - _GROUP.size)
+    pack_headers(view, ats, keys, flags, seqs, lengths, checksums)
+    view[at:total] = _ZEROS[: total - at]
+    head = _GROUP.pack(GROUP_MAGIC, VERSION, 0, len(keys), total, 0)[: _GROUP.size - 4]
+    view[: _GROUP.size] = head + _CRC.pack(zlib.crc32(head))
+    return total
+
+
+def parse_header(block: bytes | memoryview | np.ndarray, version: int = VERSION_1) -> Header | None:
+    """The header at the start of `block`, or None if it is not a valid, intact header of `version`
+    (1: a record's header block; 2: an entry of a group head)."""
     raw = bytes(block[: _HEADER.size + MAX_KEY_BYTES]) if len(block) >= _HEADER.size else b""
     if len(raw) < _HEADER.size or raw[:8] != MAGIC:
         return None
-    magic, version, flags, key_len, _, seq, length, csum, crc = _HEADER.unpack_from(raw)
-    if version != VERSION or key_len > MAX_KEY_BYTES or flags not in (DATA, TOMBSTONE, SUMMARY):
+    magic, got_version, flags, key_len, _, seq, length, csum, crc = _HEADER.unpack_from(raw)
+    if got_version != version or key_len > MAX_KEY_BYTES or flags not in (DATA, TOMBSTONE, SUMMARY):
         return None
     key_bytes = raw[_HEADER.size : _HEADER.size + key_len]
     if len(key_bytes) != key_len or _header_crc(raw[:_CRC_AT], raw[_CRC_AT + 4 : _HEADER.size + key_len]) != crc:
@@ -148,6 +192,30 @@ def parse_header(block: bytes | memoryview | np.ndarray) -> Header | None:
     except UnicodeDecodeError:
         return None
     return Header(flags, seq, length, csum, key)
+
+
+def parse_group_head(block: bytes) -> tuple[int, int] | None:
+    """(entry count, head bytes) of the group head at the start of `block`, or None if it is not one."""
+    if len(block) < _GROUP.size or block[:8] != GROUP_MAGIC:
+        return None
+    _, version, _, count, nbytes, crc = _GROUP.unpack_from(block)
+    if version != VERSION or zlib.crc32(block[: _GROUP.size - 4]) != crc or nbytes % BLOCK:
+        return None
+    if not head_bytes(count * entry_span(0)) <= nbytes <= head_bytes(count * entry_span(MAX_KEY_BYTES)):
+        return None
+    return count, nbytes
+
+
+def parse_entries(head: bytes, count: int) -> list[Header]:
+    """The intact entries of a group head, in order, up to the first one that is not (a torn head)."""
+    out, at = [], _GROUP.size
+    for _ in range(count):
+        h = parse_header(memoryview(head)[at:], VERSION) if at < len(head) else None
+        if h is None:
+            break
+        out.append(h)
+        at += entry_span(len(h.key.encode()))
+    return out
 
 
 # ---- checksums over whole blocks ------------------------------------------------------------------------
@@ -169,17 +237,17 @@ def psum_of_rows(rows: np.ndarray, length: int) -> int:
 
 
 def psums_of_records(rows: np.ndarray, count: int, length: int) -> list[int]:
-    """psum64 of the payloads of `count` adjacent records that all hold `length` bytes, from the block
-    sums of the run (headers included): one matrix-vector product instead of one call per record."""
-    per = record_bytes(length) // BLOCK
-    return combine_padded_rows(rows[: count * per].reshape(count, per)[:, 1:], length).tolist()
+    """psum64 of `count` side-by-side zero-padded payloads that all hold `length` (> 0) bytes, from the
+    block sums of the run: one matrix-vector product instead of one call per record."""
+    per = padded(length) // BLOCK
+    return combine_padded_rows(rows[: count * per].reshape(count, per), length).tolist()
 
 
 # ---- summaries and trailers ----------------------------------------------------------------------------
 
 
 class RecordInfo(NamedTuple):
-    """Where one record lives: segment number, offset of its header, payload length and psum64, seq.
+    """Where one record lives: segment number, offset of its payload, payload length and psum64, seq.
     A NamedTuple: the writer makes one per record written, and a frozen dataclass costs ~3x more."""
 
     segment: int
@@ -191,7 +259,8 @@ class RecordInfo(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return record_bytes(self.length) if self.flags != TOMBSTONE else BLOCK
+        """Bytes of its payload on disk (padded); its head entry is shared with its group."""
+        return padded(self.length)
 
 
 def pack_summary(entries: list[tuple[str, RecordInfo]]) -> bytes:
@@ -220,19 +289,20 @@ def unpack_summary(payload: bytes, segment: int) -> list[tuple[str, RecordInfo]]
     return out
 
 
-def pack_trailer(summary_offset: int, summary_record_bytes: int) -> bytes:
-    head = _TRAILER.pack(TRAILER_MAGIC, VERSION, 0, 0, summary_offset, summary_record_bytes, 0)
+def pack_trailer(summary_offset: int, summary_record_bytes: int, version: int = VERSION) -> bytes:
+    head = _TRAILER.pack(TRAILER_MAGIC, version, 0, 0, summary_offset, summary_record_bytes, 0)
     crc = zlib.crc32(head[: _TRAILER.size - 4])
     return head[: _TRAILER.size - 4] + struct.pack("<I", crc) + bytes(BLOCK - _TRAILER.size)
 
 
-def parse_trailer(block: bytes) -> tuple[int, int] | None:
+def parse_trailer(block: bytes) -> tuple[int, int, int] | None:
+    """(format version, summary offset, summary bytes) of a trailer block, or None."""
     if len(block) < _TRAILER.size or block[:8] != TRAILER_MAGIC:
         return None
     _, version, _, _, off, nbytes, crc = _TRAILER.unpack_from(block)
-    if version != VERSION or zlib.crc32(block[: _TRAILER.size - 4]) != crc:
+    if version not in (VERSION_1, VERSION) or zlib.crc32(block[: _TRAILER.size - 4]) != crc:
         return None
-    return off, nbytes
+    return version, off, nbytes
 
 
 # ---- scanning ------------------------------------------------------------------------------------------
@@ -274,47 +344,97 @@ def _read_summary(fd: int, size: int, number: int) -> list[tuple[str, RecordInfo
     trailer = parse_trailer(_pread(fd, BLOCK, size - BLOCK))
     if trailer is None:
         return None
-    off, nbytes = trailer
+    version, off, nbytes = trailer
     if off + nbytes != size - BLOCK or nbytes < BLOCK:
         return None
     raw = _pread(fd, nbytes, off)
-    head = parse_header(raw[:BLOCK]) if len(raw) == nbytes else None
-    if head is None or head.flags != SUMMARY or record_bytes(head.length) != nbytes:
+    if len(raw) != nbytes:
         return None
-    payload = np.frombuffer(raw, np.uint8)[BLOCK : BLOCK + head.length]
+    if version == VERSION_1:  # one record: its header block, then the payload
+        head, at = parse_header(raw[:BLOCK], VERSION_1), BLOCK
+    else:  # a group of one summary entry
+        group = parse_group_head(raw[:BLOCK])
+        entries = parse_entries(raw[: group[1]], 1) if group is not None and group[0] == 1 else []
+        head, at = (entries[0], group[1]) if entries else (None, 0)
+    if head is None or head.flags != SUMMARY or at + padded(head.length) != nbytes:
+        return None
+    payload = np.frombuffer(raw, np.uint8)[at : at + head.length]
     if checksum_u8(payload) != head.checksum:
         return None
-    return unpack_summary(payload.tobytes(), number)
+    entries = unpack_summary(payload.tobytes(), number)
+    if entries is not None and version == VERSION_1:  # format 1 lists header offsets
+        entries = [(key, r._replace(offset=r.offset + BLOCK)) for key, r in entries]
+    return entries
 
 
 def _verify_payload(fd: int, r: RecordInfo) -> bool:
-    raw = _pread(fd, r.length, r.offset + BLOCK)
+    raw = _pread(fd, r.length, r.offset)
     return len(raw) == r.length and checksum_u8(np.frombuffer(raw, np.uint8)) == r.checksum
 
 
 def _walk(fd: int, scan: SegmentScan) -> None:
-    """Header by header from the start; stops at the first record that is not whole and intact. Every data
-    record's payload is verified, not only the last one: with several writes in flight, a crash can leave
-    a torn record in the middle (an earlier write cut short, a later one complete behind it)."""
+    """Group by group (or format-1 record by record) from the start; stops at the first record that is not
+    whole and intact. Every data record's payload is verified, not only the last one: with several writes
+    in flight, a crash can leave a torn record in the middle (an earlier write cut short, a later one
+    complete behind it)."""
     off, size = 0, scan.size
     while off < size:
-        head = parse_header(_pread(fd, BLOCK, off)) if off + BLOCK <= size else None
-        if head is None:
-            scan.discarded = f"no valid header at offset {off} (torn or corrupt); {size - off} bytes discarded"
+        block = _pread(fd, BLOCK, off) if off + BLOCK <= size else b""
+        if block[:8] == GROUP_MAGIC:
+            off, whole = _walk_group(fd, scan, off, block)
+        elif block[:8] == MAGIC:
+            off, whole = _walk_record(fd, scan, off, block)
+        else:
+            scan.discarded, whole = f"no valid header at offset {off}", False
+        if not whole:
+            scan.discarded = f"{scan.discarded} (torn or corrupt); {size - off} bytes from offset {off} discarded"
             break
-        nbytes = BLOCK if head.flags == TOMBSTONE else record_bytes(head.length)
-        if off + nbytes > size:
-            scan.discarded = f"record at offset {off} runs past the end of the file (torn write); discarded"
-            break
-        if head.flags != SUMMARY:
-            info = RecordInfo(scan.number, off, head.length, head.checksum, head.seq, head.flags)
-            if head.flags == DATA and not _verify_payload(fd, info):
-                scan.discarded = (f"record at offset {off} fails its checksum (torn write); it and the "
-                                  f"{size - off - nbytes} bytes after it discarded")
-                break
-            scan.records.append((head.key, info))
-        off += nbytes
     scan.valid_end = off
+
+
+def _walk_group(fd: int, scan: SegmentScan, off: int, block: bytes) -> tuple[int, bool]:
+    """Index a group's intact entries in order. Returns where the valid bytes end and whether the whole
+    group is valid; a bad entry or payload ends it right after the last good payload, so the entries
+    before it are kept (a group cut short keeps the records that reached the disk)."""
+    group = parse_group_head(block)
+    if group is None:
+        scan.discarded = f"group head at offset {off} is corrupt"
+        return off, False
+    count, nbytes = group
+    head = block if nbytes == BLOCK else _pread(fd, nbytes, off)
+    entries = parse_entries(head, count) if len(head) == nbytes else []
+    pos = off + nbytes
+    for i, h in enumerate(entries):
+        r = RecordInfo(scan.number, pos, h.length, h.checksum, h.seq, h.flags)
+        if pos + r.nbytes > scan.size or (h.flags == DATA and not _verify_payload(fd, r)):
+            scan.discarded = f"record {i} of the group at offset {off} is torn or fails its checksum"
+            return (pos if i else off), False
+        if h.flags != SUMMARY:
+            scan.records.append((h.key, r))
+        pos += r.nbytes
+    if len(entries) < count:
+        scan.discarded = f"entry {len(entries)} of the group at offset {off} is corrupt"
+        return (pos if entries else off), False
+    return pos, True
+
+
+def _walk_record(fd: int, scan: SegmentScan, off: int, block: bytes) -> tuple[int, bool]:
+    """A format-1 record: its header block, then its payload."""
+    head = parse_header(block, VERSION_1)
+    if head is None:
+        scan.discarded = f"no valid header at offset {off}"
+        return off, False
+    nbytes = BLOCK if head.flags == TOMBSTONE else record_bytes(head.length)
+    if off + nbytes > scan.size:
+        scan.discarded = f"record at offset {off} runs past the end of the file"
+        return off, False
+    if head.flags != SUMMARY:
+        info = RecordInfo(scan.number, off + BLOCK, head.length, head.checksum, head.seq, head.flags)
+        if head.flags == DATA and not _verify_payload(fd, info):
+            scan.discarded = f"record at offset {off} fails its checksum"
+            return off, False
+        scan.records.append((head.key, info))
+    return off + nbytes, True
 
 
 def scan_segment(path: str, number: int) -> SegmentScan | None:
