@@ -37,7 +37,7 @@ from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.staged import Batch, staged_load, staged_save
 
 SAVE, LOAD = 0, 1  # stream index per direction
-FETCH_BLOCK = 1024  # int64 words per program of kernels.fetch_words (8 KiB)
+FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a plan's int64 words)
 
 
 class DeviceHandle(Handle):
@@ -523,7 +523,10 @@ class KernelEngine(TransferEngine):
         if self.streams is None:
             return DeviceHandle(sizes, None, values.clone(), keep, mix)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
+        n = values.numel()
+        if n:  # SM stores, not a copy-engine copy: a load's few bytes of ok flags waited ~5 ms behind
+            # the saves' bulk D2H copies, and the load's next rounds behind them (H200, history/31)
+            self.fetch[(-(-n // FETCH_BLOCK),)](values, host, n, BLOCK=FETCH_BLOCK)
         event = torch.cuda.Event()
         event.record(stream)
         return DeviceHandle(sizes, event, host, keep, mix)

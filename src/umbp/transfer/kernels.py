@@ -18,7 +18,7 @@ Where each piece goes is worked out on the device, from two tables:
   first piece, first object, pieces per object, template column), then per object of the launch its
   block id and its rows (flat addresses of its bytes in the arena or in staging), then one word per
   object for its checksum. It is built on the host in page-locked memory and brought to the device by
-  `fetch_words` (SM loads, not a copy-engine copy: see kernel.py). Per object, not per piece: a round of
+  `fetch_words` (SM loads and stores, not a copy-engine copy: see kernel.py). Per object, not per piece: a round of
   16 KiB pages has 8x fewer words to build than a table of pieces (the host's main cost per call).
 
 This module imports Triton, so only the kernel path imports it. With TRITON_INTERPRET=1 set before Triton
@@ -88,10 +88,11 @@ def copy_objects(plan, nseg, n, tmpl, ntmpl, ids_at, src_at, dst_at, sums_at, wt
             tl.atomic_add(plan + sums_at + obj, tl.sum(acc, axis=0), sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def fetch_words(src, dst, n, BLOCK: tl.constexpr):
-    """dst[:n] = src[:n] for int64 words, one block per program: how a plan in page-locked host
-    memory reaches the device without queueing on a copy engine behind bulk transfers."""
+    """dst[:n] = src[:n] (elements of the pointers' type), one block per program, by SM loads and stores:
+    how a plan in page-locked host memory reaches the device, and a call's results (digests, ok flags)
+    reach page-locked host memory, without queueing on a copy engine behind bulk transfers."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
