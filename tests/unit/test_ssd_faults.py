@@ -411,6 +411,25 @@ def test_a_torn_block_of_a_long_group_head_keeps_the_entries_before_it(tmp_path)
         assert _check(tier, blobs) == kept
 
 
+def test_a_group_head_cut_short_is_discarded(tmp_path):
+    """A crash that left only the first block of a several-block head: the head claims bytes the file
+    does not have, so the group is discarded without reading past the end; the groups before it stay."""
+    first = {f"a{i}": _blob(8 * KiB, i) for i in range(3)}
+    keys = [f"ns/tp0/g1/{i:04d}/" + "h" * 200 for i in range(60)]
+    with _tier(tmp_path) as tier:
+        assert tier.put(list(first), list(first.values())) == [True] * 3
+        assert tier.flush()
+        assert tier.put(keys, [_blob(8 * KiB, 100 + i) for i in range(60)]) == [True] * 60
+    (seg,) = _segments(tmp_path)
+    _unseal(seg)
+    second = scan_directory(str(tmp_path))[keys[0]].offset - 4 * BLOCK  # where the second group starts
+    os.truncate(seg, second + BLOCK)
+    result = scan(str(tmp_path))
+    assert sorted(result.records) == sorted(first) and "runs past the end" in result.discarded[0]
+    with _tier(tmp_path) as tier:
+        assert _check(tier, first) == list(first)
+
+
 # ---- directories written in format 1 (a 4 KiB header block per record, before session 15's group heads) ----
 # are still served after an upgrade: sealed segments through their format-1 summary, unsealed ones walked
 # record by record, torn ones cut where they tear; new writes go into format-2 segments beside them.

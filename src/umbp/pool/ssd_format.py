@@ -401,6 +401,9 @@ def _walk_group(fd: int, scan: SegmentScan, off: int, block: bytes) -> tuple[int
         scan.discarded = f"group head at offset {off} is corrupt"
         return off, False
     count, nbytes = group
+    if off + nbytes > scan.size:  # checked before reading: a head is never read past the file's end
+        scan.discarded = f"group head at offset {off} runs past the end of the file"
+        return off, False
     head = block if nbytes == BLOCK else _pread(fd, nbytes, off)
     entries = parse_entries(head, count) if len(head) == nbytes else []
     pos = off + nbytes
