@@ -91,14 +91,16 @@ Other pitfalls:
 * In-process, vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process (a
   warning, "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding"), and neither
   binds nor reduces threads; see ``setup_env(torch_threads=1)`` for why one thread is the default here.
-* Harmless noise per engine: "Chat template warmup failed ... Tokenizer not available when
-  `skip_tokenizer_init=True`" (a logged traceback), "libtcmalloc/libiomp is not found in LD_PRELOAD",
-  "The global random seed is set to 0" (in-process engines seed the caller's RNGs).
+* Harmless noise per engine: "libtcmalloc/libiomp is not found in LD_PRELOAD", "The global random seed is
+  set to 0" (in-process engines seed the caller's RNGs). vLLM's "Chat template warmup failed ... Tokenizer
+  not available when `skip_tokenizer_init=True`", a logged traceback that read as a failure in
+  `umbp demo`'s output, is filtered out by ``make_llm`` (``quiet_chat_warmup``).
 * ruff with this repo's ``src = ["src", "tests"]`` treats ``vllm`` as first-party because of tests/vllm.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import time
@@ -193,6 +195,7 @@ def make_llm(
     kv_connector_module_path="umbp.vllm.connector", kv_role="kv_both")``.  ``extra`` goes to ``LLM`` as is.
     """
     setup_env(in_process=in_process)
+    quiet_chat_warmup()
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
@@ -215,6 +218,25 @@ def make_llm(
         kwargs["kv_transfer_config"] = dict(kv_transfer_config)
     kwargs.update(extra)
     return LLM(**kwargs)
+
+
+class _NoChatWarmupFailure(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" record: with skip_tokenizer_init=True (token-id prompts,
+    no tokenizer) the warmup always fails, and its traceback is noise that reads as an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
+_CHAT_WARMUP_LOGGER = "vllm.renderers.base"
+_NO_CHAT_WARMUP_FAILURE = _NoChatWarmupFailure()
+
+
+def quiet_chat_warmup() -> None:
+    """Install the filter above on the logger vLLM's renderer warms up with (once per process)."""
+    logger = logging.getLogger(_CHAT_WARMUP_LOGGER)
+    if _NO_CHAT_WARMUP_FAILURE not in logger.filters:
+        logger.addFilter(_NO_CHAT_WARMUP_FAILURE)
 
 
 def make_llm_for_arch(arch: str, model_dir: str | os.PathLike[str], **overrides: Any):
