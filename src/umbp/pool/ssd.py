@@ -144,7 +144,6 @@ class _Item:
     pins: int = 0
     done: threading.Event | None = None
     nbytes: int = 0  # bytes of its payload on disk (padded; 0 for a tombstone), a field: read ~30 times a record
-    span: int = 0  # bytes of its entry in its group's head
 
 
 @dataclass(eq=False, slots=True)
@@ -566,8 +565,7 @@ class SsdTier(Pool):
                     out[i] = True
                     self._alloc.free(start, npages)
                     continue
-                it = _Item(_PUT, key, blobs[i], srcs[i].size, start, npages, nbytes=padded(srcs[i].size),
-                           span=entry_span(len(blobs[i])))
+                it = _Item(_PUT, key, blobs[i], srcs[i].size, start, npages, nbytes=padded(srcs[i].size))
                 shard.staged[key] = it
                 shard.lru[key] = None  # recency counts from the put, not from when the write lands
                 staged.append((i, it))
@@ -740,8 +738,7 @@ class SsdTier(Pool):
                     tomb = tomb or it.state == WRITING  # its record may land on disk
                     it.cancelled = True
                 if tomb:
-                    kb = key.encode()
-                    self._enqueue(shard, _Item(_TOMB, key, kb, span=entry_span(len(kb))))
+                    self._enqueue(shard, _Item(_TOMB, key, key.encode()))
                 removed += present
         return removed
 
@@ -1255,15 +1252,16 @@ class SsdTier(Pool):
         else a new one (a group's head is counted with its payloads)."""
         seg = shard.active
         room = self._segment_bytes - seg.size if seg is not None and seg.size else self._segment_bytes
-        first = head_bytes(batch[i].span) + batch[i].nbytes
+        first = head_bytes(entry_span(len(batch[i].key_bytes))) + batch[i].nbytes
         if first > room:
             room = max(self._segment_bytes, first)
         j, payload, spans = i, 0, 0
         while j < len(batch):
             it = batch[j]
-            if j > i and head_bytes(spans + it.span) + payload + it.nbytes > room:
+            span = entry_span(len(it.key_bytes))
+            if j > i and head_bytes(spans + span) + payload + it.nbytes > room:
                 break
-            payload, spans = payload + it.nbytes, spans + it.span
+            payload, spans = payload + it.nbytes, spans + span
             j += 1
         return batch[i:j]
 
@@ -1282,7 +1280,7 @@ class SsdTier(Pool):
         return self._new_segment(shard)
 
     def _write_group(self, shard: _Shard, group: list[_Item]) -> None:
-        head = head_bytes(sum(it.span for it in group))
+        head = head_bytes(sum(entry_span(len(it.key_bytes)) for it in group))
         total = head + sum(it.nbytes for it in group)
         ebytes = sum(entry_bytes(it.key_bytes) for it in group)
         planned = self._plan_ahead(shard, total, ebytes)
