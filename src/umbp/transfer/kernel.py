@@ -502,10 +502,16 @@ class KernelEngine(TransferEngine):
         Reading the table in place instead made each gather ~5x slower (one PCIe round trip per piece
         on a saturated link); this is one parallel read. (Plans were tables of pieces then.)"""
         dev = torch.empty_like(host, device=self.device)
-        words = host.numel()
-        self.fetch[(-(-words // FETCH_BLOCK),)](host, dev, words, BLOCK=FETCH_BLOCK)
+        self._sm_copy(host, dev)
         self._tables.give(host, self._event(stream))
         return dev
+
+    def _sm_copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """dst[:] = src[:] by kernels.fetch_words on the current stream (one side may be page-locked host
+        memory): no copy-engine queue to wait in."""
+        n = src.numel()
+        if n:
+            self.fetch[(-(-n // FETCH_BLOCK),)](src, dst, n, BLOCK=FETCH_BLOCK)
 
     def _on(self, direction: int, caller) -> AbstractContextManager:
         """Run on this direction's stream, after the work already queued on the caller's stream."""
@@ -523,10 +529,9 @@ class KernelEngine(TransferEngine):
         if self.streams is None:
             return DeviceHandle(sizes, None, values.clone(), keep, mix)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        n = values.numel()
-        if n:  # SM stores, not a copy-engine copy: a load's few bytes of ok flags waited ~5 ms behind
-            # the saves' bulk D2H copies, and the load's next rounds behind them (H200, history/31)
-            self.fetch[(-(-n // FETCH_BLOCK),)](values, host, n, BLOCK=FETCH_BLOCK)
+        # SM stores, not a copy-engine copy: a load's few bytes of ok flags waited ~5 ms behind the saves'
+        # bulk D2H copies, and the load's next rounds behind them (H200, history/31)
+        self._sm_copy(values, host)
         event = torch.cuda.Event()
         event.record(stream)
         return DeviceHandle(sizes, event, host, keep, mix)
