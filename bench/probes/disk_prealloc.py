@@ -1,4 +1,4 @@
-"""Probe (not a test; see bench/results/history/29-session13.txt): does preallocating segment files help
+"""Probe (not a test; see bench/results/archive/29-the 2026-12-03 work.txt): does preallocating segment files help
 O_DIRECT appends? The disk's write rate for 192 MiB in 8 MiB writes, alternated over rounds:
 
 * one fresh file, 1 or 3 writes in flight (the bench's baseline is the first);

@@ -1,4 +1,4 @@
-"""Probe (not a test; see bench/results/history/26-session10-probes.txt): the disk's own O_DIRECT write
+"""Probe (not a test; see bench/results/archive/26-the 2026-12-02 work-probes.txt): the disk's own O_DIRECT write
 rate into one fresh file for several queue depths (threads writing at planned, increasing offsets, as
 the SSD tier's writer does) and write sizes, alternated over rounds. Tells whether the tier's I/O shape
 (three writes in flight, ~6 MiB each) costs anything against the bench's baseline (one 8 MiB write at a

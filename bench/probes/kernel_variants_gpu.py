@@ -1,4 +1,4 @@
-"""Probe (not a test; H200, see bench/results/history/21-kernel-variants.txt): how many compiled variants
+"""Probe (not a test; H200, see bench/results/archive/2026-12-01-transfer-21-kernel-variants.txt): how many compiled variants
 of the copy kernel a worker accumulates over 60 steps of random save jobs (groups, object counts, slots,
 fence kinds). Each new variant is a compile (unless Triton's disk cache has it) and a module load, which
 waits for the GPU's queued work: a stall in the middle of serving.

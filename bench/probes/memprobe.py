@@ -1,4 +1,4 @@
-"""Probe (not a test; see bench/results/history/27-session11-host-limits.txt): how fast this host's cores
+"""Probe (not a test; see bench/results/archive/27-the 2026-12-03 work-host-limits.txt): how fast this host's cores
 move 64 KiB pages — numpy copies from a cold 192 MiB source into a 256 MiB ring (what an SSD put does),
 with and without the psum64 row sums (numpy, and the C extension when built), on 1-4 threads — and a rough Python speed figure. The H200 device
 hosts differ here by ~1.5x per core, and that sets the SSD tier's 64 KiB ceiling.

@@ -1,4 +1,4 @@
-"""Probe (not a test; see bench/results/history/27-session11-host-limits.txt and 28-session12-native.txt):
+"""Probe (not a test; see bench/results/archive/27-the 2026-12-03 work-host-limits.txt and 28-the 2026-12-03 work-native.txt):
 the client's CPU per value of RedisTier.get_into (batches of 16, 256 MiB of values) against a
 redis-server the probe starts on 127.0.0.1 (or REDIS_URL's, which it fills and leaves filled), beside the
 wall time per value. Repetitions alternate the C extension's read loop and the pure-Python one (when the

@@ -1,4 +1,4 @@
-"""Probe (not a test; see bench/results/history/23-ssd-write-pipeline.txt): where a stream of small SSD
+"""Probe (not a test; see bench/results/archive/2026-12-01-ssd-23-write-pipeline.txt): where a stream of small SSD
 puts loses time, with the disk taken out of the picture. The real SsdTier runs `umbp bench ssd`'s write
 loop (192 MiB of 64 KiB objects, 16 MiB per put call, a refused put retried when there is room), but its
 `_pwritev` is a simulated queued device of --rate bytes/s: each write starts when the previous one ends

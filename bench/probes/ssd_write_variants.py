@@ -1,4 +1,4 @@
-"""Probe (not a test; see bench/results/history/26-session10-probes.txt): the 64 KiB write ratio of
+"""Probe (not a test; see bench/results/archive/26-the 2026-12-02 work-probes.txt): the 64 KiB write ratio of
 `umbp bench ssd`'s method for variants of the tier's settings, alternated in one process so the disk's
 drift hits every variant alike. Each round runs every variant (order reversed every other round); each
 variant writes the working set twice, once after the baseline file and once before it (the bench's

@@ -1,7 +1,7 @@
-"""Probe (not a test; see bench/results/history/22-tier-reads.txt): reading a restore's objects from the
+"""Probe (not a test; see bench/results/archive/2026-12-01-worker-22-tier-reads.txt): reading a restore's objects from the
 SSD tier (O_DIRECT) and from a loopback redis-server, as the worker's I/O thread does, into DRAM slots:
-* one by one: one get_into per object into a fresh buffer, then a copy into the slot (before session 7);
-* batched: one get_into for all of them into fresh buffers, then the copies (session 7, first change);
+* one by one: one get_into per object into a fresh buffer, then a copy into the slot (before the 2026-12-01 work);
+* batched: one get_into for all of them into fresh buffers, then the copies (the 2026-12-01 work, first change);
 * into slots: one get_into straight into the (aligned) slots, then a checksum of each (second change).
 Medians of 7 alternated rounds.
 

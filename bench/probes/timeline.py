@@ -1,4 +1,4 @@
-"""Probe (not a test; see bench/results/history/27-session11-host-limits.txt): where a pass of 64 KiB SSD puts
+"""Probe (not a test; see bench/results/archive/27-the 2026-12-03 work-host-limits.txt): where a pass of 64 KiB SSD puts
 spends its time, per thread, with the disk simulated as infinitely fast. For each of the put path's and
 the writer's main functions it prints wall time (inside the call) and CPU time (thread_time): wall well
 above CPU means the thread waited, for the GIL or for a lock, inside that call. Nested calls (put >

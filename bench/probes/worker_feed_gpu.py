@@ -1,4 +1,4 @@
-"""Probe (not a test; run on the H200 device, see bench/results/history/20-worker-tier-feed.txt).
+"""Probe (not a test; run on the H200 device, see bench/results/archive/2026-12-01-worker-20-tier-feed.txt).
 
 Host time of the worker's save hooks per step on CUDA, with an SSD tier, over Granite-4.0-H-350M's vLLM
 layout. Each step: save() of one job per cache group, OBJS objects each (~1.5 MiB), then a 'forward' (GPU

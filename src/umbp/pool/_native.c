@@ -80,7 +80,7 @@ static inline uint64_t row_sum(const unsigned char *p, size_t n) {
 /* Copy src into dst (when src is not NULL) and return the weighted row sums of the copied bytes, rows
  * numbered from row0. The copy goes 64 KiB at a time and each piece is summed right after, from L2: on
  * the dev VM this ran at 16-19 GB/s from DRAM (a plain memcpy: 21), where copying and summing 4 KiB
- * row by row ran at 9-11 (bench/results/history/28). */
+ * row by row ran at 9-11 (bench/results/archive/28). */
 #define COPY_CHUNK (64 * 1024)
 
 HOT_LOOP
@@ -240,7 +240,7 @@ enum { RF_OK = 0, RF_CLOSED = 1, RF_TIMEOUT = 2, RF_OSERROR = 3, RF_PROTOCOL = 4
  * read straight into their destination (readv: the rest of the payload, then up to this much of what
  * follows into the buffer), so most of a value crosses memory once instead of twice (kernel -> buffer
  * -> dst). 16 KiB used the least client CPU per 64 KiB value on the dev VM (4 and 64 KiB: more system
- * time or more copying; bench/results/history/28). */
+ * time or more copying; bench/results/archive/28). */
 #ifndef FILL_MAX
 #define FILL_MAX (16 * 1024)
 #endif

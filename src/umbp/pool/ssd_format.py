@@ -151,7 +151,7 @@ def pack_headers(view: memoryview, ats: list[int], keys: list[bytes], flags: lis
                  lengths: list[int], checksums: list[int], span: int = 0) -> None:
     """pack_header_at for a write group's entries: one C call when the extension is built, else the loop.
     The loop cost the writer thread ~2.5 µs a record on the H200 hosts, a fifth of its CPU
-    (bench/results/history/29-session13.txt)."""
+    (bench/results/archive/2026-12-03-remote-kept-connections-29.txt)."""
     if native.lib is not None:
         native.lib.pack_headers(view, ats, keys, flags, seqs, lengths, checksums, MAGIC, VERSION, span)
         return

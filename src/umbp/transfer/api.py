@@ -172,7 +172,7 @@ def check_disjoint(starts: list[np.ndarray], reaches: list[int]) -> None:
     starts[i]: the offsets of one Moves, whose slots each span reaches[i] bytes. When every slot spans
     the same bytes (one group, the usual batch) sorted starts must lie a reach apart: one sort instead of
     the argsort and two gathers that mixed reaches need (4,096 objects on an H200 host: 0.04 vs 0.38 ms,
-    about half of a call's validation before its copy can start; history/30-session14.txt)."""
+    about half of a call's validation before its copy can start; archive/2026-12-03-transfer-zero-copy-host-time-30.txt)."""
     s = _joined(starts)
     if s.size < 2:
         return

@@ -3,7 +3,7 @@
 Why: the dma path copies staging <-> arena once per run of adjacent arena slots. When slots are scattered
 (an arena fragmented by churn) each object is its own run, and one `cudaMemcpyAsync` per run costs ~10 us
 of host time and a copy-engine launch: 1 MiB objects ran at ~0.93 of a plain copy, 64 KiB ones at 0.14.
-One batch call hands the driver every run at once. Measured on the H200 (`bench/results/history/`,
+One batch call hands the driver every run at once. Measured on the H200 (`bench/results/archive/`,
 1 GiB per direction in 256 MiB calls, scattered slots): 256 KiB runs 0.96 D2H / 0.98 H2D / 97 GB/s both
 ways, 1 MiB runs 0.99 / 0.99 / 98 GB/s; 64 KiB runs only 0.81 / 0.89 (0.7 us of host time per copy), where
 the zero-copy kernel is better; 16 KiB runs 0.48 / 0.09.

@@ -97,7 +97,7 @@ class KernelEngine(TransferEngine):
         # 'auto' sends a batch under this many bytes zero-copy whatever its runs: one launch instead of a
         # gather, staging and copies, ~0.2 ms less host time per call, which a step that waits on the host
         # feels; on a GPU-bound step the SM-driven copy of so little cost nothing measurable (H200,
-        # history/16-small-batches-step.txt)
+        # archive/2026-12-01-transfer-16-small-batches-step.txt)
         self.dma_min_batch_bytes = dma_min_batch_bytes
         self.dma_min_run_bytes = dma_min_run_bytes  # one bar for both ways: mixing DMA one way with SM
         # traffic the other way ran at half the copy engines' both-ways rate (docs/transfer.md)
@@ -350,7 +350,7 @@ class KernelEngine(TransferEngine):
         its planning and gather alone, so _rounds cuts that round small. Per direction: when saves and
         loads start together, the second call's copy engine is idle too (H200, 16 KiB pages, side by side
         in one process: both ways 87.5/85.6/87.7 -> 87.3/90.1/88.6 GB/s for 1 GiB each way, 93.1/92.9/93.4
-        -> 93.1/94.4/94.4 sustained, one direction alone unchanged; history/13-ramp-per-direction.txt)."""
+        -> 93.1/94.4/94.4 sustained, one direction alone unchanged; archive/2026-12-01-transfer-13-ramp-per-direction.txt)."""
         return _passed(self._last[direction])
 
     def _track(self, direction: int, handle: Handle) -> Handle:
