@@ -98,6 +98,9 @@ vllm:umbp_restored_tokens_total{engine="0",model_name="m"} 832.0
 vllm:umbp_restored_tokens_total{engine="1",model_name="m"} 768.0
 vllm:umbp_restored_tokens_created{engine="0",model_name="m"} 1.7e+09
 vllm:umbp_load_failures_total{engine="0",model_name="m"} 1.0
+vllm:umbp_tier_loaded_objects_total{engine="0",model_name="m",tier="ssd"} 9.0
+vllm:umbp_tier_loaded_objects_total{engine="1",model_name="m",tier="ssd"} 1.0
+vllm:umbp_group_stored_objects_total{engine="0",group="1",model_name="m"} 4.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
 
@@ -120,10 +123,33 @@ def test_metrics_endpoint(capsys):
     url = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
     try:
         rc, out, _ = _stats(capsys, "--metrics", url, "--json")
-        assert rc == 0 and json.loads(out)["metrics"] == {"load_failures": 1.0, "restored_tokens": 1600.0}
+        assert rc == 0 and json.loads(out)["metrics"] == {
+            "group_stored_objects{group=1}": 4.0,
+            "load_failures": 1.0,
+            "restored_tokens": 1600.0,
+            "tier_loaded_objects{tier=ssd}": 10.0,
+        }
         rc, out, _ = _stats(capsys, "--metrics", url)
         assert rc == 0 and "restored_tokens" in out and "1,600" in out
     finally:
         httpd.shutdown()
     rc, _, err = _stats(capsys, "--metrics", url)
     assert rc == 2 and "cannot read" in err
+
+
+def test_one_unreachable_source_still_reports_the_others(tmp_path, capsys):
+    base = str(tmp_path / "ssd")
+    tier = SsdTier(rank_dir(base, NS, R0), 64 << 20)
+    assert all(tier.put(*_objects(R0, {0: 2})))
+    assert tier.flush(30)
+    tier.close()
+    dead = "http://127.0.0.1:9/metrics"  # the discard port: nothing listens there
+    rc, out, err = _stats(capsys, "--ssd", base, "--metrics", dead, "--json")
+    assert rc == 1, "partial results exit with 1"
+    report = json.loads(out)
+    assert report["tiers"][0]["shards"][0]["objects"] == 2
+    assert "metrics" in report["unreachable"] and "cannot read" in err
+    rc, out, _ = _stats(capsys, "--ssd", base, "--metrics", dead)
+    assert rc == 1 and "2 objects" in out and "metrics: UNREACHABLE" in out
+    rc, _, _ = _stats(capsys, "--ssd", str(tmp_path / "nope"), "--metrics", dead)
+    assert rc == 2, "nothing readable exits with 2"

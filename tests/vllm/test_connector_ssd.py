@@ -68,3 +68,15 @@ def test_corrupt_ssd_record_is_a_miss_and_a_recompute(tmp_path):
     assert mism == []  # whatever was restored (nothing, or an intact older boundary) holds the right bytes
     assert h2.umbp.totals["load_failures"] >= 1 or hit == 0
     shut(h2)
+
+
+def test_reset_external_forgets_dram_and_ssd(tmp_path):
+    """reset_prefix_cache?reset_external=true (reset_connector on the Scheduler) must not leave SSD objects restorable by this engine."""
+    extra = {"dram_bytes": 64 << 20, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}
+    h = build(tmp_path, GROUPS, unit=16, extra=extra)
+    assert compute_then_drop(h, "A", PROMPT) == 832
+    assert h.umbp.ssd_keys and h.umbp.index.stats()["objects"] > 0
+    assert h.sched.reset_prefix_cache(reset_connector=True)
+    assert h.umbp.index.stats()["objects"] == 0 and not h.umbp.ssd_keys
+    assert restore(h, "B", PROMPT) == (0, [])
+    shut(h)

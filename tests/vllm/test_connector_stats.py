@@ -47,3 +47,87 @@ def test_prometheus_counters():
     prom.observe({"restored_tokens": 832, "load_failures": 0})
     prom.observe({"restored_tokens": 16})
     assert reg.get_sample_value("vllm:umbp_restored_tokens_total", {"engine": "0"}) == 848
+
+
+def _registry():
+    reg = CollectorRegistry()
+    types = {Gauge: functools.partial(Gauge, registry=reg), Counter: functools.partial(Counter, registry=reg),
+             Histogram: functools.partial(Histogram, registry=reg)}
+    return reg, types
+
+
+def test_every_counter_is_exported_from_the_start():
+    """rate() alerts need each series to exist before it first moves."""
+    from umbp.vllm.stats import COUNTERS, TIER_COUNTERS, TIERS
+
+    reg, types = _registry()
+    vllm_config = type("Cfg", (), {"kv_transfer_config": None})()
+    UMBPConnector.build_prom_metrics(vllm_config, types, ["engine"], {0: ["0"], 1: ["1"]})
+    for name in COUNTERS:
+        for engine in ("0", "1"):
+            assert reg.get_sample_value(f"vllm:umbp_{name}_total", {"engine": engine}) == 0.0, name
+    for name in TIER_COUNTERS:
+        for tier in TIERS:
+            assert reg.get_sample_value(f"vllm:umbp_tier_{name}_total", {"engine": "0", "tier": tier}) == 0.0
+
+
+def test_group_and_tier_are_labels_not_names():
+    reg, types = _registry()
+    vllm_config = type("Cfg", (), {"kv_transfer_config": None})()
+    prom = UMBPConnector.build_prom_metrics(vllm_config, types, ["engine"], {0: ["0"]})
+    prom.observe({"stored_objects_g1": 3, "stored_objects_g0": 2, "ssd_loaded_objects": 5, "loaded_objects": 7,
+                  "remote_loaded_bytes": 4096, "ssd_saves_dropped": 1})
+    assert reg.get_sample_value("vllm:umbp_group_stored_objects_total", {"engine": "0", "group": "1"}) == 3
+    assert reg.get_sample_value("vllm:umbp_group_stored_objects_total", {"engine": "0", "group": "0"}) == 2
+    assert reg.get_sample_value("vllm:umbp_tier_loaded_objects_total", {"engine": "0", "tier": "ssd"}) == 5
+    assert reg.get_sample_value("vllm:umbp_tier_loaded_bytes_total", {"engine": "0", "tier": "remote"}) == 4096
+    assert reg.get_sample_value("vllm:umbp_tier_saves_dropped_total", {"engine": "0", "tier": "ssd"}) == 1
+    assert reg.get_sample_value("vllm:umbp_loaded_objects_total", {"engine": "0"}) == 7
+    names = {m.name for m in reg.collect()}
+    assert not any("_g1" in n or n.startswith("vllm:umbp_ssd_") for n in names), names
+
+
+def test_docs_list_every_counter():
+    from pathlib import Path
+
+    from umbp.vllm.stats import COUNTERS, GROUP_COUNTERS, TIER_COUNTERS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    names = [*COUNTERS, *(f"tier_{n}" for n in TIER_COUNTERS), *(f"group_{n}" for n in GROUP_COUNTERS)]
+    missing = [n for n in names if f"`vllm:umbp_{n}_total" not in doc]
+    assert not missing, f"docs/vllm.md does not list {missing}"
+
+
+def test_umbp_logs_go_through_vllms_handlers():
+    """vLLM gives only its `vllm` logger a handler (when the engine starts); umbp's records must reach it."""
+    import io
+    import logging
+
+    from umbp.vllm.logs import attach_to_vllm_logging
+
+    umbp_logger, vllm_logger = logging.getLogger("umbp"), logging.getLogger("vllm")
+    saved = (list(umbp_logger.handlers), umbp_logger.level, umbp_logger.propagate,
+             list(vllm_logger.handlers), vllm_logger.level)
+    stream = io.StringIO()
+    vllm_handler = logging.StreamHandler(stream)
+    vllm_handler.setFormatter(logging.Formatter("VLLMFMT %(levelname)s [%(name)s] %(message)s"))
+    try:
+        umbp_logger.handlers.clear()
+        vllm_logger.handlers[:] = []
+        assert not attach_to_vllm_logging(), "nothing to attach to while vLLM's logging is off"
+        vllm_logger.handlers[:] = [vllm_handler]
+        vllm_logger.setLevel(logging.INFO)
+        assert attach_to_vllm_logging() and attach_to_vllm_logging(), "idempotent"
+        logging.getLogger("umbp.vllm").info("umbp: scheduler connector up")
+        logging.getLogger("umbp.vllm").debug("below vLLM's level")
+        assert stream.getvalue() == "VLLMFMT INFO [umbp.vllm] umbp: scheduler connector up\n"
+        umbp_logger.handlers.clear()
+        own = logging.StreamHandler(io.StringIO())
+        umbp_logger.addHandler(own)
+        assert not attach_to_vllm_logging() and umbp_logger.handlers == [own], "an application's setup is kept"
+    finally:
+        umbp_logger.handlers[:] = saved[0]
+        umbp_logger.setLevel(saved[1])
+        umbp_logger.propagate = saved[2]
+        vllm_logger.handlers[:] = saved[3]
+        vllm_logger.setLevel(saved[4])

@@ -26,7 +26,9 @@ from umbp.identity import parse_key
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _NAMESPACE = re.compile(r"^[0-9a-f]{32}$")
-_METRIC = re.compile(r"^(vllm:umbp_[A-Za-z0-9_]+?)(?:_total)?(?:\{[^}]*\})?\s+(\S+)\s*$")
+_METRIC = re.compile(r"^(vllm:umbp_[A-Za-z0-9_]+?)(?:_total)?(?:\{([^}]*)\})?\s+(\S+)\s*$")
+# the labels umbp adds to vLLM's own (engine, model): kept apart in the report, the others summed over
+_UMBP_LABEL = re.compile(r'\b(group|tier)="([^"]*)"')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,7 +163,10 @@ def metrics_report(url: str) -> dict[str, float]:
         m = _METRIC.match(line)
         if m and not m.group(1).endswith("_created"):
             name = m.group(1).removeprefix("vllm:umbp_")
-            out[name] = out.get(name, 0.0) + float(m.group(2))
+            labels = ",".join(f"{k}={v}" for k, v in _UMBP_LABEL.findall(m.group(2) or ""))
+            if labels:
+                name = f"{name}{{{labels}}}"
+            out[name] = out.get(name, 0.0) + float(m.group(3))
     return dict(sorted(out.items()))
 
 
@@ -217,24 +222,46 @@ def _jsonable(report: TierReport) -> dict[str, Any]:
             "notes": report.notes}
 
 
+def _gather(args: argparse.Namespace):
+    """Each source on its own: one that cannot be read is reported as unreachable, the others still are."""
+    tiers: list[TierReport] = []
+    metrics: dict[str, float] | None = None
+    unreachable: dict[str, str] = {}
+    sources = [(f"ssd {d}", lambda d=d: ssd_report(d)) for d in args.ssd]
+    if args.remote:
+        sources.append(("remote", lambda: remote_report(args.remote, not args.no_sizes, args.max_keys)))
+    for name, read in sources:
+        try:
+            tiers.append(read())
+        except StatsError as exc:
+            unreachable[name] = str(exc)
+    if args.metrics:
+        try:
+            metrics = metrics_report(args.metrics)
+        except StatsError as exc:
+            unreachable["metrics"] = str(exc)
+    return tiers, metrics, unreachable
+
+
 def run(args: argparse.Namespace) -> int:
+    """Exit code: 0 every source was read; 1 some were unreachable (the rest is printed); 2 none was
+    readable, or nothing was asked for."""
     if not (args.ssd or args.remote or args.metrics):
         print("umbp stats: nothing to inspect; give --ssd DIR, --remote URL and/or --metrics URL", file=sys.stderr)
         return 2
-    try:
-        tiers = [ssd_report(d) for d in args.ssd]
-        if args.remote:
-            tiers.append(remote_report(args.remote, not args.no_sizes, args.max_keys))
-        metrics = metrics_report(args.metrics) if args.metrics else None
-    except StatsError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    tiers, metrics, unreachable = _gather(args)
+    asked = len(args.ssd) + bool(args.remote) + bool(args.metrics)
+    code = 0 if not unreachable else (2 if len(unreachable) == asked else 1)
+    for name, why in unreachable.items():
+        print(f"unreachable: {name}: {why}", file=sys.stderr)
+    if code == 2:
+        return code
     if args.json:
-        out: dict[str, Any] = {"tiers": [_jsonable(t) for t in tiers]}
+        out: dict[str, Any] = {"tiers": [_jsonable(t) for t in tiers], "unreachable": unreachable}
         if metrics is not None:
             out["metrics"] = metrics
         print(json.dumps(out, indent=1))
-        return 0
+        return code
     for t in tiers:
         print_tier(t)
     if metrics is not None:
@@ -242,5 +269,7 @@ def run(args: argparse.Namespace) -> int:
         for name, value in metrics.items():
             print(f"  {name:<28} {value:>16,.0f}")
         if not metrics:
-            print("  none: is the connector UMBPConnector, and has vLLM served a request yet?")
-    return 0
+            print("  none: is the connector UMBPConnector?")
+    for name in unreachable:
+        print(f"{name}: UNREACHABLE (see the error above)")
+    return code

@@ -23,6 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from umbp.pool import native
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.layout import describe
+from umbp.vllm.logs import attach_to_vllm_logging
 from umbp.vllm.metadata import UMBPConnectorMetadata
 from umbp.vllm.scheduler import SchedulerSide
 from umbp.vllm.stats import UMBPPromMetrics, UMBPStats
@@ -36,6 +37,7 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
+        attach_to_vllm_logging()
         transfer = vllm_config.kv_transfer_config
         self.cfg = UMBPConfig.from_extra_config(transfer.kv_connector_extra_config)
         # A hybrid model cannot report block-level load errors, only failed requests; with vLLM's default

@@ -49,6 +49,7 @@ class PendingLoad:
     sent: bool = False
     promoted: list[str] = field(default_factory=list)  # DRAM reservations filled from SSD by this load
     all_keys: list[str] = field(default_factory=list)  # every object this load reads
+    tiers: Counter = field(default_factory=Counter)  # objects by the tier they are read from
 
 
 @dataclass
@@ -314,8 +315,10 @@ class SchedulerSide:
             if slot is not None:
                 move.offset = slot.offset
                 load.keys.append(key)
+                load.tiers["dram"] += 1
             elif key in self.ssd_keys or self.remote is not None:
                 move.source = "ssd" if key in self.ssd_keys else "remote"
+                load.tiers[move.source] += 1
                 if key not in self.in_flight_keys:
                     promoted = self.index.reserve(key, move.nbytes)
                     if promoted is not None:
@@ -453,7 +456,9 @@ class SchedulerSide:
             else:
                 self.restored[req_id] = load.tokens
                 self.count("restored_tokens", load.new_tokens)
-                self.count("loaded_objects", len(load.keys))
+                self.count("loaded_objects", len(load.all_keys))
+                for tier, n in load.tiers.items():
+                    self.count(f"{tier}_loaded_objects", n)
         if not self.loads:
             self.load_failed.clear()  # nothing left to match them to
 
@@ -532,9 +537,14 @@ class SchedulerSide:
         return bool(self.unsent_saves or self.saves)
 
     def reset(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_external=True)``: this engine offers nothing it stored before.
+        The DRAM tier is emptied and the SSD tier's objects are forgotten by this engine (their files stay, and a
+        restarted engine finds them again); the shared tier is left alone, since other instances use it.
+        Refused (False, as vLLM expects) while loads or saves are in flight."""
         if self.saves or self.loads:
             return False
         self.index.clear()
+        self.ssd_keys.clear()
         return True
 
 
