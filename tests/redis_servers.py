@@ -38,7 +38,7 @@ def _skip_or_fail(missing: list[str]) -> None:
         msg = "needs " + " and ".join(missing)
         if os.environ.get("UMBP_REQUIRE_REDIS") == "1":
             pytest.fail(msg + " (UMBP_REQUIRE_REDIS=1)")
-        pytest.skip(msg)
+        pytest.skip(msg, allow_module_level=True)  # also called at module level, before any test
 
 
 def free_port() -> int:
