@@ -9,6 +9,7 @@ import pytest
 
 import umbp.pool.ssd as ssd_mod
 from umbp.pool import BufferSizeError, ObjectTooLargeError, OptionValueError, Pool, UmbpError
+from umbp.pool.errors import InvalidKeyError
 from umbp.pool.ssd import SsdLockedError, SsdTier, aligned_buffer
 from umbp.pool.ssd_format import scan_directory
 
@@ -259,7 +260,7 @@ def test_a_second_owner_gets_a_clear_error(tmp_path):
 def test_input_errors(tmp_path):
     with _tier(tmp_path, capacity_bytes=1 * MiB, queue_bytes=256 * KiB) as tier:
         tier.put(["k"], [b"12345"])
-        with pytest.raises(OptionValueError, match="1024 bytes"):
+        with pytest.raises(InvalidKeyError, match="1024 bytes"):
             tier.put(["x" * 1025], [b"1"])
         with pytest.raises(ObjectTooLargeError, match="staging queue holds 256 KiB; raise queue_bytes"):
             tier.put(["big"], [bytes(300 * KiB)])

@@ -7,58 +7,69 @@ GIL for the large copies. Bad input is rejected before anything is reserved or c
 
 from __future__ import annotations
 
-import difflib
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from umbp.pool.arena import Arena
 from umbp.pool.base import Pool
 from umbp.pool.buffers import prepare_buffers
-from umbp.pool.errors import BufferSizeError, CapacityError, OptionValueError, UmbpError, UnknownOptionError
+from umbp.pool.errors import BufferSizeError, CapacityError, UmbpError
 from umbp.pool.index import COMMITTED, PENDING, DramIndex, Slot, too_large_error
+from umbp.pool.keycheck import check_keys
+from umbp.pool.options import Invalid, Options, option, option_set
 from umbp.pool.psum import copy_many
 
 GiB = 1 << 30
-
-OPTIONS: dict[str, str] = {
-    "capacity_bytes": "arena size in bytes (int); give this or dram_gb",
-    "dram_gb": "arena size in GiB (number); give this or capacity_bytes",
-    "high_watermark": "fraction of capacity that triggers LRU eviction (default 0.95)",
-    "low_watermark": "fraction eviction brings usage down to (default 0.85)",
-    "pinned": "'auto' (page-locked when torch+CUDA are present), true or false",
-    "alignment": "slot alignment / allocation page in bytes, a power of two >= 8 (default 4096)",
-    "prefault": "touch every arena page at start-up (default true)",
-    "copy_threads": "threads that copy + checksum one put/get batch (default 1: the calling thread only)",
-}
+PiB = 1 << 50
 
 
-def _capacity_from_options(opts: Mapping[str, Any]) -> int:
-    if "capacity_bytes" in opts and "dram_gb" in opts:
-        raise OptionValueError("umbp: give capacity_bytes or dram_gb, not both")
-    if "capacity_bytes" in opts:
-        return opts["capacity_bytes"]
-    if "dram_gb" not in opts:
-        raise CapacityError("umbp: the DRAM pool needs a size; set dram_gb (GiB) or capacity_bytes")
-    gb = opts["dram_gb"]
-    if isinstance(gb, bool) or not isinstance(gb, int | float | str):
-        raise OptionValueError(f"umbp: dram_gb must be a number of GiB, got {gb!r}; e.g. dram_gb=8")
-    try:
-        return int(float(gb) * GiB)
-    except ValueError:
-        raise OptionValueError(f"umbp: dram_gb must be a number of GiB, got {gb!r}; e.g. dram_gb=8") from None
-
-
-def _parse_bool(name: str, value: Any) -> bool:
+def _pinned(value: Any) -> bool | str:
+    if isinstance(value, str) and value.strip().lower() in ("auto", "true", "false"):
+        return {"auto": "auto", "true": True, "false": False}[value.strip().lower()]
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return text in ("true", "1", "yes", "on")
-    raise OptionValueError(f"umbp: {name} must be true or false, got {value!r}")
+    raise Invalid("'auto', true or false")
+
+
+@option_set
+class DramOptions(Options):
+    """The DRAM pool's options (`DramPool.from_options`); docs/pool.md's table is generated from these."""
+
+    where: ClassVar[str] = "DRAM pool option"
+
+    capacity_bytes: int = option(help="arena size in bytes; give this or `dram_gb`", minimum=1, maximum=PiB,
+                                 gib_alias="dram_gb", error=CapacityError)
+    high_watermark: float = option(0.95, help="a put that would lift usage above this fraction of the arena "
+                                   "first evicts least-recently-used objects ...", above=0, maximum=1)
+    low_watermark: float = option(0.85, help="... down to this fraction (at most `high_watermark`)", above=0,
+                                  maximum=1)
+    pinned: bool | str = option("auto", help="`auto`: page-locked (`torch.empty(pin_memory=True)`) when torch "
+                                "with a GPU is present, else plain memory; `true`: page-locked or a clear error; "
+                                "`false`: never", convert=_pinned, type_doc="`auto`, `true` or `false`")
+    alignment: int = option(4096, help="slot alignment = allocation page in bytes, a power of two", minimum=8,
+                            maximum=1 << 30)
+    prefault: bool = option(True, help="touch every arena page at start-up (no page faults in the hot path; a "
+                            "too-large arena fails at once)")
+    copy_threads: int = option(1, help="threads that copy + checksum one put/get batch; 1 = only the calling "
+                               "thread. More help only batches of large objects (>= 1 MiB in all, >= 128 KiB "
+                               "per object on average)", minimum=1, maximum=256)
+
+    def check(self) -> None:
+        if self.alignment & (self.alignment - 1):
+            raise self.error("alignment", self.alignment, "a power of two >= 8 (the default 4096 suits KV pages)")
+        if self.low_watermark > self.high_watermark:
+            raise self.fail(f"DRAM pool option 'low_watermark' ({self.low_watermark}) must not exceed "
+                            f"'high_watermark' ({self.high_watermark})")
+        if self.capacity_bytes < self.alignment:
+            raise CapacityError(f"umbp: DRAM pool option 'capacity_bytes' ({self.capacity_bytes}) is smaller "
+                                f"than one {self.alignment}-byte page; raise capacity_bytes (dram_gb)")
+
+
+OPTIONS: dict[str, str] = DramOptions.option_help()  # name -> help, for callers that list the options
 
 
 class DramPool(Pool):
@@ -75,10 +86,11 @@ class DramPool(Pool):
         prefault: bool = True,
         copy_threads: int = 1,
     ) -> None:
-        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or copy_threads < 1:
-            raise OptionValueError(
-                f"umbp: copy_threads must be an int >= 1, got {copy_threads!r}; 1 copies on the calling thread"
-            )
+        opts = DramOptions(capacity_bytes=capacity_bytes, high_watermark=high_watermark,
+                           low_watermark=low_watermark, pinned=pinned, alignment=alignment, prefault=prefault,
+                           copy_threads=copy_threads)
+        capacity_bytes, high_watermark, low_watermark = opts.capacity_bytes, opts.high_watermark, opts.low_watermark
+        pinned, alignment, prefault, copy_threads = opts.pinned, opts.alignment, opts.prefault, opts.copy_threads
         self._index = DramIndex(capacity_bytes, high_watermark, low_watermark, alignment, track_evicted=False)
         self._arena: Arena | None = Arena(self._index.capacity_bytes, pinned, prefault=prefault)
         self._lock = threading.Lock()
@@ -94,20 +106,13 @@ class DramPool(Pool):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> DramPool:
-        """Build from a config mapping; unknown keys are rejected by name (typos must not be ignored)."""
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            hints = [m for k in unknown for m in difflib.get_close_matches(k, OPTIONS, n=1)]
-            hint = f" (did you mean {', '.join(repr(h) for h in hints)}?)" if hints else ""
-            raise UnknownOptionError(
-                f"umbp: unknown DRAM pool option(s) {', '.join(repr(k) for k in unknown)}{hint}; "
-                f"valid options: {', '.join(OPTIONS)}"
-            )
-        names = ("high_watermark", "low_watermark", "pinned", "alignment", "copy_threads")
-        kwargs = {k: options[k] for k in names if k in options}
-        if "prefault" in options:
-            kwargs["prefault"] = _parse_bool("prefault", options["prefault"])
-        return cls(_capacity_from_options(options), **kwargs)
+        """Build from a config mapping (DramOptions: unknown keys are named, every value is checked)."""
+        return cls.from_config(DramOptions.from_options(options))
+
+    @classmethod
+    def from_config(cls, opts: DramOptions) -> DramPool:
+        return cls(opts.capacity_bytes, opts.high_watermark, opts.low_watermark, opts.pinned,
+                   alignment=opts.alignment, prefault=opts.prefault, copy_threads=opts.copy_threads)
 
     # ---- properties ----------------------------------------------------------------------------------
 
@@ -128,12 +133,14 @@ class DramPool(Pool):
     # ---- Pool API ------------------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        check_keys("exists", keys)
         with self._lock:
             return self._index.lookup(keys)
 
     def put(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
         """Reserve the whole batch under one lock, copy outside it, commit under one lock. Reserving first
         also means a batch never evicts its own earlier objects."""
+        check_keys("put", keys)
         srcs = prepare_buffers("put", keys, buffers, writable=False)
         cap = self._index.capacity_bytes
         for key, src in zip(keys, srcs, strict=True):
@@ -192,6 +199,7 @@ class DramPool(Pool):
                 results[i] = False
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        check_keys("get_into", keys)
         dsts = prepare_buffers("get_into", keys, buffers, writable=True)
         arena_u8 = self.arena.view(0, self._index.capacity_bytes)
         with self._lock:
@@ -234,6 +242,7 @@ class DramPool(Pool):
                 )
 
     def remove(self, keys: Sequence[str]) -> int:
+        check_keys("remove", keys)
         with self._lock:
             return self._index.remove(keys)
 

@@ -27,8 +27,8 @@ class UmbpValueError(UmbpError, ValueError):
     """Bad input: an argument, option or buffer the caller can fix."""
 
 
-class CapacityError(UmbpValueError):
-    """A capacity (or watermark, alignment) that cannot describe a usable arena."""
+class InvalidKeyError(UmbpValueError):
+    """A key that is not a str, is not valid UTF-8 text (a lone surrogate), or is longer than a tier stores."""
 
 
 class ObjectTooLargeError(UmbpValueError):
@@ -49,6 +49,10 @@ class UnknownOptionError(UmbpValueError):
 
 class OptionValueError(UmbpValueError):
     """A known option with a value of the wrong type or range."""
+
+
+class CapacityError(OptionValueError):
+    """A capacity (or watermark, alignment) that cannot describe a usable arena."""
 
 
 class PinnedMemoryError(UmbpValueError):

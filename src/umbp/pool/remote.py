@@ -37,6 +37,7 @@ from umbp.pool.allocator import PageAllocator
 from umbp.pool.base import Pool
 from umbp.pool.buffers import aligned_buffer, prepare_buffers
 from umbp.pool.errors import BufferSizeError
+from umbp.pool.keycheck import check_keys
 from umbp.pool.psum import checksum_u8, copy_with_checksum
 from umbp.pool.remote_backend import Cluster, Group, Standalone
 from umbp.pool.remote_config import RemoteConfig, redact_url
@@ -433,6 +434,7 @@ class RedisTier(Pool):
         """One MGET over marker keys per server (per hash tag in a cluster), all pipelined. Results are
         kept as int8 codes (_HIT/_ABSENT/_UNANSWERED/_MOVED) so 8,192 keys need no Python step per key."""
         keys = list(keys)
+        check_keys("exists", keys)
         res = np.full(len(keys), _UNANSWERED, np.int8)
         groups = self._groups(keys) if keys else {}
         if groups is None:
@@ -492,6 +494,7 @@ class RedisTier(Pool):
         """Values stream straight into the caller's buffers; header, key and checksum are verified. Every
         miss is quarantined (see the module docstring)."""
         keys = list(keys)
+        check_keys("get_into", keys)
         dsts = prepare_buffers("get_into", keys, buffers, writable=True)
         res: list[Any] = [None] * len(keys)
         held = set(self._quarantine.held(keys)) if len(self._quarantine) else set()
@@ -658,6 +661,7 @@ class RedisTier(Pool):
         """Synchronous: True once stored (or already present); False when the save was dropped (server
         unavailable: counted). The payload is sent from the caller's buffer without a copy."""
         keys = list(keys)
+        check_keys("put", keys)
         srcs = prepare_buffers("put", keys, buffers, writable=False)
         items = [_Item(k, s) for k, s in zip(keys, srcs, strict=True)]
         return self._write(items)
@@ -670,6 +674,7 @@ class RedisTier(Pool):
         GPU computed while saving, so bytes that changed in the arena slot since (a slot already reused
         by a later save) are never published under this key with a checksum of their own."""
         keys = list(keys)
+        check_keys("put_async", keys)
         srcs = prepare_buffers("put_async", keys, buffers, writable=False)
         if checksums is not None and len(checksums) != len(keys):
             raise BufferSizeError(f"umbp: put_async got {len(keys)} keys but {len(checksums)} checksums")
@@ -796,6 +801,7 @@ class RedisTier(Pool):
     def remove(self, keys: Sequence[str]) -> int:
         """UNLINK value and marker of each key; returns how many keys had either. Errors count as absent."""
         keys = list(keys)
+        check_keys("remove", keys)
         self._quarantine.discard(keys)
         groups = self._groups(keys) or {}
         removed = 0

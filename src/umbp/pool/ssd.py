@@ -36,7 +36,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -48,6 +48,7 @@ from umbp.pool.allocator import PageAllocator
 from umbp.pool.base import Pool
 from umbp.pool.buffers import aligned_buffer, prepare_buffers
 from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, OptionValueError, UmbpError, human_bytes
+from umbp.pool.keycheck import check_keys, key_utf8
 from umbp.pool.psum import checksum_u8, copy_with_checksum, run_split
 from umbp.pool.ssd_format import (
     BLOCK,
@@ -72,6 +73,7 @@ from umbp.pool.ssd_format import (
     seal_bytes,
     segment_name,
 )
+from umbp.pool.ssd_options import SsdOptions
 
 log = logging.getLogger("umbp.ssd")
 KiB, MiB = 1 << 10, 1 << 20
@@ -194,18 +196,6 @@ class _Shard:
     inflight: deque[_Write] = field(default_factory=deque)  # oldest first; touched by the writer thread only
 
 
-def _parse_direct(direct_io: Any) -> bool | str:
-    if direct_io in ("auto", True, False):
-        return direct_io
-    raise OptionValueError(f"umbp: direct_io must be 'auto', True or False, got {direct_io!r}")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise OptionValueError(f"umbp: {name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def _ensure_directory(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
@@ -265,33 +255,37 @@ class SsdTier(Pool):
         health_interval_s: float = 1.0,
         prefault: bool = True,
     ) -> None:
-        dirs = [os.fspath(dirs)] if isinstance(dirs, str | os.PathLike) else [os.fspath(d) for d in dirs]
-        if not dirs:
-            raise OptionValueError("umbp: SsdTier needs at least one directory")
-        self._direct_mode = _parse_direct(direct_io)
-        shard_cap = _check_int("capacity_bytes", capacity_bytes, 64 * KiB * len(dirs)) // len(dirs)
-        self._queue_bytes = _check_int("queue_bytes", queue_bytes, BLOCK) // BLOCK * BLOCK
-        self._max_io = _check_int("max_io_bytes", max_io_bytes, 64 * KiB) // BLOCK * BLOCK
+        dirs = [os.fspath(dirs)] if isinstance(dirs, str | os.PathLike) else [
+            os.fspath(d) if isinstance(d, os.PathLike) else d for d in dirs]
+        o = SsdOptions(dirs=dirs, capacity_bytes=capacity_bytes, queue_bytes=queue_bytes, direct_io=direct_io,
+                       segment_bytes=segment_bytes, low_watermark=low_watermark, max_io_bytes=max_io_bytes,
+                       io_threads=io_threads, copy_threads=copy_threads, track_evicted=track_evicted,
+                       health_interval_s=health_interval_s, prefault=prefault)
+        dirs = list(o.dirs)
+        self._direct_mode = o.direct_io
+        shard_cap = o.capacity_bytes // len(dirs)
+        self._queue_bytes = o.queue_bytes // BLOCK * BLOCK
+        self._max_io = o.max_io_bytes // BLOCK * BLOCK
         self._run_bytes = min(self._max_io, 2 * MiB)
+        segment_bytes = o.segment_bytes
         if segment_bytes is None:
             segment_bytes = min(256 * MiB, max(256 * KiB, shard_cap // 16))
-        self._segment_bytes = _check_int("segment_bytes", segment_bytes, BLOCK) // BLOCK * BLOCK
+        self._segment_bytes = segment_bytes // BLOCK * BLOCK
         if self._segment_bytes > shard_cap // 4:
             raise OptionValueError(
-                f"umbp: segment_bytes={segment_bytes} must be at most a quarter of the capacity per directory "
-                f"({shard_cap // 4}); space is reclaimed a segment at a time"
+                f"umbp: SSD tier option 'segment_bytes' ({segment_bytes}) must be at most a quarter of the "
+                f"capacity per directory ({shard_cap // 4}); space is reclaimed a segment at a time"
             )
         # Capacity kept free for cleaning: reclaiming the oldest segment copies its still-live objects
         # forward before deleting it, and those copies (plus the write that needs the room) must fit.
         self._reserve = 2 * self._segment_bytes
-        if not isinstance(low_watermark, int | float) or not 0 < low_watermark <= 1:
-            raise OptionValueError(f"umbp: low_watermark must be in (0, 1], got {low_watermark!r}")
-        self._low = float(low_watermark)
-        self._io_threads = _check_int("io_threads", io_threads, 0)
-        self._copy_threads = _check_int("copy_threads", copy_threads, 1)
+        self._low = o.low_watermark
+        self._io_threads = o.io_threads
+        self._copy_threads = o.copy_threads
+        track_evicted, prefault = o.track_evicted, o.prefault
         self._copy_pool = (ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="umbp-ssd-copy")
                            if self._copy_threads > 1 else None)
-        self._health_interval = float(health_interval_s)
+        self._health_interval = o.health_interval_s
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._room = threading.Condition(self._lock)  # staging pages were given back (wait_for_room)
@@ -329,6 +323,15 @@ class SsdTier(Pool):
             shard.thread.start()
 
     # ---- opening a directory -------------------------------------------------------------------------
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SsdTier:
+        """Build from a config mapping (SsdOptions: unknown keys are named, every value is checked)."""
+        o = SsdOptions.from_options(options)
+        return cls(o.dirs, o.capacity_bytes, o.queue_bytes, o.direct_io, segment_bytes=o.segment_bytes,
+                   low_watermark=o.low_watermark, max_io_bytes=o.max_io_bytes, io_threads=o.io_threads,
+                   copy_threads=o.copy_threads, track_evicted=o.track_evicted,
+                   health_interval_s=o.health_interval_s, prefault=o.prefault)
 
     def _open_shard(self, number: int, directory: str, capacity: int) -> _Shard:
         _ensure_directory(directory)
@@ -496,6 +499,7 @@ class SsdTier(Pool):
     # ---- Pool API ------------------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        check_keys("exists", keys)
         out = []
         with self._lock:
             for key in keys:
@@ -668,6 +672,7 @@ class SsdTier(Pool):
                 self._shards[n].cv.notify()
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        check_keys("get_into", keys)
         dsts = prepare_buffers("get_into", keys, buffers, writable=True)
         plans: list[_Item | _Loc | None] = []
         with self._lock:
@@ -725,6 +730,7 @@ class SsdTier(Pool):
 
     def remove(self, keys: Sequence[str]) -> int:
         """Make keys absent now; a tombstone keeps them absent after a restart."""
+        check_keys("remove", keys)
         removed = 0
         with self._lock:
             for key in keys:
@@ -890,13 +896,7 @@ class SsdTier(Pool):
 
     @staticmethod
     def _key_bytes(key: Any) -> bytes:
-        if not isinstance(key, str):
-            raise UmbpError(f"umbp: keys are str, got {type(key).__name__} {key!r}")
-        kb = key.encode()
-        if len(kb) > MAX_KEY_BYTES:
-            raise OptionValueError(f"umbp: key '{key[:60]}...' is {len(kb)} bytes; the SSD tier takes keys up "
-                                   f"to {MAX_KEY_BYTES} bytes (utf-8)")
-        return kb
+        return key_utf8("put", key, MAX_KEY_BYTES)
 
     def _fits(self, nbytes: int, key_len: int) -> bool:
         """Whether an object fits both the staging queue and a directory's capacity (its seal included)."""

@@ -1,36 +1,119 @@
 """`kv_connector_extra_config` keys of the UMBPConnector, validated with one clear error per bad key.
 
-Kept free of vLLM imports so it can be unit-tested and documented on its own.
+Built on the one options layer (umbp.pool.options): strict types, ranges, "did you mean" for unknown keys, the
+key's name in every error, and the help strings the README's and docs/vllm.md's tables are generated
+from (`python -m umbp.tools.options_doc`). Kept free of vLLM imports so it can be unit-tested, documented
+and run before vLLM builds anything (see umbp.vllm.plugin).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from umbp.pool.errors import OptionValueError, UmbpValueError, UnknownOptionError
+from umbp.pool.options import Invalid, Options, option, option_set
+from umbp.redact import redacted_value, scrub, secrets_of
 
 GIB = 1 << 30
 ARENA_PAGE = 4096  # the scheduler's slot granularity: a slot spans whole pages, its pad is its own
+PIB = 1 << 50
 
 
-class ConfigError(ValueError):
+class ConfigError(OptionValueError):
     """A bad `kv_connector_extra_config` value; the message names the key and the fix."""
 
 
-@dataclass(frozen=True)
-class UMBPConfig:
-    dram_bytes: int = 4 * GIB  # per worker (per rank): each rank holds its shard of every object
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    boundary_page: bool = True  # store the attention page at each hybrid boundary (the seed's fix)
-    decode_saves: bool = False  # also store blocks completed during decode
-    load_failure_policy: str = "recompute"  # a failed load is a recompute, never a crash
-    pinned: str = "auto"  # page-locked arena: "auto" (when CUDA is present), "on", "off"
-    tenant: str = ""  # optional isolation label folded into the key namespace
-    checksum: bool = True  # verify every loaded page against the checksum taken when it was saved
-    ssd_dirs: tuple[str, ...] = ()  # SSD tier directories (one per drive); empty = no SSD tier
-    ssd_bytes: int = 64 * GIB  # SSD capacity per worker (per rank)
-    remote: tuple[tuple[str, Any], ...] = ()  # shared tier options (umbp.pool.remote.RemoteConfig); empty = off
-    quarantine_s: float = 30.0  # how long an object whose load failed is not offered again
+class UnknownConfigKeyError(ConfigError, UnknownOptionError):
+    """A `kv_connector_extra_config` key the connector does not know (usually a typo)."""
+
+
+def _pinned(value: Any) -> Any:
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
+def _remote(value: Any) -> tuple[tuple[str, Any], ...]:
+    """A Redis URL or an options dict, validated now by the remote tier's own rules, so a bad shared-tier
+    setting stops start-up with the other config errors instead of after the model has loaded."""
+    if value == ():
+        return ()  # the default: no shared tier
+    if isinstance(value, str):
+        value = {"url": value}
+    elif isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)  # the stored form (sorted pairs), e.g. from dataclasses.replace
+    if not isinstance(value, Mapping) or not value or not all(isinstance(k, str) for k in value):
+        raise Invalid('a Redis URL or an options dict like {"url": "redis://127.0.0.1:6379/0"}')
+    from umbp.pool.remote_config import RemoteConfig
+
+    try:
+        RemoteConfig.from_options(value)
+    except UmbpValueError as exc:  # its message may quote a URL: mask every secret it could hold
+        raise Invalid("", reason=scrub(str(exc), secrets_of(value)).removeprefix("umbp: ")) from None
+    except Exception as exc:  # noqa: BLE001 - a config value must give a config error, never a crash
+        raise Invalid("", reason=f"not a valid shared-tier configuration ({type(exc).__name__})") from None
+    return tuple(sorted(value.items()))
+
+
+def _show_remote(value: Any) -> str:
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)
+    return repr(redacted_value(value))
+
+
+@option_set
+class UMBPConfig(Options):
+    """The connector's options; `from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)`."""
+
+    where: ClassVar[str] = "kv_connector_extra_config key"
+    unknown_error: ClassVar[type[Exception]] = UnknownConfigKeyError
+    value_error: ClassVar[type[Exception]] = ConfigError
+
+    dram_bytes: int = option(
+        4 * GIB, help="DRAM arena per worker (per rank); each rank keeps its own shard of every object",
+        minimum=ARENA_PAGE, maximum=PIB, gib_alias="dram_gb")
+    high_watermark: float = option(
+        0.95, help="above this fraction of the arena, least-recently-used objects are evicted ...", above=0,
+        maximum=1)
+    low_watermark: float = option(0.85, help="... down to this fraction (at most `high_watermark`)", above=0,
+                                  maximum=1)
+    boundary_page: bool = option(
+        True, help="store the attention page at each hybrid boundary, so a restore reaches the boundary a "
+        "local prefix hit would; `false` stores whole pages only, for experiments")
+    decode_saves: bool = option(
+        False, help="also store blocks completed during decode (prompt blocks and boundary states are always "
+        "stored)")
+    load_failure_policy: Literal["recompute", "fail"] = option(
+        "recompute", help="a failed load makes vLLM recompute the request; `fail` fails it instead. umbp sets "
+        "vLLM's `kv_load_failure_policy` to this value")
+    pinned: str = option(
+        "auto", help="page-locked arena: `auto` (when CUDA is present), `on`, `off`", convert=_pinned,
+        choices=("auto", "on", "off"), type_doc="`auto`, `on`, `off` (or true/false)")
+    tenant: str = option("", help="an isolation label folded into the key namespace")
+    checksum: bool = option(True, help="verify each loaded page against the checksum taken when it was saved")
+    ssd_dirs: tuple[str, ...] = option(
+        (), help="SSD tier directories (one per drive); each rank writes its shard under "
+        "`<dir>/<namespace>/<rank>`; a restarted engine finds what is there", nonempty=True)
+    ssd_bytes: int = option(64 * GIB, help="SSD capacity per rank", minimum=64 << 10, maximum=PIB,
+                            gib_alias="ssd_gb")
+    remote: tuple[tuple[str, Any], ...] = option(
+        (), help="the shared tier on Redis ≥ 7 / Valkey: a URL (`\"redis://127.0.0.1:6379/0\"`) or an options "
+        "dict (`url`/`urls`, `cluster`, `username`, `password`/`password_env`, `tls*`, `timeout_s`, `ttl_s`, "
+        "`quarantine_s`, ...; see [docs/remote.md](docs/remote.md)); checked at start-up, shown with "
+        "passwords masked", convert=_remote, show=_show_remote, type_doc="URL string or options dict")
+    quarantine_s: float = option(
+        30.0, help="after a failed load, the objects at fault are not offered again for this long (unless "
+        "re-saved); 0 = off", minimum=0, maximum=86400)
+
+    def check(self) -> None:
+        if self.low_watermark > self.high_watermark:
+            raise self.fail(f"{self.where} 'low_watermark' ({self.low_watermark}) must not exceed "
+                            f"'high_watermark' ({self.high_watermark})")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> UMBPConfig:
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigError(f"umbp: kv_connector_extra_config must be a JSON object, got a {type(extra).__name__}")
+        return cls.from_options(extra)
 
     def remote_tier(self):
         """A RedisTier for these options (validated by umbp.pool.remote); None when no shared tier is set."""
@@ -39,100 +122,3 @@ class UMBPConfig:
         from umbp.pool.remote import RedisTier, RemoteConfig
 
         return RedisTier(RemoteConfig.from_options(dict(self.remote)))
-
-    @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> UMBPConfig:
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)} | {"dram_gb", "ssd_gb"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(
-                f"umbp: unknown kv_connector_extra_config key(s) {unknown}; valid keys are {sorted(known)}"
-            )
-        values: dict[str, Any] = {}
-        if "dram_gb" in extra and "dram_bytes" in extra:
-            raise ConfigError("umbp: give either 'dram_gb' or 'dram_bytes' in kv_connector_extra_config, not both")
-        if "dram_gb" in extra:
-            gb = _number(extra, "dram_gb")
-            values["dram_bytes"] = int(gb * GIB)
-        if "dram_bytes" in extra:
-            values["dram_bytes"] = int(_number(extra, "dram_bytes"))
-        if "dram_bytes" in values and values["dram_bytes"] <= 0:
-            raise ConfigError(
-                f"umbp: DRAM capacity must be positive (got {values['dram_bytes']} bytes); "
-                "set kv_connector_extra_config 'dram_gb' to e.g. 64"
-            )
-        for key in ("high_watermark", "low_watermark"):
-            if key in extra:
-                values[key] = _number(extra, key)
-                if not 0.0 < values[key] <= 1.0:
-                    raise ConfigError(f"umbp: '{key}' must be in (0, 1], got {extra[key]!r}")
-        for key in ("boundary_page", "decode_saves", "checksum"):
-            if key in extra:
-                values[key] = _bool(extra, key)
-        if "load_failure_policy" in extra:
-            values["load_failure_policy"] = _choice(extra, "load_failure_policy", ("recompute", "fail"))
-        if "pinned" in extra:
-            raw = extra["pinned"]
-            if isinstance(raw, bool):
-                raw = "on" if raw else "off"
-            values["pinned"] = _choice({"pinned": raw}, "pinned", ("auto", "on", "off"))
-        if "tenant" in extra:
-            if not isinstance(extra["tenant"], str):
-                raise ConfigError(f"umbp: 'tenant' must be a string, got {extra['tenant']!r}")
-            values["tenant"] = extra["tenant"]
-        if "ssd_dirs" in extra:
-            dirs = extra["ssd_dirs"]
-            dirs = [dirs] if isinstance(dirs, str) else dirs
-            if not isinstance(dirs, list | tuple) or not all(isinstance(d, str) and d for d in dirs):
-                raise ConfigError(f"umbp: 'ssd_dirs' must be a directory or a list of directories, got {dirs!r}")
-            values["ssd_dirs"] = tuple(dirs)
-        if "ssd_gb" in extra:
-            values["ssd_bytes"] = int(_number(extra, "ssd_gb") * GIB)
-            if values["ssd_bytes"] <= 0:
-                raise ConfigError(f"umbp: 'ssd_gb' must be positive, got {extra['ssd_gb']!r}")
-        if "remote" in extra:
-            remote = extra["remote"]
-            if isinstance(remote, str):
-                remote = {"url": remote}
-            if not isinstance(remote, dict) or not remote:
-                raise ConfigError(
-                    f"umbp: 'remote' must be a Redis URL or an options dict like {{\"url\": "
-                    f"\"redis://127.0.0.1:6379/0\"}}, got {remote!r}"
-                )
-            values["remote"] = tuple(sorted(remote.items()))
-        if "quarantine_s" in extra:
-            values["quarantine_s"] = _number(extra, "quarantine_s")
-        cfg = cls(**values)
-        if cfg.low_watermark > cfg.high_watermark:
-            raise ConfigError(
-                f"umbp: 'low_watermark' ({cfg.low_watermark}) must not exceed 'high_watermark' "
-                f"({cfg.high_watermark})"
-            )
-        return cfg
-
-
-def _number(extra: dict[str, Any], key: str) -> float:
-    value = extra[key]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"umbp: '{key}' must be a number, got {value!r}") from None
-    return float(value)
-
-
-def _bool(extra: dict[str, Any], key: str) -> bool:
-    value = extra[key]
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "on", "off"):
-        return value.lower() in ("true", "1", "on")
-    raise ConfigError(f"umbp: '{key}' must be true or false, got {value!r}")
-
-
-def _choice(extra: dict[str, Any], key: str, choices: tuple[str, ...]) -> str:
-    value = extra[key]
-    if value not in choices:
-        raise ConfigError(f"umbp: '{key}' must be one of {list(choices)}, got {value!r}")
-    return value
