@@ -51,5 +51,7 @@ def key_utf8(op: str, key: object, max_bytes: int) -> bytes:
 
 
 def _describe(key: object) -> str:
-    text = repr(key) if isinstance(key, int | float | bytes | bytearray | tuple) else f"a {type(key).__name__}"
+    text = (
+        repr(key) if isinstance(key, int | float | bytes | bytearray | tuple) else f"a {type(key).__name__}"
+    )
     return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."

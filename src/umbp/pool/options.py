@@ -107,7 +107,9 @@ class Options:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             spec = f.metadata.get(_META)
             if spec is not None:
-                object.__setattr__(self, f.name, self._coerce(f.name, hints[f.name], spec, getattr(self, f.name)))
+                object.__setattr__(
+                    self, f.name, self._coerce(f.name, hints[f.name], spec, getattr(self, f.name))
+                )
         self.check()
 
     def check(self) -> None:
@@ -160,7 +162,9 @@ class Options:
         try:
             _check_range(spec, nbytes)
         except Invalid:
-            raise cls.error(alias, value, f"a number of GiB giving {_range_doc(spec, True)} bytes", spec) from None
+            raise cls.error(
+                alias, value, f"a number of GiB giving {_range_doc(spec, True)} bytes", spec
+            ) from None
         return nbytes
 
     # ---- one value -----------------------------------------------------------------------------------
@@ -218,11 +222,15 @@ class Options:
         rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
         for f in _option_fields(cls):
             spec: Spec = f.metadata[_META]
-            rows.append(f"| `{f.name}` | {_type_doc(hints[f.name], spec)} | {_default_doc(f, spec)} | {spec.help} |")
+            rows.append(
+                f"| `{f.name}` | {_type_doc(hints[f.name], spec)} | {_default_doc(f, spec)} | {spec.help} |"
+            )
             if spec.gib_alias:
                 hi = "" if spec.maximum is None else f" and <= {_num(spec.maximum / GiB, False)}"
-                rows.append(f"| `{spec.gib_alias}` | number > 0{hi} | — | "
-                            f"`{f.name}` in GiB (2**30 bytes); give one of the two |")
+                rows.append(
+                    f"| `{spec.gib_alias}` | number > 0{hi} | — | "
+                    f"`{f.name}` in GiB (2**30 bytes); give one of the two |"
+                )
         return "\n".join(rows) + "\n"
 
     def __repr__(self) -> str:
@@ -301,8 +309,9 @@ def _by_type(hint: Any, spec: Spec, value: Any) -> Any:
         return value
     if get_origin(hint) is tuple and get_args(hint)[1:] == (Ellipsis,) and get_args(hint)[0] is str:
         items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list | tuple) or not all(isinstance(s, str) and (s or not spec.nonempty)
-                                                           for s in items):
+        if not isinstance(items, list | tuple) or not all(
+            isinstance(s, str) and (s or not spec.nonempty) for s in items
+        ):
             raise Invalid(_want(hint, spec))
         return tuple(items)
     raise TypeError(f"umbp.pool.options: no rule for the annotation {hint!r}; give the option a convert=")
@@ -333,8 +342,11 @@ def _as_float(value: Any, spec: Spec) -> float:
 def _check_range(spec: Spec, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return
-    if ((spec.minimum is not None and value < spec.minimum) or (spec.above is not None and value <= spec.above)
-            or (spec.maximum is not None and value > spec.maximum)):
+    if (
+        (spec.minimum is not None and value < spec.minimum)
+        or (spec.above is not None and value <= spec.above)
+        or (spec.maximum is not None and value > spec.maximum)
+    ):
         raise Invalid(_want(int if isinstance(value, int) else float, spec))
 
 
@@ -418,4 +430,10 @@ def _default_doc(f: dataclasses.Field, spec: Spec) -> str:
         return human_bytes(value)
     if isinstance(value, str):
         return f"`{value}`" if value else '`""`'
-    return f"`{_json(value)}`" if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+    return (
+        f"`{_json(value)}`"
+        if isinstance(value, bool)
+        else f"{value:g}"
+        if isinstance(value, float)
+        else str(value)
+    )

@@ -56,6 +56,19 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
             [type(g).__name__ for g in self.layout.groups], sorted(self.layout.eagle_groups), native.describe(),
         )
 
+    @classmethod
+    def umbp_validate_extra_config(cls, extra_config: dict[str, Any] | None) -> UMBPConfig:
+        """Raise ConfigError (naming the key) for a bad extra config; called while vLLM builds its config
+        (umbp.vllm.plugin) so a typo stops start-up before the model loads."""
+        return UMBPConfig.from_extra_config(extra_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # vLLM asks this while building its config when full CUDA graphs are on: the earliest point a
+        # connector sees its options without the plugin. umbp has no layer-wise hooks, so the answer is no.
+        cls.umbp_validate_extra_config(extra_config)
+        return False
+
     # A best-effort cache: a dropped save is a future miss, not a lost hand-off.
     @property
     def requires_kv_delivery(self) -> bool:
