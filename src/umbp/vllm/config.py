@@ -98,7 +98,7 @@ class UMBPConfig(Options):
     remote: tuple[tuple[str, Any], ...] = option(
         (), help="the shared tier on Redis ≥ 7 / Valkey: a URL (`\"redis://127.0.0.1:6379/0\"`) or an options "
         "dict (`url`/`urls`, `cluster`, `username`, `password`/`password_env`, `tls*`, `timeout_s`, `ttl_s`, "
-        "`quarantine_s`, ...; see [docs/remote.md](docs/remote.md)); checked at start-up, shown with "
+        "`quarantine_s`, ...; see docs/remote.md); checked at start-up, shown with "
         "passwords masked", convert=_remote, show=_show_remote, type_doc="URL string or options dict")
     quarantine_s: float = option(
         30.0, help="after a failed load, the objects at fault are not offered again for this long (unless "
