@@ -134,3 +134,81 @@ def test_pyproject_declares_the_plugin():
     root = Path(__file__).resolve().parents[2]
     meta = tomllib.loads((root / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"]["vllm.general_plugins"]["umbp"] == "umbp.vllm.plugin:register"
+
+
+def _plugin_dist(where: Path) -> None:
+    """A distribution on sys.path declaring pyproject's vllm.general_plugins entry points, as `pip install`
+    would (the test venv's umbp may be installed from another checkout)."""
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    plugins = meta["project"]["entry-points"]["vllm.general_plugins"]
+    info = where / "umbp_plugin_probe-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: umbp-plugin-probe\nVersion: 0.0\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in plugins.items())
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{lines}")
+
+
+@pytest.mark.slow
+def test_vllm_serve_stops_in_the_front_end_with_one_error(tiny_model_dir, tmp_path):
+    """The real OpenAI server (multiprocess: front end, engine core, worker): a bad key stops the front end
+    before the engine process starts. Without the plugin the same typo took 174 s, 268 lines and 5
+    tracebacks here (it failed in the worker after the model loaded, then in every process above it)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from umbp.tools.vllm_harness import ARCH_CONFIGS
+
+    _plugin_dist(tmp_path)
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(src), str(tmp_path)]),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    }
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    arch = ARCH_CONFIGS["granite"]
+    transfer = (
+        '{"kv_connector":"UMBPConnector","kv_connector_module_path":"umbp.vllm","kv_role":"kv_both",'
+        '"kv_connector_extra_config":{"dram_gb":0.1,"tenent":"a"}}'
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model_dir("granite")),
+        "--dtype",
+        arch["dtype"],
+        "--block-size",
+        str(arch["block_size"]),
+        "--max-num-batched-tokens",
+        str(arch["max_num_batched_tokens"]),
+        "--enable-prefix-caching",
+        "--prefix-match-unit",
+        "16",
+        "--max-model-len",
+        "2048",
+        "--skip-tokenizer-init",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-transfer-config",
+        transfer,
+    ]
+    t0 = time.monotonic()
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - t0
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-2000:]
+    umbp_lines = [line for line in out.splitlines() if "umbp:" in line]
+    assert len(umbp_lines) == 1 and "'tenent' (did you mean 'tenant'?)" in umbp_lines[0], out[-3000:]
+    assert out.count("Traceback") == 1, out[-3000:]
+    assert "Initializing a V1 LLM engine" not in out  # the engine process never started
+    assert elapsed < 150, elapsed  # measured 31 s on a loaded 2-core machine (mostly vLLM's imports)
