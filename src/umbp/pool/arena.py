@@ -39,10 +39,11 @@ def cuda_available(import_if_needed: bool) -> bool:
 
 
 def parse_pinned(pinned: Any) -> bool | str:
-    """'auto' | True | False; config strings 'true'/'false'/'auto' are accepted too."""
+    """'auto' | True | False; config strings 'true'/'false'/'auto' are accepted too (the options layer's one
+    spelling of a boolean: never 1/0)."""
     if isinstance(pinned, str):
         low = pinned.strip().lower()
-        table: dict[str, bool | str] = {"auto": "auto", "true": True, "1": True, "false": False, "0": False}
+        table: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
         if low in table:
             return table[low]
     elif isinstance(pinned, bool):

@@ -27,14 +27,19 @@ Why a small dataclass-metadata layer and not pydantic: umbp's core (pool, SSD ti
 without vLLM, and pydantic would be a new hard dependency there; pydantic's default (lax) mode coerces
 "1" and 1 to True and its strict mode rejects an int where a float is meant, so either way we would
 wrap its messages to name keys our way; and the docs tables need per-option rules (GiB aliases, ranges,
-secrets) that would live in pydantic metadata anyway. This module is ~300 lines with no dependency.
+secrets) that would live in pydantic metadata anyway. This module needs only the standard library. It
+lives in `umbp.pool` beside the error classes it raises (`umbp.pool.errors`): a top-level module
+importing them would import `umbp.pool`, whose tiers import this layer, in a cycle.
 
 Moving the remote tier's options onto it later: `RemoteConfig` becomes an `@option_set` class with
 `where = "remote tier option"`; `password` gets `show=hide_secret`; `url`/`urls` become one
 `tuple[str, ...]` field with a `convert` that splits a comma list; the numeric table (`_NUMBERS`) becomes
 `minimum=`/`above=`/`maximum=` on each field (adding the missing upper bounds, e.g. on `timeout_s`); the
 cross-field rules (`validate`) move into `check`; `OPTIONS` becomes the field help strings and the docs
-table is generated like the others.
+table is generated like the others (add it to `umbp.tools.options_doc.TABLES`/`FILES` with docs/remote.md).
+Its error classes are already `UnknownOptionError`/`OptionValueError`, so callers keep working; only the
+message wording changes ("remote tier option 'timeout_s' ..."). The connector's `remote` option can then
+hold the parsed `RemoteConfig` instead of validated key/value pairs.
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import sys
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin, get_type_hints
 
 from umbp.pool.errors import OptionValueError, UnknownOptionError, human_bytes
 
@@ -118,7 +124,7 @@ class Options:
     # ---- building from a mapping ---------------------------------------------------------------------
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None):  # noqa: ANN206 - returns cls
+    def from_options(cls, options: Mapping[str, Any] | None) -> Self:
         """Build from a config mapping: unknown keys are named (with a "did you mean"), aliases resolved."""
         options = dict(options or {})
         bad_names = [k for k in options if not isinstance(k, str)]
@@ -248,8 +254,6 @@ class Options:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    import sys
-
     return get_type_hints(cls, vars(sys.modules[cls.__module__]))
 
 
