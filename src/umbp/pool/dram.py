@@ -20,19 +20,11 @@ from umbp.pool.buffers import prepare_buffers
 from umbp.pool.errors import BufferSizeError, CapacityError, UmbpError
 from umbp.pool.index import COMMITTED, PENDING, DramIndex, Slot, too_large_error
 from umbp.pool.keycheck import check_keys
-from umbp.pool.options import Invalid, Options, option, option_set
+from umbp.pool.options import Options, auto_or_bool, option, option_set
 from umbp.pool.psum import copy_many
 
 GiB = 1 << 30
 PiB = 1 << 50
-
-
-def _pinned(value: Any) -> bool | str:
-    if isinstance(value, str) and value.strip().lower() in ("auto", "true", "false"):
-        return {"auto": "auto", "true": True, "false": False}[value.strip().lower()]
-    if isinstance(value, bool):
-        return value
-    raise Invalid("'auto', true or false")
 
 
 @option_set
@@ -49,7 +41,7 @@ class DramOptions(Options):
                                   maximum=1)
     pinned: bool | str = option("auto", help="`auto`: page-locked (`torch.empty(pin_memory=True)`) when torch "
                                 "with a GPU is present, else plain memory; `true`: page-locked or a clear error; "
-                                "`false`: never", convert=_pinned, type_doc="`auto`, `true` or `false`")
+                                "`false`: never", convert=auto_or_bool, type_doc="`auto`, `true` or `false`")
     alignment: int = option(4096, help="slot alignment = allocation page in bytes, a power of two", minimum=8,
                             maximum=1 << 30)
     prefault: bool = option(True, help="touch every arena page at start-up (no page faults in the hot path; a "

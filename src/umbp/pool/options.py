@@ -97,6 +97,15 @@ def option_set(cls: type) -> type:
     return dataclass(frozen=True, repr=False)(cls)
 
 
+def auto_or_bool(value: Any) -> bool | str:
+    """A `convert` for tri-state options ("auto", true, false), e.g. page-locked memory or O_DIRECT."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "true", "false"):
+        return {"auto": "auto", "true": True, "false": False}[value.strip().lower()]
+    if isinstance(value, bool):
+        return value
+    raise Invalid("'auto', true or false")
+
+
 def hide_secret(value: Any) -> str:
     return "<hidden>" if value else repr(value)
 

@@ -6,21 +6,13 @@ option table can be generated without opening a directory.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from umbp.pool.options import Invalid, Options, option, option_set
+from umbp.pool.options import Options, auto_or_bool, option, option_set
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 4096  # the on-disk block (umbp.pool.ssd_format.BLOCK); sizes below it cannot hold a record
 PiB = 1 << 50
-
-
-def _direct_io(value: Any) -> bool | str:
-    if isinstance(value, str) and value.strip().lower() in ("auto", "true", "false"):
-        return {"auto": "auto", "true": True, "false": False}[value.strip().lower()]
-    if isinstance(value, bool):
-        return value
-    raise Invalid("'auto', true or false")
 
 
 @option_set
@@ -53,7 +45,7 @@ class SsdOptions(Options):
         help="O_DIRECT where the filesystem allows (falls back to buffered I/O, per directory, if "
         "`open` or a write says EINVAL); `true` raises instead; `false` buffered (sealed segments are then "
         "dropped from the page cache with `posix_fadvise`)",
-        convert=_direct_io,
+        convert=auto_or_bool,
         type_doc="`auto`, `true` or `false`",
     )
     segment_bytes: int | None = option(
