@@ -69,50 +69,85 @@ class UMBPConfig(Options):
     value_error: ClassVar[type[Exception]] = ConfigError
 
     dram_bytes: int = option(
-        4 * GIB, help="DRAM arena per worker (per rank); each rank keeps its own shard of every object",
-        minimum=ARENA_PAGE, maximum=PIB, gib_alias="dram_gb")
+        4 * GIB,
+        help="DRAM arena per worker (per rank); each rank keeps its own shard of every object",
+        minimum=ARENA_PAGE,
+        maximum=PIB,
+        gib_alias="dram_gb",
+    )
     high_watermark: float = option(
-        0.95, help="above this fraction of the arena, least-recently-used objects are evicted ...", above=0,
-        maximum=1)
-    low_watermark: float = option(0.85, help="... down to this fraction (at most `high_watermark`)", above=0,
-                                  maximum=1)
+        0.95,
+        help="above this fraction of the arena, least-recently-used objects are evicted ...",
+        above=0,
+        maximum=1,
+    )
+    low_watermark: float = option(
+        0.85, help="... down to this fraction (at most `high_watermark`)", above=0, maximum=1
+    )
     boundary_page: bool = option(
-        True, help="store the attention page at each hybrid boundary, so a restore reaches the boundary a "
-        "local prefix hit would; `false` stores whole pages only, for experiments")
+        True,
+        help="store the attention page at each hybrid boundary, so a restore reaches the boundary a "
+        "local prefix hit would; `false` stores whole pages only, for experiments",
+    )
     decode_saves: bool = option(
-        False, help="also store blocks completed during decode (prompt blocks and boundary states are always "
-        "stored)")
+        False,
+        help="also store blocks completed during decode (prompt blocks and boundary states are always "
+        "stored)",
+    )
     load_failure_policy: Literal["recompute", "fail"] = option(
-        "recompute", help="a failed load makes vLLM recompute the request; `fail` fails it instead. umbp sets "
-        "vLLM's `kv_load_failure_policy` to this value")
+        "recompute",
+        help="a failed load makes vLLM recompute the request; `fail` fails it instead. umbp sets "
+        "vLLM's `kv_load_failure_policy` to this value",
+    )
     pinned: str = option(
-        "auto", help="page-locked arena: `auto` (when CUDA is present), `on`, `off`", convert=_pinned,
-        choices=("auto", "on", "off"), type_doc="`auto`, `on`, `off` (or true/false)")
+        "auto",
+        help="page-locked arena: `auto` (when CUDA is present), `on`, `off`",
+        convert=_pinned,
+        choices=("auto", "on", "off"),
+        type_doc="`auto`, `on`, `off` (or true/false)",
+    )
     tenant: str = option("", help="an isolation label folded into the key namespace")
     checksum: bool = option(True, help="verify each loaded page against the checksum taken when it was saved")
     ssd_dirs: tuple[str, ...] = option(
-        (), help="SSD tier directories (one per drive); each rank writes its shard under "
-        "`<dir>/<namespace>/<rank>`; a restarted engine finds what is there", nonempty=True)
-    ssd_bytes: int = option(64 * GIB, help="SSD capacity per rank", minimum=64 << 10, maximum=PIB,
-                            gib_alias="ssd_gb")
+        (),
+        help="SSD tier directories (one per drive); each rank writes its shard under "
+        "`<dir>/<namespace>/<rank>`; a restarted engine finds what is there",
+        nonempty=True,
+    )
+    ssd_bytes: int = option(
+        64 * GIB, help="SSD capacity per rank", minimum=64 << 10, maximum=PIB, gib_alias="ssd_gb"
+    )
     remote: tuple[tuple[str, Any], ...] = option(
-        (), help="the shared tier on Redis ≥ 7 / Valkey: a URL (`\"redis://127.0.0.1:6379/0\"`) or an options "
+        (),
+        help='the shared tier on Redis ≥ 7 / Valkey: a URL (`"redis://127.0.0.1:6379/0"`) or an options '
         "dict (`url`/`urls`, `cluster`, `username`, `password`/`password_env`, `tls*`, `timeout_s`, `ttl_s`, "
         "`quarantine_s`, ...; see docs/remote.md); checked at start-up, shown with "
-        "passwords masked", convert=_remote, show=_show_remote, type_doc="URL string or options dict")
+        "passwords masked",
+        convert=_remote,
+        show=_show_remote,
+        type_doc="URL string or options dict",
+    )
     quarantine_s: float = option(
-        30.0, help="after a failed load, the objects at fault are not offered again for this long (unless "
-        "re-saved); 0 = off", minimum=0, maximum=86400)
+        30.0,
+        help="after a failed load, the objects at fault are not offered again for this long (unless "
+        "re-saved); 0 = off",
+        minimum=0,
+        maximum=86400,
+    )
 
     def check(self) -> None:
         if self.low_watermark > self.high_watermark:
-            raise self.fail(f"{self.where} 'low_watermark' ({self.low_watermark}) must not exceed "
-                            f"'high_watermark' ({self.high_watermark})")
+            raise self.fail(
+                f"{self.where} 'low_watermark' ({self.low_watermark}) must not exceed "
+                f"'high_watermark' ({self.high_watermark})"
+            )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> UMBPConfig:
         if extra is not None and not isinstance(extra, Mapping):
-            raise ConfigError(f"umbp: kv_connector_extra_config must be a JSON object, got a {type(extra).__name__}")
+            raise ConfigError(
+                f"umbp: kv_connector_extra_config must be a JSON object, got a {type(extra).__name__}"
+            )
         return cls.from_options(extra)
 
     def remote_tier(self):
