@@ -50,7 +50,7 @@ def test_unknown_keys_are_named_with_a_hint():
     ({"quarantine_s": -1}, "quarantine_s"),
     ({"cluster": "maybe"}, "true or false"),
     ({"ttl_s": True}, "ttl_s"),
-    ({"hash_tag_chars": 5}, "1, 2, 3 or 4"),
+    ({"hash_tag_chars": 5}, "hash_tag_chars must be an integer >= 1 and <= 4"),
     ({"key_prefix": "umbp:{x}"}, "free of '{' and '}'"),
     ({"tls_cert_file": "/c.pem"}, "go together"),
     ({"password_env": "UMBP_TEST_SURELY_UNSET_VAR"}, "not set"),

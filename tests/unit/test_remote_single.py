@@ -334,11 +334,12 @@ def test_put_sends_each_object_before_summing_later_ones(tier, monkeypatch):
     """The first object goes out before the second is checksummed, and every object of PUT_SEND_BYTES or
     more goes out before the next is summed: the server stores while the client sums."""
     import umbp.pool.remote as remote_mod
+    import umbp.pool.remote_auth as auth_mod  # the value codec sums each payload as it seals it
     from umbp.pool.resp import Wire
 
     events: list[str] = []
-    real_sum, real_send = remote_mod.checksum_u8, Wire.send
-    monkeypatch.setattr(remote_mod, "checksum_u8", lambda a: events.append("sum") or real_sum(a))
+    real_sum, real_send = auth_mod.checksum_u8, Wire.send
+    monkeypatch.setattr(auth_mod, "checksum_u8", lambda a: events.append("sum") or real_sum(a))
     monkeypatch.setattr(Wire, "send", lambda self, parts: events.append("send") or real_send(self, parts))
     big, small = remote_mod.PUT_SEND_BYTES, 4096
     assert all(tier.put(["b0", "b1", "b2"], [blob(big, i) for i in range(3)]))
@@ -389,9 +390,10 @@ def test_put_interrupted_mid_batch_drops_the_connection(server, monkeypatch):
     that connection must be dropped and given back to the pool, not reused and not leaked (with two
     connections allowed, three interrupted puts would otherwise exhaust the pool)."""
     import umbp.pool.remote as remote_mod
+    import umbp.pool.remote_auth as auth_mod  # the value codec sums each payload as it seals it
 
     tier = RedisTier(RemoteConfig.from_options({"url": server.url, "max_connections": 2, "quarantine_s": 0}))
-    real_sum = remote_mod.checksum_u8
+    real_sum = auth_mod.checksum_u8
     calls = []
 
     def failing_sum(a):
@@ -402,12 +404,12 @@ def test_put_interrupted_mid_batch_drops_the_connection(server, monkeypatch):
 
     data = [blob(remote_mod.PUT_SEND_BYTES, i) for i in range(3)]
     try:
-        monkeypatch.setattr(remote_mod, "checksum_u8", failing_sum)
+        monkeypatch.setattr(auth_mod, "checksum_u8", failing_sum)
         for _ in range(3):
             calls.clear()
             with pytest.raises(KeyboardInterrupt):
                 tier.put(["i0", "i1", "i2"], data)
-        monkeypatch.setattr(remote_mod, "checksum_u8", real_sum)
+        monkeypatch.setattr(auth_mod, "checksum_u8", real_sum)
         for _ in range(3):  # every pooled connection is clean
             assert tier.put(["j0", "j1"], data[:2]) == [True, True]
             outs = [np.empty(d.size, np.uint8) for d in data[:2]]

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -247,7 +248,8 @@ enum { RF_OK = 0, RF_CLOSED = 1, RF_TIMEOUT = 2, RF_OSERROR = 3, RF_PROTOCOL = 4
 
 typedef struct {
     int fd;
-    int timeout_ms;
+    int timeout_ms;           /* the whole loop's budget: waits end at `deadline`, not timeout_ms each */
+    struct timespec deadline; /* CLOCK_MONOTONIC; a server that drips bytes cannot stretch the call */
     unsigned char *buf;
     size_t cap, start, end;
     int err, errnum;
@@ -263,8 +265,19 @@ static int stream_interrupted(Stream *s) {
     return raised;
 }
 
-/* readv once, waiting up to timeout_ms for the first byte: > 0 bytes, or 0 with s->err set. The
- * descriptor is non-blocking (Python keeps a socket with a timeout so). */
+/* Milliseconds left before s->deadline (rounded up), 0 once it has passed; -1 without a deadline. */
+static int stream_left_ms(const Stream *s) {
+    if (s->timeout_ms < 0)
+        return -1;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long ms = (long long)(s->deadline.tv_sec - now.tv_sec) * 1000 +
+                   (s->deadline.tv_nsec - now.tv_nsec + 999999) / 1000000;
+    return ms <= 0 ? 0 : ms > 0x7fffffff ? 0x7fffffff : (int)ms;
+}
+
+/* readv once, waiting for the first byte at most until the deadline: > 0 bytes, or 0 with s->err set.
+ * The descriptor is non-blocking (Python keeps a socket with a timeout so). */
 static ssize_t stream_readv(Stream *s, struct iovec *iov, int n) {
     for (;;) {
         ssize_t k = readv(s->fd, iov, n);
@@ -281,8 +294,13 @@ static ssize_t stream_readv(Stream *s, struct iovec *iov, int n) {
             s->errnum = errno;
             return 0;
         }
+        int left = stream_left_ms(s);
+        if (left == 0) {
+            s->err = RF_TIMEOUT;
+            return 0;
+        }
         struct pollfd pfd = {.fd = s->fd, .events = POLLIN};
-        int ready = poll(&pfd, 1, s->timeout_ms);
+        int ready = poll(&pfd, 1, left);
         if (ready == 0) {
             s->err = RF_TIMEOUT;
             return 0;
@@ -366,7 +384,8 @@ PyDoc_STRVAR(read_frames_doc,
 "reply r must be lead, `field` bytes (copied to fields[r*field:]), tails[r], then the rest of the bulk\n"
 "(into dsts[r]) and CRLF; the 4 KiB row sums of dsts[r] go to row r of `rows` (a C-contiguous uint64\n"
 "matrix). Stops at r1 or at the first reply that is not so framed (consuming nothing of it, and never\n"
-"waiting for bytes once the buffered ones differ from lead). err: 0 ok, 1 closed, 2 timeout,\n"
+"waiting for bytes once the buffered ones differ from lead). timeout_ms bounds the whole call, not\n"
+"each wait (-1: none). err: 0 ok, 1 closed, 2 timeout (deadline passed),\n"
 "3 OS error (errno), 4 a bulk not ending in CRLF. buf[start:end] is the Wire's buffered data; the\n"
 "returned start/end replace the Wire's. A signal handler that raises while the loop waits (Ctrl-C)\n"
 "stops it with that exception; the stream position is then unknown.");
@@ -426,6 +445,15 @@ static PyObject *read_frames(PyObject *self, PyObject *args) {
 
     Stream s = {.fd = fd, .timeout_ms = timeout_ms, .buf = buf.buf, .cap = (size_t)buf.len,
                 .start = (size_t)start, .end = (size_t)end};
+    clock_gettime(CLOCK_MONOTONIC, &s.deadline);
+    if (timeout_ms > 0) {
+        s.deadline.tv_sec += timeout_ms / 1000;
+        s.deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000;
+        if (s.deadline.tv_nsec >= 1000000000) {
+            s.deadline.tv_sec += 1;
+            s.deadline.tv_nsec -= 1000000000;
+        }
+    }
     uint64_t *row_out = rows.buf;
     unsigned char *field_out = fields.buf;
     const unsigned char *lead_p = lead.buf;

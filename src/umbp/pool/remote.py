@@ -39,20 +39,11 @@ from umbp.pool.buffers import aligned_buffer, prepare_buffers
 from umbp.pool.errors import BufferSizeError
 from umbp.pool.keycheck import check_keys
 from umbp.pool.psum import checksum_u8, copy_with_checksum
+from umbp.pool.remote_auth import PlainCodec, SealedCodec, codec_for, old_codecs
 from umbp.pool.remote_backend import Cluster, Group, Standalone
 from umbp.pool.remote_config import RemoteConfig, redact_url
 from umbp.pool.remote_conns import KeptConnections, discard
-from umbp.pool.remote_format import (
-    CHECKSUM_SIZE,
-    HEADER_SIZE,
-    header_after_checksum,
-    header_before_checksum,
-    header_problem,
-    inspect_header,
-    pack_header,
-    stored_checksum,
-)
-from umbp.pool.resp import ProtocolError, ReplyError, Wire, bulk, command, multi_key_command
+from umbp.pool.resp import ProtocolError, ReplyError, Wire, bulk, command, multi_key_command, parse_length
 
 __all__ = ["RedisTier", "RemoteConfig"]
 
@@ -64,7 +55,9 @@ _REDIRECT = "redirect"  # a result slot whose key must go through redis-py's clu
 _HIT, _ABSENT, _UNANSWERED, _MOVED = 1, 0, -1, -2  # exists() result codes
 GET_WINDOW_BYTES = 4 << 20
 PUT_SEND_BYTES = 256 << 10  # a put sends whenever this much payload is ready (see _store_job)
-_STORED = b"+OK\r\n+OK\r\n"  # SET value, SET marker
+_MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
+_STORED = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n+OK\r\n+OK\r\n"  # MULTI, SET value, SET marker, EXEC
+_VALUE_SLACK = 4096  # a stored value may be this much longer than expected (a later format's header)
 _HEAL = ("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end return 0")
 _DROP = "return redis.call('UNLINK', KEYS[1], KEYS[2])"  # a script: cluster pipelines refuse multi-key UNLINK
 
@@ -73,8 +66,9 @@ _COUNTERS = (
     "hits", "misses", "misses_absent", "load_errors", "checksum_failures", "header_failures",
     "size_mismatches", "version_mismatches", "key_mismatches", "bytes_read",
     "puts", "put_duplicates", "puts_dropped", "puts_dropped_queue_full", "puts_dropped_unavailable",
-    "puts_dropped_checksum", "bytes_written", "async_accepted",
-    "connection_errors", "timeouts", "reply_errors", "pool_exhausted", "redirects", "quarantined", "stale_markers_removed",
+    "puts_dropped_checksum", "bytes_written", "async_accepted", "auth_failures", "unauthenticated_values",
+    "old_key_hits",
+    "connection_errors", "timeouts", "protocol_errors", "unexpected_replies", "reply_errors", "pool_exhausted", "redirects", "quarantined", "stale_markers_removed",
     "corrupt_removed",
 )
 
@@ -90,10 +84,13 @@ class _Item:
     payload: np.ndarray
     header: bytes | None = None
     pages: tuple[int, int] | None = None  # put_async: (first page, count) of its copy in the writer's arena
+    codec: PlainCodec | SealedCodec | None = None  # seals a synchronous put's payload when it is sent
 
     def framed_header(self) -> bytes:
+        """The header (and for an encrypting codec, the ciphertext as the payload to send)."""
         if self.header is None:
-            self.header = pack_header(self.key, self.payload.size, checksum_u8(self.payload))
+            assert self.codec is not None
+            self.header, self.payload = self.codec.seal(self.key, self.payload, None)
         return self.header
 
 
@@ -105,6 +102,7 @@ class _Job:
     send: Callable[[Wire], None]
     read: Callable[[Wire], None]
     n: int  # keys it covers (for the unavailable_skips counter)
+    nbytes: int = 0  # payload bytes it moves: the call's deadline grows with them (RemoteConfig.deadline_s)
 
 
 class _Session:
@@ -327,7 +325,13 @@ class RedisTier(Pool):
         ttl = () if self._ttl_ms is None else ("PX", self._ttl_ms)
         self._set_head = b"*%d\r\n$3\r\nSET\r\n" % (4 + len(ttl))
         self._set_tail = command("NX", *ttl)[4:]
+        self._codec = codec_for(cfg)
+        self._old = old_codecs(cfg)  # key rotation: (namespace, codec) of previous secrets, read-only
         self._closed = False
+        if not self._codec.sealed:
+            log.warning("umbp: the shared tier at %s is unauthenticated: anyone who can write to it can plant "
+                        "values this process loads, and read its KV bytes; set auth_key_env or auth_key_file "
+                        "(docs/remote.md)", ", ".join(redact_url(u) for u in cfg.urls))
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> RedisTier:
@@ -344,9 +348,10 @@ class RedisTier(Pool):
     def _node_failed(self, node: str, exc: BaseException) -> None:
         """Leave the server alone for retry_interval_s; drop its idle connections (stale after a restart)."""
         timeout = isinstance(exc, TimeoutError | redis.TimeoutError)
+        kind = "timeouts" if timeout else "protocol_errors" if isinstance(exc, ProtocolError) else "connection_errors"
         msg = redact_url(f"{node}: {type(exc).__name__}: {exc}")
         with self._lock:
-            self._counters["timeouts" if timeout else "connection_errors"] += 1
+            self._counters[kind] += 1
             self._last_error = msg
             self._down_until[node] = time.monotonic() + self.config.retry_interval_s
         log.warning("umbp: remote tier %s; treating it as down for %.1fs", msg, self.config.retry_interval_s)
@@ -384,6 +389,7 @@ class RedisTier(Pool):
         """Send every server's commands first, then read every server's replies: servers work in parallel
         and each costs one round trip. A server that fails leaves its results unset (None)."""
         open_: list[tuple[_Job, _Session]] = []
+        began = time.monotonic()
         for job in jobs:
             if self._is_down(job.node):
                 self._count(unavailable_skips=job.n)
@@ -396,6 +402,7 @@ class RedisTier(Pool):
             except _NET_ERRORS as exc:
                 self._node_failed(job.node, exc)
                 continue
+            sess.wire.deadline = began + self.config.deadline_s(job.nbytes)
             try:
                 job.send(sess.wire)
                 open_.append((job, sess))
@@ -442,6 +449,8 @@ class RedisTier(Pool):
         self._run([self._exists_job(node, gs, keys, res) for node, gs in groups.items()])
         if (res == _MOVED).any():
             self._exists_slow(keys, res)
+        if self._old and (res == _ABSENT).any():
+            self._exists_old(keys, res)
         return self._finish_exists(keys, res)
 
     def _exists_job(self, node: str, groups: list[Group], keys: list[str], res: np.ndarray) -> _Job:
@@ -506,6 +515,8 @@ class RedisTier(Pool):
         self._run(jobs)
         if _REDIRECT in res:
             self._get_slow(keys, dsts, res)
+        if self._old and "misses_absent" in res:
+            self._get_old(keys, dsts, res)
         return self._finish_get(keys, dsts, res)
 
     def _get_job(self, node: str, groups: list[Group], keys: list[str], dsts: list[np.ndarray],
@@ -526,7 +537,7 @@ class RedisTier(Pool):
                     window.top_up(wire, r)
                 res[i] = self._read_value(wire, keys[i], dsts[i])
 
-        return _Job(node, lambda wire: window.top_up(wire, 0), read, len(order))
+        return _Job(node, lambda wire: window.top_up(wire, 0), read, len(order), sum(dsts[i].size for i in order))
 
     def _read_same_size(self, wire: Wire, window: _GetWindow, keys: list[str], dsts: list[np.ndarray],
                         order: list[int], res: list[Any]) -> None:
@@ -536,11 +547,12 @@ class RedisTier(Pool):
         cache; in C when built); checksums are combined and compared for the whole batch at the end. What can be prepared per value is prepared first,
         while the server is still working on the first reply. Anything unexpected takes the
         reply-by-reply path (_read_other), which names the problem."""
-        size, n = dsts[0].size, len(keys)
-        lead = b"$%d\r\n" % (HEADER_SIZE + size) + header_before_checksum(size)
-        tails = [header_after_checksum(k) for k in keys]
+        size, n, codec = dsts[0].size, len(keys), self._codec
+        lead = b"$%d\r\n" % (codec.header_size + size) + codec.lead(size)
+        tails = [codec.tail(k) for k in keys]
         rows = np.zeros((n, size // psum.ROW_BYTES), np.uint64)
-        fields = bytearray(n * CHECKSUM_SIZE)
+        field = codec.field_size
+        fields = bytearray(n * field)
         framed = np.zeros(n, bool)
         r = 0
         while r < n:
@@ -549,24 +561,33 @@ class RedisTier(Pool):
             end = min(n, window.due)
             # a reply already seen not to be the framed value (a miss) skips the batched read, which
             # prepares the rest of the window's buffers each time it is called
-            stop = r if wire.differs_from(lead) else wire.framed_payloads(lead, CHECKSUM_SIZE, tails, dsts,
+            stop = r if wire.differs_from(lead) else wire.framed_payloads(lead, field, tails, dsts,
                                                                            rows, fields, r, end)
             framed[r:stop] = True
             if stop < end:  # not the expected frame: read it reply by reply
                 res[order[stop]] = self._read_other(wire, keys[stop], dsts[stop])
                 stop += 1
             r = stop
-        good = psum.combine_rows(rows, size) == np.frombuffer(fields, "<u8")
+        stored = np.frombuffer(fields, np.uint8).reshape(n, field)[:, :8].copy().view("<u8").ravel()
+        good = psum.combine_rows(rows, size) == stored
+        fixed = lead[lead.index(b"\r\n") + 2 :]
         for r in np.flatnonzero(framed).tolist():
-            res[order[r]] = True if good[r] else "checksum_failures"
+            if not good[r]:
+                res[order[r]] = "checksum_failures"
+            elif codec.sealed:  # the tag: a psum64 anyone can compute, a tag only the tenant's key can
+                header = fixed + bytes(fields[r * field : (r + 1) * field]) + tails[r]
+                res[order[r]] = codec.open(header, keys[r], dsts[r]) or True
+            else:
+                res[order[r]] = True
 
     def _read_value(self, wire: Wire, key: str, dst: np.ndarray) -> Any:
         """One GET reply into dst: True, or the counter that explains the miss. The reply of a stored
         object of the expected size is matched whole; anything else goes through _read_other."""
-        header = wire.value_head(b"$%d\r\n" % (HEADER_SIZE + dst.size), HEADER_SIZE)
+        hsize = self._codec.header_size
+        header = wire.value_head(b"$%d\r\n" % (hsize + dst.size), hsize)
         if header is None:
             return self._read_other(wire, key, dst)
-        return _take_payload(wire, header, key, dst)
+        return _take_payload(self._codec, wire, header, key, dst)
 
     def _read_other(self, wire: Wire, key: str, dst: np.ndarray) -> Any:
         """A reply that is not the expected value: an error, nil, another length, or a header that
@@ -576,14 +597,17 @@ class RedisTier(Pool):
             return self._reply_error(ReplyError(head[1:].decode(errors="replace"))) or "load_errors"
         if head[:1] != b"$":
             raise ProtocolError(f"umbp: GET replied {head[:40]!r}")
-        n = int(head[1:])
+        # never more than the object plus a header can legitimately be: a larger claim is a broken or
+        # hostile server, and the connection is dropped rather than read (or allocated) on trust
+        hsize = self._codec.header_size
+        n = parse_length(head[1:], hsize + dst.size + _VALUE_SLACK)
         if n < 0:
             return "misses_absent"
-        if n != HEADER_SIZE + dst.size:
+        if n != hsize + dst.size:
             wire.discard(n)
             wire.expect_crlf()
             return "size_mismatches"
-        return _take_payload(wire, wire.take(HEADER_SIZE), key, dst)
+        return _take_payload(self._codec, wire, wire.take(hsize), key, dst)
 
     def _get_slow(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> None:
         """Keys that met MOVED/ASK: fetched through redis-py's cluster client, which follows redirects."""
@@ -598,8 +622,52 @@ class RedisTier(Pool):
                 self._last_error = f"{type(exc).__name__}: {exc}"[:200]
                 res[i] = "load_errors"
                 continue
-            res[i] = _check_value(keys[i], value, dsts[i])
+            res[i] = _check_value(self._codec, keys[i], value, dsts[i])
         self._refresh()
+
+    # ---- key rotation: reads under previous secrets -------------------------------------------------
+
+    def _old_names(self, keys: list[str], kind: str) -> list[list[str]]:
+        """For each previous secret, the Redis names ('d:' value or 'm:' marker) of keys in its namespace
+        (the current group prefix with the current namespace swapped for the old one)."""
+        cur, base = self.config.redis_prefix, self.config.key_prefix
+        prefixes = [""] * len(keys)
+        for gs in (self._backend.groups(keys) or {}).values():
+            for g in gs:
+                for j in g.indices:
+                    prefixes[j] = g.prefix[len(cur):]
+        return [[f"{base}{ns}:{p}{kind}:{k}" for p, k in zip(prefixes, keys, strict=True)] for ns, _ in self._old]
+
+    def _exists_old(self, keys: list[str], res: np.ndarray) -> None:
+        """Keys absent in the current namespace but stored under a previous secret (during a rotation)
+        are present: their loads verify with that secret. One pipelined round per previous secret."""
+        idx = np.flatnonzero(res == _ABSENT).tolist()
+        try:
+            for names in self._old_names([keys[i] for i in idx], "m"):
+                pipe = self._backend.client().pipeline(transaction=False)
+                for name in names:
+                    pipe.exists(name)
+                for i, found in zip(idx, pipe.execute(), strict=True):
+                    if found:
+                        res[i] = _HIT
+        except (*_NET_ERRORS, redis.exceptions.RedisClusterException) as exc:
+            self._last_error = f"exists (old keys): {type(exc).__name__}: {exc}"[:200]
+
+    def _get_old(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> None:
+        """Loads that found nothing under the current secret, tried under each previous one (verified
+        with that secret's keys). Rotation-only, so through redis-py: one pipelined round per secret."""
+        idx = [i for i, r in enumerate(res) if r == "misses_absent"]
+        try:
+            for (_, codec), names in zip(self._old, self._old_names([keys[i] for i in idx], "d"), strict=True):
+                pipe = self._backend.client().pipeline(transaction=False)
+                for name in names:
+                    pipe.get(name)
+                for i, value in zip(idx, pipe.execute(), strict=True):
+                    if value is not None and res[i] == "misses_absent":
+                        res[i] = _check_value(codec, keys[i], value, dsts[i])
+                        self._count(old_key_hits=int(res[i] is True))
+        except (*_NET_ERRORS, redis.exceptions.RedisClusterException) as exc:
+            self._last_error = f"get (old keys): {type(exc).__name__}: {exc}"[:200]
 
     def _prefix_of(self, key: str) -> str:
         groups = self._backend.groups([key])
@@ -663,7 +731,7 @@ class RedisTier(Pool):
         keys = list(keys)
         check_keys("put", keys)
         srcs = prepare_buffers("put", keys, buffers, writable=False)
-        items = [_Item(k, s) for k, s in zip(keys, srcs, strict=True)]
+        items = [_Item(k, s, codec=self._codec) for k, s in zip(keys, srcs, strict=True)]
         return self._write(items)
 
     def put_async(self, keys: Sequence[str], buffers: Sequence[Any],
@@ -701,7 +769,14 @@ class RedisTier(Pool):
             self._writer.unreserve(key, src.size, pages)
             self._count(puts_dropped=1, puts_dropped_checksum=1)
             return False
-        self._writer.push(_Item(key, copy, pack_header(key, src.size, digest), pages))
+        try:
+            header, stored = self._codec.seal(key, copy, digest)
+            if stored is not copy:  # encrypted: the ciphertext replaces the plaintext copy in the arena
+                copy[...] = stored
+        except BaseException:
+            self._writer.unreserve(key, src.size, pages)
+            raise
+        self._writer.push(_Item(key, copy, header, pages))
         self._count(async_accepted=1)
         return True
 
@@ -745,27 +820,42 @@ class RedisTier(Pool):
                     res[j] = True
                 return
             for _, j in order:
-                res[j] = self._stored(wire.reply(), wire.reply())
+                res[j] = self._stored([wire.reply(max_bulk=0, max_items=2, depth=2) for _ in range(4)])
 
-        return _Job(node, send, read, len(order))
+        return _Job(node, send, read, len(order), sum(items[j].payload.size for _, j in order))
 
-    def _stored(self, value: Any, marker: Any) -> Any:
-        """True (written), 'dup' (the value was there already), _REDIRECT, or None (an error: dropped)."""
-        for r in (value, marker):
-            if isinstance(r, ReplyError):
-                return self._reply_error(r)
-        return True if value == b"OK" else "dup"
+    def _stored(self, replies: list[Any]) -> Any:
+        """True (written), 'dup' (the value was there already), _REDIRECT, or None (dropped: an error
+        reply, counted in reply_errors, or a reply that is not what MULTI/SET/SET/EXEC answer, counted
+        in unexpected_replies: only a server that said OK to the value counts it as stored)."""
+        multi, queued_value, queued_marker, done = replies
+        errors = [r for r in replies if isinstance(r, ReplyError)]
+        if errors:
+            redirect = next((r for r in errors if r.redirect), None)
+            return self._reply_error(redirect or errors[0])
+        if not (multi == b"OK" and queued_value == queued_marker == b"QUEUED" and isinstance(done, list)
+                and len(done) == 2 and done[1] in (b"OK", None)):
+            self._count(unexpected_replies=1)
+            return None
+        if done[0] == b"OK":
+            return True
+        if done[0] is None:
+            return "dup"
+        self._count(unexpected_replies=1)
+        return None
 
     def _store_parts(self, prefix: str, item: _Item) -> list[bytes | memoryview]:
-        """SET value NX [PX], then SET marker NX [PX] on the same connection: Redis runs them in order,
-        so a marker never exists before its value is complete (no MULTI needed: that would cost two more
-        commands per object). A connection lost between the two leaves a value without a marker:
-        invisible to lookups, completed by the next put of the key, reclaimed by TTL or eviction."""
+        """MULTI, SET value NX [PX], SET marker NX [PX], EXEC. In a transaction because ordering alone
+        is not enough: with maxmemory + noeviction Redis refuses the value's SET (OOM: its bytes are in
+        the query buffer) yet accepts the 1-byte marker's once they are freed, leaving a marker that
+        promises a value that was never stored. A refused command inside MULTI aborts the EXEC, so the
+        marker is written exactly when the value is. Two small commands more per object; no Lua."""
         tail, set_ = self._set_tail, self._set_head
+        header = item.framed_header()
         return [
-            set_ + bulk(prefix + "d:" + item.key) + b"$%d\r\n" % (HEADER_SIZE + item.payload.size) + item.framed_header(),
+            _MULTI + set_ + bulk(prefix + "d:" + item.key) + b"$%d\r\n" % (len(header) + item.payload.size) + header,
             memoryview(item.payload),
-            b"\r\n" + tail + set_ + bulk(prefix + "m:" + item.key) + b"$1\r\n1\r\n" + tail,
+            b"\r\n" + tail + set_ + bulk(prefix + "m:" + item.key) + b"$1\r\n1\r\n" + tail + _EXEC,
         ]
 
     def _write_slow(self, items: list[_Item], res: list[Any]) -> None:
@@ -778,8 +868,9 @@ class RedisTier(Pool):
             it = items[j]
             p = self._prefix_of(it.key)
             try:
-                fresh = rc.set(p + "d:" + it.key, it.framed_header() + it.payload.tobytes(), nx=True, px=px)
-                rc.set(p + "m:" + it.key, b"1", nx=True, px=px)
+                header = it.framed_header()
+                fresh = rc.set(p + "d:" + it.key, header + it.payload.tobytes(), nx=True, px=px)
+                rc.set(p + "m:" + it.key, b"1", nx=True, px=px)  # only after the value's SET succeeded
                 res[j] = True if fresh else "dup"
             except _NET_ERRORS as exc:
                 self._last_error = f"{type(exc).__name__}: {exc}"[:200]
@@ -833,8 +924,8 @@ class RedisTier(Pool):
         esc = _glob_escape
         tag = "{*}" if isinstance(self._backend, Cluster) else ""
         if not startswith:
-            return esc(self.config.key_prefix) + "*"
-        return f"{esc(self.config.key_prefix)}{tag}[dm]:{esc(startswith)}*"
+            return esc(self.config.redis_prefix) + "*"
+        return f"{esc(self.config.redis_prefix)}{tag}[dm]:{esc(startswith)}*"
 
     def scan_objects(self, startswith: str = "", sizes: bool = True, limit: int | None = None,
                      batch: int = 1000) -> Iterator[tuple[str, int | None]]:
@@ -842,7 +933,7 @@ class RedisTier(Pool):
         master, for operators (`umbp stats`); SCAN, so the server keeps serving. With sizes, one pipelined
         STRLEN per `batch` keys; a value of 0 bytes means its marker has no value (healed on next put).
         Stops after `limit` objects. Network errors raise: this is a tool, not the serving path."""
-        marker = _glob_escape(self.config.key_prefix) + ("{*}" if isinstance(self._backend, Cluster) else "")
+        marker = _glob_escape(self.config.redis_prefix) + ("{*}" if isinstance(self._backend, Cluster) else "")
         pattern = f"{marker}m:{_glob_escape(startswith)}*"
         seen = 0
         for client in self._backend.primaries():
@@ -873,7 +964,7 @@ class RedisTier(Pool):
 
     def _split_marker(self, name: bytes) -> tuple[bytes, bytes]:
         """`<prefix>[{tag}]m:<key>` -> (`<prefix>[{tag}]`, `<key>`)."""
-        at = len(self.config.key_prefix.encode())
+        at = len(self.config.redis_prefix.encode())
         if name[at:at + 1] == b"{":
             at = name.index(b"}", at) + 1
         return name[:at], name[at + 2:]
@@ -921,14 +1012,21 @@ class RedisTier(Pool):
         self._backend.close()
 
 
-def _take_payload(wire: Wire, header: bytes, key: str, dst: np.ndarray) -> Any:
+def _take_payload(codec: PlainCodec | SealedCodec, wire: Wire, header: bytes, key: str, dst: np.ndarray) -> Any:
     """The rest of a value whose length matched: payload into dst (checksummed on the way), the closing
-    CRLF; True, or the counter naming what the header or checksum says is wrong."""
+    CRLF; True, or the counter naming what the header, checksum or tag says is wrong."""
     digest = _recv_with_checksum(wire, dst)
     wire.expect_crlf()
-    problem, stored = inspect_header(header, key, dst.size)
+    return _verified(codec, header, key, dst, digest)
+
+
+def _verified(codec: PlainCodec | SealedCodec, header: bytes, key: str, dst: np.ndarray, digest: int) -> Any:
+    """True when header, psum64 and (sealed) tag fit; else the counter that names the miss."""
+    problem, stored = codec.inspect(header, key, dst.size)
     if problem is None and digest != stored:
         problem = "checksum_failures"
+    if problem is None:
+        problem = codec.open(header, key, dst)
     return problem or True
 
 
@@ -951,18 +1049,15 @@ def _recv_with_checksum(wire: Wire, dst: np.ndarray) -> int:
     return psum._combine(rows, dst, full)
 
 
-def _check_value(key: str, value: bytes | None, dst: np.ndarray) -> Any:
+def _check_value(codec: PlainCodec | SealedCodec, key: str, value: bytes | None, dst: np.ndarray) -> Any:
     """The slow path's version of RedisTier._read_value, for a value redis-py already read."""
     if value is None:
         return "misses_absent"
-    if len(value) != HEADER_SIZE + dst.size:
+    hsize = codec.header_size
+    if len(value) != hsize + dst.size:
         return "size_mismatches"
-    view = memoryview(value)
-    problem = header_problem(view[:HEADER_SIZE], key, dst.size)
-    if problem:
-        return problem
-    np.copyto(dst, np.frombuffer(value, np.uint8, offset=HEADER_SIZE))
-    return True if checksum_u8(dst) == stored_checksum(view[:HEADER_SIZE]) else "checksum_failures"
+    np.copyto(dst, np.frombuffer(value, np.uint8, offset=hsize))
+    return _verified(codec, value[:hsize], key, dst, checksum_u8(dst))
 
 
 def _glob_escape(s: str) -> str:

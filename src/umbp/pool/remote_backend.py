@@ -71,7 +71,7 @@ class Standalone:
         if cfg.tls:
             kw["connection_class"] = redis.SSLConnection
         self.name = ep.name
-        self._prefix = cfg.key_prefix
+        self._prefix = cfg.redis_prefix
         self._pool = redis.ConnectionPool(host=ep.host, port=ep.port, db=ep.db, **kw)
         self._client = redis.Redis(connection_pool=self._pool)
 
@@ -146,7 +146,7 @@ class Cluster:
                 lst.append(i)
         out: dict[str, list[Group]] = {}
         for tag, idx in _safe_tags(by_tag).items():
-            prefix = f"{self._cfg.key_prefix}{{{tag}}}"
+            prefix = f"{self._cfg.redis_prefix}{{{tag}}}"
             node = rc.nodes_manager.get_node_from_slot(self._slot(prefix)).name
             out.setdefault(node, []).append(Group(prefix, idx))
         return out

@@ -8,6 +8,7 @@ key, not silently fall back to a default; a password must never appear in an err
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -32,7 +33,10 @@ OPTIONS: dict[str, str] = {
     "tls_verify": "verify the server certificate (default true)",
     "tls_check_hostname": "check the certificate's host name (default true; needs tls_verify)",
     "connect_timeout_s": "TCP/TLS connect + handshake timeout in seconds (default 0.5)",
-    "timeout_s": "per socket read/write timeout in seconds (default 2.0)",
+    "timeout_s": "deadline of one call (lookup, load or save batch) in seconds, plus its bytes at "
+                 "min_throughput_mib_s (default 2.0)",
+    "min_throughput_mib_s": "slowest transfer a call waits for: its deadline grows by its bytes at this rate "
+                            "(default 64)",
     "max_connections": "connections per server in the client pool (default 32)",
     "key_prefix": "prefix of every Redis key this tier writes; clear() stays inside it (default 'umbp:')",
     "ttl_s": "expire objects this many seconds after they were stored (default none)",
@@ -42,6 +46,14 @@ OPTIONS: dict[str, str] = {
     "write_queue_bytes": "bound on bytes queued by put_async; a full queue drops saves (default 256 MiB)",
     "write_batch": "objects per background write round trip (default 16)",
     "hash_tag_chars": "cluster only: last N hex chars of a key form its hash tag, 16**N slots (default 2)",
+    "auth_key_env": "name of an environment variable holding this tenant's secret (>= 16 bytes): values are "
+                    "MACed, and the Redis namespace is derived from it (see docs/remote.md)",
+    "auth_key_file": "path of a file holding this tenant's secret (instead of auth_key_env)",
+    "auth_old_key_envs": "key rotation: environment variables holding previous secrets, accepted for reads",
+    "auth_old_key_files": "key rotation: files holding previous secrets, accepted for reads",
+    "auth_mac": "'auto' (default: aes-gmac when the cryptography package is installed, else hmac-sha256), "
+                "'hmac-sha256' or 'aes-gmac'",
+    "encrypt": "true: AES-GCM encryption at rest (needs the auth key and the remote-crypto extra)",
 }
 
 
@@ -70,15 +82,22 @@ def _as_bool(name: str, value: Any) -> bool:
     raise _bad(name, value, "true or false")
 
 
-def _as_number(name: str, value: Any, *, minimum: float, integer: bool = False) -> Any:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise _bad(name, value, f"a number >= {minimum}")
+def _as_number(name: str, value: Any, *, minimum: float, maximum: float = math.inf, integer: bool = False,
+               strings: bool = True) -> Any:
+    """A finite number in [minimum, maximum] (an integer where `integer`); a bool, NaN, an infinity or a
+    number out of range is an error naming the option."""
+    kinds = int | float | str if strings else int | float
+    want = f"{'an integer' if integer else 'a number'} >= {minimum}"
+    if maximum != math.inf:
+        want += f" and <= {maximum:g}"
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise _bad(name, value, want)
     try:
-        num = float(value)
-    except ValueError:
-        raise _bad(name, value, f"a number >= {minimum}") from None
-    if num != num or num < minimum or (integer and num != int(num)):
-        raise _bad(name, value, f"{'an integer' if integer else 'a number'} >= {minimum}")
+        num = int(value) if integer and isinstance(value, int) else float(value)
+    except (ValueError, OverflowError):
+        raise _bad(name, value, want) from None
+    if not math.isfinite(num) or num < minimum or num > maximum or (integer and num != int(num)):
+        raise _bad(name, value, want)
     return int(num) if integer else num
 
 
@@ -126,12 +145,38 @@ class RemoteConfig:
     write_queue_bytes: int = 256 * MiB
     write_batch: int = 16
     hash_tag_chars: int = 2
+    min_throughput_mib_s: float = 64.0
+    # the tenant's secrets as bytes (read from auth_key_env/auth_key_file at from_options), never shown
+    auth_key: bytes | None = None
+    auth_old_keys: tuple[bytes, ...] = ()
+    auth_mac: str = "auto"
+    encrypt: bool = False
 
-    def __repr__(self) -> str:  # never show the password
+    def __repr__(self) -> str:  # never show the password or a secret
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         shown["urls"] = tuple(redact_url(u) for u in self.urls)
         shown["password"] = "<hidden>" if self.password else None
+        shown["auth_key"] = "<hidden>" if self.auth_key else None
+        shown["auth_old_keys"] = f"<{len(self.auth_old_keys)} hidden>"
         return "RemoteConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+    __str__ = __repr__
+
+    def deadline_s(self, nbytes: int) -> float:
+        """How long one call moving `nbytes` of payload may take in all: timeout_s, plus the bytes at
+        min_throughput_mib_s. A whole-call deadline, not a per-receive timeout: a server that drips a
+        byte at a time must not hold a call for longer than this."""
+        return self.timeout_s + nbytes / (self.min_throughput_mib_s * MiB)
+
+    @property
+    def redis_prefix(self) -> str:
+        """The prefix of every Redis key this tier writes: key_prefix, then (with an auth key) the
+        tenant's namespace, derived from its secret so that no one without it can name its keys."""
+        if self.auth_key is None:
+            return self.key_prefix
+        from umbp.pool.remote_auth import namespace_of
+
+        return f"{self.key_prefix}{namespace_of(self.auth_key)}:"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> RemoteConfig:
@@ -150,12 +195,14 @@ class RemoteConfig:
         if options.get("password_env") is not None:
             kw["password"] = _password_from_env(_as_str("password_env", options["password_env"]))
         _numbers_from(options, kw)
+        _auth_from(options, kw)
         return cls(**kw).validate()
 
     def validate(self) -> RemoteConfig:
         """Check cross-field rules; returns self (with the URL's TLS/credentials folded in)."""
         if not self.urls:
             raise OptionValueError("umbp: remote tier needs a server: set url (or urls for a cluster)")
+        _check_fields(self)
         eps = [parse_url(u) for u in self.urls]
         if not self.cluster and len(eps) > 1:
             raise OptionValueError(
@@ -168,6 +215,11 @@ class RemoteConfig:
             raise _bad("key_prefix", self.key_prefix, "free of '{' and '}' (they would change hash slots)")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise OptionValueError("umbp: remote options tls_cert_file and tls_key_file go together; give both")
+        if self.encrypt and self.auth_key is None:
+            raise OptionValueError("umbp: remote option encrypt needs a tenant secret: set auth_key_env or auth_key_file")
+        if self.auth_old_keys and self.auth_key is None:
+            raise OptionValueError("umbp: remote options auth_old_key_* need the current key too (auth_key_env or "
+                                   "auth_key_file)")
         if self.tls_check_hostname and not self.tls_verify:
             return replace(self, tls_check_hostname=False).validate()
         if any(u.startswith("rediss://") for u in self.urls) and not self.tls:
@@ -175,9 +227,7 @@ class RemoteConfig:
         return self._with_url_credentials()
 
     def _with_url_credentials(self) -> RemoteConfig:
-        parts = urlsplit(self.urls[0])
-        user = unquote(parts.username) if parts.username else None
-        pwd = unquote(parts.password) if parts.password else None
+        user, pwd, _ = split_credentials(self.urls[0])
         changes = {}
         if self.username is None and user:
             changes["username"] = user
@@ -194,7 +244,16 @@ class RemoteConfig:
         return {"urls": [redact_url(u) for u in self.urls], "cluster": self.cluster, "tls": self.tls,
                 "auth": "password" if self.password else "none", "user": self.username,
                 "key_prefix": self.key_prefix, "ttl_s": self.ttl_s, "quarantine_s": self.quarantine_s,
-                "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s}
+                "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
+                "values": self.value_protection()}
+
+    def value_protection(self) -> str:
+        """How values are protected, in words (for stats and the start-up log)."""
+        if self.auth_key is None:
+            return "unauthenticated (checksum only)"
+        if self.encrypt:
+            return "encrypted (aes-gcm)"
+        return f"authenticated ({self.auth_mac})"
 
 
 def _urls_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
@@ -211,20 +270,93 @@ def _urls_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
         kw["urls"] = tuple(_as_str("urls", u) for u in urls)
 
 
-_NUMBERS: dict[str, tuple[float, bool]] = {  # name -> (minimum, integer)
-    "connect_timeout_s": (0.001, False), "timeout_s": (0.001, False), "max_connections": (1, True),
-    "ttl_s": (0.001, False), "quarantine_s": (0.0, False), "quarantine_max_keys": (1, True),
-    "retry_interval_s": (0.0, False), "write_queue_bytes": (0, True), "write_batch": (1, True),
-    "hash_tag_chars": (1, True),
+# name -> (minimum, maximum, integer). The maxima are what the tier can honour: a timeout becomes
+# milliseconds for poll() (a C int), a TTL becomes Redis' PX milliseconds; beyond them a value would pass
+# here and then break every call.
+_NUMBERS: dict[str, tuple[float, float, bool]] = {
+    "connect_timeout_s": (0.001, 3600.0, False), "timeout_s": (0.001, 3600.0, False),
+    "max_connections": (1, 65536, True), "ttl_s": (0.001, 10 * 365 * 86400.0, False),
+    "quarantine_s": (0.0, 30 * 86400.0, False), "quarantine_max_keys": (1, 100_000_000, True),
+    "retry_interval_s": (0.0, 3600.0, False), "write_queue_bytes": (4096, 1 << 40, True),
+    "write_batch": (1, 65536, True), "hash_tag_chars": (1, 4, True),
+    "min_throughput_mib_s": (0.001, 1e6, False),
 }
 
 
 def _numbers_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
-    for name, (minimum, integer) in _NUMBERS.items():
+    for name, (minimum, maximum, integer) in _NUMBERS.items():
         if name in options and not (name == "ttl_s" and options[name] is None):
-            kw[name] = _as_number(name, options[name], minimum=minimum, integer=integer)
-    if kw.get("hash_tag_chars", 2) > 4:
-        raise _bad("hash_tag_chars", kw["hash_tag_chars"], "1, 2, 3 or 4 (16**N hash slots)")
+            kw[name] = _as_number(name, options[name], minimum=minimum, maximum=maximum, integer=integer)
+
+
+def _check_fields(cfg: RemoteConfig) -> None:
+    """Every field of a RemoteConfig built directly (not through from_options) is checked too."""
+    for name, (minimum, maximum, integer) in _NUMBERS.items():
+        value = getattr(cfg, name)
+        if not (name == "ttl_s" and value is None):
+            _as_number(name, value, minimum=minimum, maximum=maximum, integer=integer, strings=False)
+    for name in ("cluster", "tls", "tls_verify", "tls_check_hostname", "encrypt"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise _bad(name, getattr(cfg, name), "true or false")
+    if cfg.auth_mac not in AUTH_MACS:
+        raise _bad("auth_mac", cfg.auth_mac, " or ".join(repr(m) for m in AUTH_MACS))
+    if not isinstance(cfg.key_prefix, str) or not cfg.key_prefix:
+        raise _bad("key_prefix", cfg.key_prefix, "a non-empty string")
+
+
+AUTH_MACS = ("auto", "hmac-sha256", "aes-gmac")
+MIN_SECRET_BYTES = 16
+
+
+def _auth_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
+    """The tenant's secret (and previous ones, for reads during a rotation) from env vars or files."""
+    if options.get("auth_key_env") is not None and options.get("auth_key_file") is not None:
+        raise OptionValueError("umbp: give remote option auth_key_env or auth_key_file, not both")
+    if options.get("auth_key_env") is not None:
+        kw["auth_key"] = _secret_from_env("auth_key_env", options["auth_key_env"])
+    if options.get("auth_key_file") is not None:
+        kw["auth_key"] = _secret_from_file("auth_key_file", options["auth_key_file"])
+    old: list[bytes] = []
+    for name, read in (("auth_old_key_envs", _secret_from_env), ("auth_old_key_files", _secret_from_file)):
+        values = options.get(name)
+        if values is None:
+            continue
+        if isinstance(values, str):
+            values = [v.strip() for v in values.split(",") if v.strip()]
+        if not isinstance(values, list | tuple):
+            raise _bad(name, values, "a list of names")
+        old.extend(read(name, v) for v in values)
+    if old:
+        kw["auth_old_keys"] = tuple(old)
+    if options.get("auth_mac") is not None:
+        kw["auth_mac"] = _as_str("auth_mac", options["auth_mac"]).lower()
+    if "encrypt" in options:
+        kw["encrypt"] = _as_bool("encrypt", options["encrypt"])
+
+
+def _secret_from_env(option: str, var: Any) -> bytes:
+    var = _as_str(option, var)
+    value = os.environ.get(var)
+    if not value:
+        raise OptionValueError(f"umbp: remote option {option} names ${var}, which is not set or empty")
+    return _long_enough(option, value.encode())
+
+
+def _secret_from_file(option: str, path: Any) -> bytes:
+    path = _as_str(option, path)
+    try:
+        with open(path, "rb") as f:
+            value = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise OptionValueError(f"umbp: remote option {option}: cannot read {path!r}: {exc.strerror}") from None
+    return _long_enough(option, value)
+
+
+def _long_enough(option: str, secret: bytes) -> bytes:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise OptionValueError(f"umbp: remote option {option}: the secret must be at least {MIN_SECRET_BYTES} "
+                               f"bytes (it has {len(secret)}; e.g. `openssl rand -hex 32`)")
+    return secret
 
 
 def _password_from_env(var: str) -> str:
@@ -234,21 +366,49 @@ def _password_from_env(var: str) -> str:
     return value
 
 
+def split_credentials(url: str) -> tuple[str | None, str | None, str]:
+    """(user, password, the URL without them). The user info ends at the LAST '@' (before any later
+    '/', '?' or '#' only if that '@' is not there): a password with an unencoded '#', '/', '?', '@' or ':'
+    is still taken whole as the password, never left in a host, path or fragment where an error or a log
+    would show it."""
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    if not sep or at < 0:
+        return None, None, url
+    info, host = rest[:at], rest[at + 1 :]
+    user, colon, pwd = info.partition(":")
+    return (unquote(user) or None, unquote(pwd) if colon and pwd else None, f"{scheme}://{host}")
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by '***' (for errors, logs and stats)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return parts._replace(netloc=f"{user}:***@{host}{port}").geturl()
+    """The URL with any password replaced by '***' and any query dropped (for errors, logs and stats)."""
+    user, pwd, bare = split_credentials(url)
+    if "?" in bare:  # redis-py style ?password=... must not show either
+        bare = bare.split("?", 1)[0] + "?***"
+    if pwd is None and user is None:
+        return bare
+    scheme, _, host = bare.partition("://")
+    shown_user = (user or "") if pwd is not None else "***"
+    return f"{scheme}://{shown_user}{':***' if pwd is not None else ''}@{host}"
+
+
+def redact_options(value: Any) -> str:
+    """repr() of a remote option value (a URL, a list, a dict) with every password hidden: for errors
+    about a malformed `remote` setting, which may hold credentials."""
+    if isinstance(value, str):
+        return repr(redact_url(value))
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {'<hidden>' if 'password' in str(k) else redact_options(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(redact_options(v) for v in value) + "]"
+    return repr(value) if isinstance(value, int | float | bool | type(None)) else f"<{type(value).__name__}>"
 
 
 def parse_url(url: str) -> Endpoint:
     """host, port and db of a redis:// or rediss:// URL; a clear error for anything else."""
     shown = redact_url(url)
-    parts = urlsplit(url)
+    parts = urlsplit(split_credentials(url)[2])
     if parts.scheme not in ("redis", "rediss"):
         raise OptionValueError(
             f"umbp: remote url {shown!r} must start with redis:// or rediss:// (TLS), e.g. redis://127.0.0.1:6379/0"

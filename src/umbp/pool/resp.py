@@ -16,8 +16,10 @@ caller disconnects the connection instead of returning it.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +32,21 @@ CRLF = b"\r\n"
 _COALESCE = 128 * 1024  # parts below this are copied into one send; larger ones go out as they are
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 _NATIVE_MIN_BUFFER = 64 * 1024  # the C read loop buffers up to 16 KiB at a time and wants twice that free
+# Bounds a reply can never legitimately exceed (umbp's replies are status lines, short errors, nil, small
+# arrays and bulks whose length the caller knows): a server past them is broken or hostile, and the
+# connection is dropped instead of growing memory or recursing without end.
+MAX_LINE = 64 * 1024  # a status, error or length line
+MAX_BUFFER = 16 << 20  # the read buffer grows only for one reply longer than it (a long all-OK batch)
+MAX_DEPTH = 4  # nested arrays (umbp reads EXEC's array of SET replies: depth 2)
+MAX_ITEMS = 64  # elements of one array reply read through reply()
 
 
 class ProtocolError(ConnectionError):
     """The reply did not have the expected shape: the connection must be dropped."""
+
+
+class DeadlineError(TimeoutError):
+    """The call's deadline passed while waiting for the server (a slow or dripping server)."""
 
 
 @dataclass(frozen=True)
@@ -97,9 +110,15 @@ class Wire:
         self.gather = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg")
         self.fd = _nonblocking_fd(sock) if self.gather else -1  # for _recv_into's first try
         self.timeout_ms = _timeout_ms(sock)
+        self.deadline: float | None = None  # monotonic time by which the whole call must be done
         self.buf = bytearray(bufsize)
         self.mv = memoryview(self.buf)
         self.start = self.end = 0
+        self._poll_in = self._poll_out = None
+        if self.fd >= 0:
+            self._poll_in, self._poll_out = select.poll(), select.poll()
+            self._poll_in.register(self.fd, select.POLLIN)
+            self._poll_out.register(self.fd, select.POLLOUT)
 
     @classmethod
     def of(cls, conn: Any) -> Wire:
@@ -110,10 +129,43 @@ class Wire:
         if wire is None or wire.sock is not getattr(conn, "_sock", None) or not wire.drained:
             wire = cls(conn)
             conn._umbp_wire = wire
-        elif wire.gather:
-            wire.fd = _nonblocking_fd(wire.sock)
-            wire.timeout_ms = _timeout_ms(wire.sock)
+        elif wire.gather and _nonblocking_fd(wire.sock) != wire.fd:
+            wire = cls(conn)
+            conn._umbp_wire = wire
+        wire.deadline = None
         return wire
+
+    # ---- the call's deadline --------------------------------------------------------------------------
+
+    def left_s(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline, the socket's timeout applies per wait);
+        raises DeadlineError once it has passed."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineError("umbp: the server did not complete the call within its deadline")
+        return left
+
+    def left_ms(self) -> int:
+        """The C loop's wait budget: milliseconds to the deadline (at least 1), else the socket's timeout."""
+        left = self.left_s()
+        return self.timeout_ms if left is None else max(1, int(left * 1000 + 0.999))
+
+    def _wait(self, poller: Any) -> None:
+        """Wait until the descriptor is ready, at most until the deadline (or one socket timeout)."""
+        left = self.left_s()
+        wait_ms = self.timeout_ms if left is None else max(1, int(left * 1000 + 0.999))
+        if not poller.poll(wait_ms):
+            self.left_s()  # raises when the deadline is what ran out
+            raise TimeoutError("umbp: timed out waiting for the server")
+
+    def _arm(self) -> None:
+        """A socket without the descriptor shortcut (TLS): its per-operation timeout is cut to what is
+        left of the deadline, so no single receive or send can outlast the call."""
+        left = self.left_s()
+        if left is not None and hasattr(self.sock, "settimeout"):
+            self.sock.settimeout(left)
 
     # ---- writing ------------------------------------------------------------------------------------
 
@@ -121,24 +173,52 @@ class Wire:
         """Send parts in order without copying them: one gathering sendmsg on plain TCP; on TLS (no
         sendmsg) small parts are coalesced into one write and large ones written as they are."""
         if self.gather:
-            _sendmsg_all(self.sock, parts)
+            if self._poll_out is not None:
+                self._writev_all(parts)
+            else:
+                _sendmsg_all(self.sock, parts)
             return
+        send = self._sendall
         pending: list[bytes | memoryview] = []
         size = 0
         for p in parts:
             if len(p) >= _COALESCE:
                 if pending:
-                    self.sock.sendall(b"".join(pending))
+                    send(b"".join(pending))
                     pending, size = [], 0
-                self.sock.sendall(p)
+                send(p)
             else:
                 pending.append(p)
                 size += len(p)
                 if size >= _COALESCE:
-                    self.sock.sendall(b"".join(pending))
+                    send(b"".join(pending))
                     pending, size = [], 0
         if pending:
-            self.sock.sendall(b"".join(pending))
+            send(b"".join(pending))
+
+    def _sendall(self, data: bytes | memoryview) -> None:
+        self._arm()
+        self.sock.sendall(data)
+
+    def _writev_all(self, parts: Sequence[bytes | memoryview]) -> None:
+        """sendall for a list of buffers on the non-blocking descriptor: writev what the socket takes,
+        wait (bounded by the deadline) while it takes nothing, continue from where it stopped."""
+        views = [memoryview(p) for p in parts if len(p)]
+        i = 0
+        while i < len(views):
+            try:
+                sent = os.writev(self.fd, views[i : i + _IOV_MAX])
+            except BlockingIOError:
+                self._wait(self._poll_out)
+                continue
+            while sent:
+                n = views[i].nbytes
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    views[i] = views[i][sent:]
+                    sent = 0
 
     # ---- reading ------------------------------------------------------------------------------------
 
@@ -151,7 +231,9 @@ class Wire:
             self.start = self.end = 0
         elif self.end == len(self.buf):
             if self.start == 0:  # one reply longer than the buffer: grow it (a new buffer, since
-                grown = bytearray(2 * len(self.buf))  # numpy views of the old one may still exist)
+                if 2 * len(self.buf) > MAX_BUFFER:  # numpy views of the old one may still exist)
+                    raise ProtocolError("umbp: a reply is longer than any umbp expects")
+                grown = bytearray(2 * len(self.buf))
                 grown[: self.end] = self.buf
                 self.buf, self.mv = grown, memoryview(grown)
             else:
@@ -167,21 +249,28 @@ class Wire:
         """recv_into, first without waiting: a socket with a timeout (redis-py's always have one) makes
         Python poll() before every receive, a second syscall even when the bytes are already there. A
         plain read of the non-blocking descriptor skips it; only when nothing has arrived yet does the
-        socket's own recv_into wait, with its timeout."""
+        descriptor waits in poll(), bounded by the call's deadline (or, without one, the socket's timeout).
+        Other sockets (TLS) wait in their own recv_into, their timeout cut to the deadline."""
         if self.fd >= 0:
-            try:
-                return os.readv(self.fd, (view,))
-            except BlockingIOError:
-                pass
+            while True:
+                try:
+                    return os.readv(self.fd, (view,))
+                except BlockingIOError:
+                    self._wait(self._poll_in)
+        self._arm()
         return self.sock.recv_into(view)
 
     def line(self) -> bytes:
+        """The next line without its CRLF; a line longer than MAX_LINE is a protocol error (a server
+        that never ends its line must not grow the buffer without bound)."""
         while True:
-            i = self.buf.find(CRLF, self.start, self.end)
+            i = self.buf.find(CRLF, self.start, min(self.end, self.start + MAX_LINE + 2))
             if i >= 0:
                 out = bytes(self.mv[self.start : i])
                 self.start = i + 2
                 return out
+            if self.end - self.start > MAX_LINE:
+                raise ProtocolError("umbp: a reply line is longer than any umbp expects")
             self._fill()
 
     def take(self, n: int) -> bytes:
@@ -252,7 +341,7 @@ class Wire:
         lib = native.lib
         if lib is not None and self.fd >= 0 and len(self.buf) >= _NATIVE_MIN_BUFFER:
             r, self.start, self.end, err, errnum = lib.read_frames(
-                self.fd, self.timeout_ms, self.buf, self.start, self.end, lead, field, tails, dsts, rows, fields, r0, r1)
+                self.fd, self.left_ms(), self.buf, self.start, self.end, lead, field, tails, dsts, rows, fields, r0, r1)
             if err:
                 raise _stream_error(err, errnum)
             return r
@@ -302,8 +391,11 @@ class Wire:
         if self.line() != b"":
             raise ProtocolError("umbp: a bulk reply did not end where its length said")
 
-    def reply(self) -> Any:
-        """One reply: bytes (status/bulk), int, None, list, or ReplyError."""
+    def reply(self, max_bulk: int = MAX_LINE, max_items: int = MAX_ITEMS, depth: int = MAX_DEPTH) -> Any:
+        """One reply: bytes (status/bulk), int, None, list, or ReplyError. Bounded like a server bounds
+        requests: a bulk longer than `max_bulk`, an array of more than `max_items` elements or nested
+        deeper than `depth` is a ProtocolError (the caller knows what it asked for; the server's claimed
+        length is never allocated on trust)."""
         head = self.line()
         if not head:
             raise ProtocolError("umbp: empty reply line")
@@ -313,9 +405,9 @@ class Wire:
         if kind == b"-":
             return ReplyError(rest.decode(errors="replace"))
         if kind == b":":
-            return int(rest)
+            return parse_length(rest, 1 << 63, signed=True)
         if kind == b"$":
-            n = int(rest)
+            n = parse_length(rest, max_bulk)
             if n < 0:
                 return None
             out = bytearray(n)
@@ -323,9 +415,11 @@ class Wire:
             self.expect_crlf()
             return bytes(out)
         if kind == b"*":
-            n = int(rest)
-            return None if n < 0 else [self.reply() for _ in range(n)]
-        raise ProtocolError(f"umbp: unexpected reply type {kind!r}")
+            n = parse_length(rest, max_items)
+            if n >= 0 and depth <= 1:
+                raise ProtocolError("umbp: a reply nests arrays deeper than any umbp expects")
+            return None if n < 0 else [self.reply(max_bulk, max_items, depth - 1) for _ in range(n)]
+        raise ProtocolError(f"umbp: unexpected reply type {kind[:1]!r}")
 
     def markers(self, n: int) -> np.ndarray | ReplyError:
         """Decode an MGET reply over n marker keys (values are the 1-byte '1') into a bool array."""
@@ -341,6 +435,17 @@ class Wire:
                 self.start += used
                 return flags
             self._fill()
+
+
+def parse_length(text: bytes, limit: int, signed: bool = False) -> int:
+    """A RESP length (or integer): -1 (nil) or 0..limit; anything else (not a number, -2, a length past
+    what the caller can receive) is a ProtocolError, never a huge allocation or an OverflowError."""
+    if not (0 < len(text) <= 20) or not (text.isdigit() or (text[:1] == b"-" and text[1:].isdigit())):
+        raise ProtocolError("umbp: a reply length is not a number")
+    n = int(text)
+    if n > limit or (n < -limit if signed else n < -1):
+        raise ProtocolError(f"umbp: a reply claims {n} bytes or elements where at most {limit} can come")
+    return n
 
 
 def _nonblocking_fd(sock: Any) -> int:
@@ -362,7 +467,7 @@ def _stream_error(err: int, errnum: int) -> OSError:
     if err == 1:
         return ConnectionError("umbp: the server closed the connection")
     if err == 2:
-        return TimeoutError("umbp: timed out waiting for the server's reply")
+        return DeadlineError("umbp: timed out waiting for the server's reply")
     if err == 3:
         return OSError(errnum, f"umbp: receive failed: {os.strerror(errnum)}")
     return ProtocolError("umbp: a bulk reply did not end where its length said")
