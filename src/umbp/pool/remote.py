@@ -66,7 +66,7 @@ _COUNTERS = (
     "hits", "misses", "misses_absent", "load_errors", "checksum_failures", "header_failures",
     "size_mismatches", "version_mismatches", "key_mismatches", "bytes_read",
     "puts", "put_duplicates", "puts_dropped", "puts_dropped_queue_full", "puts_dropped_unavailable",
-    "puts_dropped_checksum", "bytes_written", "async_accepted", "auth_failures", "unauthenticated_values",
+    "puts_dropped_checksum", "bytes_written", "async_accepted", "auth_failures", "unauthenticated_values", "unsupported_values",
     "old_key_hits",
     "connection_errors", "timeouts", "protocol_errors", "unexpected_replies", "reply_errors", "pool_exhausted", "redirects", "quarantined", "stale_markers_removed",
     "corrupt_removed",
@@ -1000,6 +1000,7 @@ class RedisTier(Pool):
         out["idle_connections"] = self._conns.idle_count()
         out["backend"] = "redis-cluster" if isinstance(self._backend, Cluster) else "redis"
         out["config"] = self.config.summary()
+        out["config"]["values"] = self._codec.describe()
         return out
 
     def close(self, timeout: float | None = None) -> None:

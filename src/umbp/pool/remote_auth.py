@@ -83,8 +83,12 @@ class TenantKeys:
 
     @classmethod
     def derive(cls, secret: bytes) -> TenantKeys:
-        return cls(int.from_bytes(_kdf(secret, b"key id")[:4], "little"), namespace_of(secret),
-                   _kdf(secret, b"mac"), _kdf(secret, b"aes"))
+        return cls(
+            int.from_bytes(_kdf(secret, b"key id")[:4], "little"),
+            namespace_of(secret),
+            _kdf(secret, b"mac"),
+            _kdf(secret, b"aes"),
+        )
 
     def __repr__(self) -> str:
         return f"TenantKeys(key_id={self.key_id:08x}, namespace={self.namespace!r})"
@@ -105,8 +109,10 @@ def _crypto() -> Any:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:
-        raise OptionValueError("umbp: remote options encrypt / auth_mac='aes-gmac' need the cryptography "
-                               "package: pip install 'umbp[remote-crypto]'") from None
+        raise OptionValueError(
+            "umbp: remote options encrypt / auth_mac='aes-gmac' need the cryptography "
+            "package: pip install 'umbp[remote-crypto]'"
+        ) from None
     return InvalidTag, Cipher, algorithms, modes, AESGCM
 
 
@@ -128,6 +134,9 @@ class PlainCodec:
     header_size = HEADER_SIZE
     field_size = CHECKSUM_SIZE
     sealed = False
+
+    def describe(self) -> str:
+        return "unauthenticated (checksum only)"
 
     def lead(self, nbytes: int) -> bytes:
         return header_before_checksum(nbytes)
@@ -172,6 +181,9 @@ class SealedCodec:
         self.keys, self.scheme, self.code = keys, scheme, SCHEMES[scheme]
         self._by_id = {k.key_id: k for k in (keys, *readable)}
         self._aes: dict[int, Any] = {}
+
+    def describe(self) -> str:
+        return "encrypted (aes-gcm)" if self.code == 3 else f"authenticated ({self.scheme})"
 
     def lead(self, nbytes: int) -> bytes:
         return _FIXED.pack(MAGIC, SEALED_VERSION, SEALED_HEADER_SIZE, nbytes, self.code, 0, self.keys.key_id)
@@ -219,6 +231,8 @@ class SealedCodec:
         aes-gcm). None, or "auth_failures" (dst then holds bytes that must not be used)."""
         _, _, _, nbytes, scheme, _, key_id, psum, nonce, tag, _ = SEALED_HEADER.unpack(header)
         keys = self._by_id[key_id]
+        if scheme != 1 and not have_cryptography():  # sealed by a writer that has the package
+            return "unsupported_values"
         fields = self._fields(nbytes, scheme, key_id, 0 if scheme == 3 else psum, nonce, key)
         if scheme == 3:
             return self._decrypt(keys, nonce, tag, fields + _name(keys, key), dst)
@@ -234,8 +248,19 @@ class SealedCodec:
 
     @staticmethod
     def _pack(nbytes: int, code: int, key_id: int, digest: int, nonce: bytes, tag: bytes, key: str) -> bytes:
-        return SEALED_HEADER.pack(MAGIC, SEALED_VERSION, SEALED_HEADER_SIZE, nbytes, code, 0, key_id, digest,
-                                  nonce, tag, key_crc(key))
+        return SEALED_HEADER.pack(
+            MAGIC,
+            SEALED_VERSION,
+            SEALED_HEADER_SIZE,
+            nbytes,
+            code,
+            0,
+            key_id,
+            digest,
+            nonce,
+            tag,
+            key_crc(key),
+        )
 
     def _aesgcm(self, keys: TenantKeys) -> Any:
         aes = self._aes.get(keys.key_id)

@@ -245,15 +245,8 @@ class RemoteConfig:
                 "auth": "password" if self.password else "none", "user": self.username,
                 "key_prefix": self.key_prefix, "ttl_s": self.ttl_s, "quarantine_s": self.quarantine_s,
                 "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
-                "values": self.value_protection()}
-
-    def value_protection(self) -> str:
-        """How values are protected, in words (for stats and the start-up log)."""
-        if self.auth_key is None:
-            return "unauthenticated (checksum only)"
-        if self.encrypt:
-            return "encrypted (aes-gcm)"
-        return f"authenticated ({self.auth_mac})"
+                "values": "unauthenticated" if self.auth_key is None else "encrypted" if self.encrypt
+                else f"authenticated ({self.auth_mac})"}
 
 
 def _urls_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
