@@ -1,11 +1,15 @@
 """RemoteConfig validation, the value header, the RESP helpers and the get window: no server needed."""
 
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 pytest.importorskip("redis")
 
 from umbp.pool.errors import OptionValueError, UnknownOptionError  # noqa: E402
-from umbp.pool.remote import GET_WINDOW_BYTES, _GetWindow  # noqa: E402
+from umbp.pool.remote import GET_WINDOW_BYTES, RedisTier, _GetWindow  # noqa: E402
 from umbp.pool.remote_config import RemoteConfig, parse_url, redact_url  # noqa: E402
 from umbp.pool.remote_format import (  # noqa: E402
     CHECKSUM_AT,
@@ -33,6 +37,43 @@ def test_unknown_keys_are_named_with_a_hint():
         RemoteConfig.from_options({"url": "redis://h:1", "quarantine_sec": 3, "bogus": 1})
     msg = str(e.value)
     assert "'bogus'" in msg and "'quarantine_sec'" in msg and "did you mean 'quarantine_s'" in msg
+
+
+@pytest.mark.parametrize("name, value", [
+    ("timeout_s", 3e6), ("timeout_s", 1e7), ("timeout_s", float("inf")), ("timeout_s", "inf"),
+    ("timeout_s", float("nan")), ("timeout_s", "nan"), ("timeout_s", True), ("connect_timeout_s", 1e9),
+    ("ttl_s", 1e300), ("ttl_s", float("inf")), ("quarantine_s", float("nan")), ("quarantine_s", -0.5),
+    ("retry_interval_s", float("inf")), ("max_connections", True), ("max_connections", 10**12),
+    ("quarantine_max_keys", 0), ("write_queue_bytes", 0), ("write_queue_bytes", 1.5), ("write_batch", False),
+    ("hash_tag_chars", 0), ("min_throughput_mib_s", 0), ("min_throughput_mib_s", float("inf")),
+    ("max_connections", "1e400"),
+])
+def test_numbers_out_of_what_the_tier_can_honour_are_refused_by_name(name, value):
+    """Values that used to pass and then break every call (a timeout too large for poll(), an infinite
+    one), NaN, booleans taken as numbers: one error naming the option, whichever way the config is built."""
+    with pytest.raises(OptionValueError) as e:
+        RemoteConfig.from_options({name: value})
+    assert f"remote option {name} must be" in str(e.value)
+    if not isinstance(value, str):
+        with pytest.raises(OptionValueError, match=f"remote option {name} must be"):
+            RemoteConfig(**{name: value}).validate()
+
+
+def test_largest_accepted_timeout_still_serves(tmp_path):
+    """The top of the timeout_s range works end to end (it is turned into poll() milliseconds)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from redis_servers import require_redis, start_server
+
+    require_redis()
+    s = start_server(tmp_path)
+    try:
+        t = RedisTier(RemoteConfig.from_options({"url": s.url, "timeout_s": 3600, "connect_timeout_s": 3600}))
+        assert t.put(["k"], [np.ones(8192, np.uint8)]) == [True]
+        assert t.get_into(["k"], [np.empty(8192, np.uint8)]) == [True]
+        assert t.exists(["k"]) == [True]
+        t.close()
+    finally:
+        s.stop()
 
 
 @pytest.mark.parametrize("options, fragment", [

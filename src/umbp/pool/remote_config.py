@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -359,6 +360,9 @@ def _password_from_env(var: str) -> str:
     return value
 
 
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
+
+
 def split_credentials(url: str) -> tuple[str | None, str | None, str]:
     """(user, password, the URL without them). The user info ends at the LAST '@' (before any later
     '/', '?' or '#' only if that '@' is not there): a password with an unencoded '#', '/', '?', '@' or ':'
@@ -375,6 +379,7 @@ def split_credentials(url: str) -> tuple[str | None, str | None, str]:
 
 def redact_url(url: str) -> str:
     """The URL with any password replaced by '***' and any query dropped (for errors, logs and stats)."""
+    url = _QUERY_PASSWORD.sub(r"\1***", url)  # first: its value may hold an '@' that looks like user info
     user, pwd, bare = split_credentials(url)
     if "?" in bare:  # redis-py style ?password=... must not show either
         bare = bare.split("?", 1)[0] + "?***"
