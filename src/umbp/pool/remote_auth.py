@@ -199,7 +199,11 @@ class SealedCodec:
         if self.code == 3:
             stored = np.empty(nbytes + _TAG_SIZE, np.uint8)
             aad = self._fields(nbytes, 3, self.keys.key_id, 0, nonce, key) + _name(self.keys, key)
-            self._aesgcm(self.keys).encrypt_into(nonce, payload, aad, stored)
+            aes = self._aesgcm(self.keys)
+            if hasattr(aes, "encrypt_into"):  # cryptography >= 45: no intermediate bytes object
+                aes.encrypt_into(nonce, payload, aad, stored)
+            else:
+                stored[:] = np.frombuffer(aes.encrypt(nonce, payload.tobytes(), aad), np.uint8)
             tag, payload = stored[nbytes:].tobytes(), stored[:nbytes]
             digest = checksum_u8(payload)
         else:
@@ -274,7 +278,11 @@ class SealedCodec:
         sealed[: dst.size] = dst
         sealed[dst.size :] = np.frombuffer(tag, np.uint8)
         try:
-            self._aesgcm(keys).decrypt_into(nonce, sealed, aad, dst)
+            aes = self._aesgcm(keys)
+            if hasattr(aes, "decrypt_into"):
+                aes.decrypt_into(nonce, sealed, aad, dst)
+            else:
+                dst[:] = np.frombuffer(aes.decrypt(nonce, sealed.tobytes(), aad), np.uint8)
         except invalid_tag:
             return "auth_failures"
         return None

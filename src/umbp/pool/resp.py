@@ -160,12 +160,19 @@ class Wire:
             self.left_s()  # raises when the deadline is what ran out
             raise TimeoutError("umbp: timed out waiting for the server")
 
-    def _arm(self) -> None:
-        """A socket without the descriptor shortcut (TLS): its per-operation timeout is cut to what is
-        left of the deadline, so no single receive or send can outlast the call."""
+    def _blocking(self, op: Any, data: Any) -> Any:
+        """op(data) on a socket without the descriptor shortcut (TLS): its timeout is cut to what is left
+        of the deadline for this one operation, so none can outlast the call, and restored after it
+        (redis-py uses the same connection later with its own timeout)."""
         left = self.left_s()
-        if left is not None and hasattr(self.sock, "settimeout"):
-            self.sock.settimeout(left)
+        if left is None or not hasattr(self.sock, "settimeout"):
+            return op(data)
+        before = self.sock.gettimeout()
+        self.sock.settimeout(left if before is None else min(left, before))
+        try:
+            return op(data)
+        finally:
+            self.sock.settimeout(before)
 
     # ---- writing ------------------------------------------------------------------------------------
 
@@ -197,8 +204,11 @@ class Wire:
             send(b"".join(pending))
 
     def _sendall(self, data: bytes | memoryview) -> None:
-        self._arm()
-        self.sock.sendall(data)
+        """sendall in 256 KiB pieces, each bounded by what is left of the deadline (TLS sockets' sendall
+        applies its timeout per internal write, so one call could outlast the deadline)."""
+        view = memoryview(data).cast("B")
+        for at in range(0, len(view), _COALESCE * 2):
+            self._blocking(self.sock.sendall, view[at : at + _COALESCE * 2])
 
     def _writev_all(self, parts: Sequence[bytes | memoryview]) -> None:
         """sendall for a list of buffers on the non-blocking descriptor: writev what the socket takes,
@@ -257,8 +267,7 @@ class Wire:
                     return os.readv(self.fd, (view,))
                 except BlockingIOError:
                     self._wait(self._poll_in)
-        self._arm()
-        return self.sock.recv_into(view)
+        return self._blocking(self.sock.recv_into, view)
 
     def line(self) -> bytes:
         """The next line without its CRLF; a line longer than MAX_LINE is a protocol error (a server

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="objects per put/get_into call (default 16)")
     parser.add_argument("--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per exists() call (default 8192)")
     parser.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark reference")
+    parser.add_argument("--auth", default="none", choices=("none", "hmac-sha256", "aes-gmac", "aes-gcm"),
+                        help="value protection to measure: none (default), a MAC keyed by a random tenant secret "
+                             "(hmac-sha256 or aes-gmac), or aes-gcm encryption (docs/remote.md)")
     parser.add_argument("--sizes", default=None,
                         help="object sizes in KiB, comma-separated, a subset of 64,256,1024,4096 (default all)")
 
@@ -250,7 +253,24 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "batch": max(1, args.batch),
         "lookup_keys": max(1, args.lookup_keys),
         "sizes": _sizes(args.sizes),
+        "auth": args.auth,
     }
+
+
+def _auth_options(auth: str) -> dict[str, Any]:
+    """Remote options for --auth: a random tenant secret for this run, handed over in an env var as an
+    operator would (never on a command line or in the report)."""
+    if auth == "none":
+        return {}
+    import secrets
+
+    os.environ["UMBP_BENCH_AUTH_KEY"] = secrets.token_hex(32)
+    opts: dict[str, Any] = {"auth_key_env": "UMBP_BENCH_AUTH_KEY"}
+    if auth == "aes-gcm":
+        opts["encrypt"] = True
+    else:
+        opts["auth_mac"] = auth
+    return opts
 
 
 def _sizes(text: str | None) -> list[int]:
@@ -284,7 +304,8 @@ def _print_table(report: dict[str, Any]) -> None:
     print(f"umbp bench remote: redis-server {srv['version']} at {cfg['url']} ({cfg['server']}), working set "
           f"{human(cfg['working_set_bytes'])}, {cfg['reps']} reps, batch {cfg['batch']}, medians; load avg "
           f"{report['machine']['load_avg'][0]:.2f} on {report['machine']['cpus']} CPUs; umbp's paths: "
-          f"{report['machine']['umbp_paths']}; reps: lowest-highest repetition's ratio"
+          f"{report['machine']['umbp_paths']}; values {report['values']}; reps: lowest-highest "
+          "repetition's ratio"
           + ("  [--quick: not representative]" if cfg["quick"] else ""))
     lk = report["lookup"]
     print(f"lookup {lk['keys']} keys ({lk['present']} present, {lk['key_bytes']}-char keys): median "
@@ -308,7 +329,8 @@ def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedi
     server = None if args.url else LocalRedis("umbp bench remote", "--url")
     url = args.url or server.url
     rc = RemoteConfig.from_options({"url": url, "key_prefix": "umbp-bench:", "quarantine_s": 0,
-                                    "timeout_s": 30, "write_queue_bytes": 2 * cfg["working_set_bytes"]})
+                                    "timeout_s": 30, "write_queue_bytes": 2 * cfg["working_set_bytes"],
+                                    **_auth_options(cfg["auth"])})
     ep = rc.endpoints[0]
     # redis-benchmark writes and flushes its own keys: only on the bench's private server
     has_rb = shutil.which("redis-benchmark") is not None and server is not None and not args.no_redis_benchmark
@@ -335,7 +357,9 @@ def run(args: argparse.Namespace) -> int:
         bench = _Bench(cfg, tier, progress)
         report["lookup"] = bench.run_lookup()
         report["results"] = [row for size in cfg["sizes"] for row in bench.run_size(size)]
-        report["tier_stats"] = {k: v for k, v in tier.stats().items() if k != "config"}
+        stats = tier.stats()
+        report["tier_stats"] = {k: v for k, v in stats.items() if k != "config"}
+        report["values"] = stats["config"]["values"]
     finally:
         progress.close()
         tier.clear()
