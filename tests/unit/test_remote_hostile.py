@@ -187,3 +187,30 @@ def test_garbage_replies_never_raise_out_of_the_tier():
             for call in (put_one, get_one, lambda t: get_one(t, SIZE + 100), lambda t: t.exists([KEY])):
                 assert bounded(lambda call=call, t=t: call(t), 3.0) == [False], g
             t.close()
+
+
+@pytest.mark.parametrize("when", [b"CLIENT", b"EVAL"])
+def test_hostile_replies_to_redis_py_paths_never_raise(when):
+    """Replies that redis-py parses (connection set-up; the repair after a miss) nested 100,000 deep:
+    redis-py's parser recurses, but the tier's call still returns misses."""
+    nested = b"*1\r\n" * 100_000 + b":1\r\n"
+
+    def respond(cmd):
+        if cmd[0].upper() == when:
+            return nested
+        return b"$-1\r\n" if cmd[0].upper() == b"GET" else b"+OK\r\n"
+
+    with FakeResp(respond) as server:
+        if when == b"CLIENT":
+            import fake_resp
+
+            server_setup = fake_resp._SETUP
+            fake_resp._SETUP = server_setup - {b"CLIENT"}
+        try:
+            t = tier_for(server)
+            assert bounded(lambda: get_one(t), 3.0) == [False]
+            assert bounded(lambda: t.exists([KEY]), 3.0) == [False]
+            t.close()
+        finally:
+            if when == b"CLIENT":
+                fake_resp._SETUP = server_setup

@@ -50,6 +50,10 @@ __all__ = ["RedisTier", "RemoteConfig"]
 log = logging.getLogger("umbp.remote")
 
 _NET_ERRORS = (OSError, redis.RedisError, ValueError)  # ValueError: a reply that does not parse
+# What redis-py's own reply parser (connection set-up, the slow paths) can raise on a hostile reply: it is
+# not bounded like umbp.pool.resp (deeply nested arrays recurse, huge counts allocate), and a cache call
+# must still not raise on what a server sends.
+_REDIS_PY_FAULTS = (*_NET_ERRORS, redis.exceptions.RedisClusterException, RecursionError, MemoryError, OverflowError)
 _PAGE = 4096  # put_async arena page: copies start page-aligned, so they are summed and sent whole
 _REDIRECT = "redirect"  # a result slot whose key must go through redis-py's cluster client
 _HIT, _ABSENT, _UNANSWERED, _MOVED = 1, 0, -1, -2  # exists() result codes
@@ -399,7 +403,7 @@ class RedisTier(Pool):
             except redis.exceptions.MaxConnectionsError:  # our own pool is busy, the server is fine
                 self._count(pool_exhausted=job.n)
                 continue
-            except _NET_ERRORS as exc:
+            except _REDIS_PY_FAULTS as exc:  # connecting: redis-py's set-up commands and their replies
                 self._node_failed(job.node, exc)
                 continue
             sess.wire.deadline = began + self.config.deadline_s(job.nbytes)
@@ -476,7 +480,7 @@ class RedisTier(Pool):
         order = [idx[j] for gs in groups.values() for g in gs for j in g.indices]
         try:
             values = self._backend.client().mget_nonatomic(names)
-        except _NET_ERRORS as exc:
+        except _REDIS_PY_FAULTS as exc:
             self._count(reply_errors=1)
             self._last_error = f"{type(exc).__name__}: {exc}"[:200]
             values, order = [], []  # unanswered: counted as lookup errors
@@ -618,7 +622,7 @@ class RedisTier(Pool):
             prefix = self._prefix_of(keys[i])
             try:
                 value = rc.get(prefix + "d:" + keys[i])
-            except _NET_ERRORS as exc:
+            except _REDIS_PY_FAULTS as exc:
                 self._last_error = f"{type(exc).__name__}: {exc}"[:200]
                 res[i] = "load_errors"
                 continue
@@ -650,7 +654,7 @@ class RedisTier(Pool):
                 for i, found in zip(idx, pipe.execute(), strict=True):
                     if found:
                         res[i] = _HIT
-        except (*_NET_ERRORS, redis.exceptions.RedisClusterException) as exc:
+        except _REDIS_PY_FAULTS as exc:
             self._last_error = f"exists (old keys): {type(exc).__name__}: {exc}"[:200]
 
     def _get_old(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> None:
@@ -666,7 +670,7 @@ class RedisTier(Pool):
                     if value is not None and res[i] == "misses_absent":
                         res[i] = _check_value(codec, keys[i], value, dsts[i])
                         self._count(old_key_hits=int(res[i] is True))
-        except (*_NET_ERRORS, redis.exceptions.RedisClusterException) as exc:
+        except _REDIS_PY_FAULTS as exc:
             self._last_error = f"get (old keys): {type(exc).__name__}: {exc}"[:200]
 
     def _prefix_of(self, key: str) -> str:
@@ -717,7 +721,7 @@ class RedisTier(Pool):
             for i, (k, p) in enumerate(zip(affected, prefixes, strict=True)):
                 pipe.execute_command("EVAL", _DROP if i < len(corrupt) else _HEAL, 2, p + "d:" + k, p + "m:" + k)
             replies = pipe.execute(raise_on_error=False)
-        except (*_NET_ERRORS, redis.exceptions.RedisClusterException) as exc:  # best effort: never fails a get
+        except _REDIS_PY_FAULTS as exc:  # best effort: never fails a get
             self._last_error = f"repair: {type(exc).__name__}: {exc}"[:200]
             return
         done = [not isinstance(r, Exception) and int(r or 0) > 0 for r in replies]
@@ -872,7 +876,7 @@ class RedisTier(Pool):
                 fresh = rc.set(p + "d:" + it.key, header + it.payload.tobytes(), nx=True, px=px)
                 rc.set(p + "m:" + it.key, b"1", nx=True, px=px)  # only after the value's SET succeeded
                 res[j] = True if fresh else "dup"
-            except _NET_ERRORS as exc:
+            except _REDIS_PY_FAULTS as exc:
                 self._last_error = f"{type(exc).__name__}: {exc}"[:200]
                 res[j] = None
         self._refresh()
