@@ -626,3 +626,13 @@ def test_matches_a_dict_model(server):
     finally:
         tier.clear()
         tier.close()
+
+
+def test_a_put_of_many_objects_is_read_back_in_bounded_runs(tier):
+    """10,000 saves in one call: their all-OK replies (40 bytes each) are matched a run at a time, so the
+    read buffer stays bounded however large the batch."""
+    keys = [f"many{i}" for i in range(10_000)]
+    assert tier.put(keys, [i.to_bytes(8, "little") for i in range(10_000)]) == [True] * 10_000
+    outs = [np.empty(8, np.uint8) for _ in keys[::997]]
+    assert tier.get_into(keys[::997], outs) == [True] * len(outs)
+    assert [int.from_bytes(o.tobytes(), "little") for o in outs] == list(range(0, 10_000, 997))

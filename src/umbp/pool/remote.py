@@ -61,6 +61,7 @@ GET_WINDOW_BYTES = 4 << 20
 PUT_SEND_BYTES = 256 << 10  # a put sends whenever this much payload is ready (see _store_job)
 _MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
 _STORED = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n+OK\r\n+OK\r\n"  # MULTI, SET value, SET marker, EXEC
+_STORED_RUN = 4096  # saves whose all-OK replies are matched at once (160 KiB of replies)
 _VALUE_SLACK = 4096  # a stored value may be this much longer than expected (a later format's header)
 _HEAL = ("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end return 0")
 _DROP = "return redis.call('UNLINK', KEYS[1], KEYS[2])"  # a script: cluster pipelines refuse multi-key UNLINK
@@ -819,12 +820,14 @@ class RedisTier(Pool):
                 wire.send(parts)
 
         def read(wire: Wire) -> None:
-            if wire.try_consume(_STORED * len(order)):
-                for _, j in order:
-                    res[j] = True
-                return
-            for _, j in order:
-                res[j] = self._stored([wire.reply(max_bulk=0, max_items=2, depth=2) for _ in range(4)])
+            for c0 in range(0, len(order), _STORED_RUN):  # matched a run at a time: a bounded buffer
+                run = order[c0 : c0 + _STORED_RUN]
+                if wire.try_consume(_STORED * len(run)):
+                    for _, j in run:
+                        res[j] = True
+                    continue
+                for _, j in run:
+                    res[j] = self._stored([wire.reply(max_bulk=0, max_items=2, depth=2) for _ in range(4)])
 
         return _Job(node, send, read, len(order), sum(items[j].payload.size for _, j in order))
 
