@@ -111,3 +111,42 @@ def test_a_waiting_request_does_not_ask_the_shared_tier_every_step(tmp_path, ser
     assert h2.umbp.lookup(req, 0) == (832, True) and asked() == 2 * first  # asked again
     assert restore(h2, "B", PROMPT) == (832, [])
     shut(h2)
+
+
+def test_a_value_forged_with_a_valid_checksum_is_a_recompute_with_a_tenant_secret(tmp_path, server, monkeypatch):
+    """With `auth_key_env`, someone who can write to the server (a co-tenant, the server itself) replaces
+    every stored value with altered bytes whose header and psum64 are fixed up to match: the checksum
+    passes, the tag does not, and the second instance recomputes instead of loading forged KV."""
+    import struct
+
+    import numpy as np
+    import redis
+
+    from umbp.pool.psum import checksum_u8
+    from umbp.pool.remote_auth import SEALED_HEADER_SIZE
+
+    monkeypatch.setenv("UMBP_TEST_TENANT_KEY", "tenant-secret-for-the-forgery-test")
+    sealed = {**extra(server.url)}
+    sealed["remote"] = {**sealed["remote"], "auth_key_env": "UMBP_TEST_TENANT_KEY"}
+    h1 = build(tmp_path, GROUPS, unit=16, extra=sealed)
+    compute_then_drop(h1, "A", PROMPT)
+    shut(h1)
+    client = redis.Redis.from_url(server.url)
+    forged = 0
+    for key in client.scan_iter(count=1000):
+        if b":d:" not in key:
+            continue
+        value = bytearray(client.get(key))
+        value[-1] ^= 0xFF
+        payload = np.frombuffer(bytes(value[SEALED_HEADER_SIZE:]), np.uint8)
+        struct.pack_into("<Q", value, 24, checksum_u8(payload))  # the checksum matches the forged bytes
+        client.set(key, bytes(value))
+        forged += 1
+    assert forged > 0
+    h2 = build(tmp_path, GROUPS, unit=16, extra=sealed)
+    assert restore(h2, "B", PROMPT) == (0, [])  # recomputed, no token differs from the reference
+    assert h2.umbp.totals["load_failures"] == 1
+    loads = h2.workers[0]._worker.remote.stats()
+    assert loads["auth_failures"] >= 1 and loads["checksum_failures"] == 0 and loads["hits"] == 0
+    assert h2.leaks() == {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0}
+    shut(h2)
