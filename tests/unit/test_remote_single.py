@@ -415,7 +415,13 @@ def test_put_interrupted_mid_batch_drops_the_connection(server, monkeypatch):
             outs = [np.empty(d.size, np.uint8) for d in data[:2]]
             assert tier.get_into(["j0", "j1"], outs) == [True, True]
             assert all(np.array_equal(o, d) for o, d in zip(outs, data, strict=False))
-        assert tier.exists(["i0", "i1", "i2"]) == [True, False, False]
+        # i0 went out whole before the interrupt; whether the server ran its transaction before the
+        # connection was reset is a race (the reset can discard bytes the server had not read yet), so
+        # only: the interrupted objects are absent, and i0, when present, loads exactly
+        present = tier.exists(["i0", "i1", "i2"])
+        assert present[1:] == [False, False]
+        out = np.empty(data[0].size, np.uint8)
+        assert tier.get_into(["i0"], [out]) == [present[0]] and (not present[0] or np.array_equal(out, data[0]))
         s = tier.stats()
         assert s["reply_errors"] == 0 and s["pool_exhausted"] == 0
     finally:

@@ -1023,9 +1023,15 @@ class RedisTier(Pool):
 def _take_payload(codec: PlainCodec | SealedCodec, wire: Wire, header: bytes, key: str, dst: np.ndarray) -> Any:
     """The rest of a value whose length matched: payload into dst (checksummed on the way), the closing
     CRLF; True, or the counter naming what the header, checksum or tag says is wrong."""
-    digest = _recv_with_checksum(wire, dst)
+    problem, stored = codec.inspect(header, key, dst.size)
+    tag = codec.stream(header, key) if problem is None else None
+    digest = _recv_with_checksum(wire, dst, None if tag is None else tag.update)
     wire.expect_crlf()
-    return _verified(codec, header, key, dst, digest)
+    if problem is None and digest != stored:
+        problem = "checksum_failures"
+    if problem is None:
+        problem = codec.open(header, key, dst) if tag is None else tag.verdict()
+    return problem or True
 
 
 def _verified(codec: PlainCodec | SealedCodec, header: bytes, key: str, dst: np.ndarray, digest: int) -> Any:
@@ -1038,12 +1044,15 @@ def _verified(codec: PlainCodec | SealedCodec, header: bytes, key: str, dst: np.
     return problem or True
 
 
-def _recv_with_checksum(wire: Wire, dst: np.ndarray) -> int:
+def _recv_with_checksum(wire: Wire, dst: np.ndarray, on_chunk: Callable[[memoryview], Any] | None = None) -> int:
     """Receive into dst chunk by chunk and sum each chunk's psum64 rows while it is still in cache (the
-    same fused pass as psum.copy_with_checksum, with the socket as the source); equals checksum_u8(dst)."""
+    same fused pass as psum.copy_with_checksum, with the socket as the source); equals checksum_u8(dst).
+    `on_chunk` (a sealed value's tag) gets each chunk too, while it is in cache."""
     nbytes = dst.size
     if nbytes <= psum.CHUNK_BYTES:
         wire.read_into(memoryview(dst))
+        if on_chunk is not None:
+            on_chunk(memoryview(dst))
         return checksum_u8(dst)
     full = nbytes // psum.ROW_BYTES * psum.ROW_BYTES
     rows = np.empty(full // psum.ROW_BYTES, np.uint64)
@@ -1051,6 +1060,8 @@ def _recv_with_checksum(wire: Wire, dst: np.ndarray) -> int:
     for c0 in range(0, nbytes, psum.CHUNK_BYTES):
         c1 = min(c0 + psum.CHUNK_BYTES, nbytes)
         wire.read_into(memoryview(dst[c0:c1]))
+        if on_chunk is not None:
+            on_chunk(memoryview(dst[c0:c1]))
         r0, r1 = c0 // psum.ROW_BYTES, min(c1, full) // psum.ROW_BYTES
         if r1 > r0:
             np.add.reduce(words[r0:r1], axis=1, out=rows[r0:r1])

@@ -153,6 +153,9 @@ class PlainCodec:
     def open(self, header: bytes, key: str, dst: np.ndarray) -> str | None:
         return None
 
+    def stream(self, header: bytes, key: str) -> None:
+        return None
+
 
 class SealedCodec:
     """Format 2: a 64-byte header, every value MACed (or AES-GCM encrypted) under the tenant's keys.
@@ -230,6 +233,16 @@ class SealedCodec:
             return "auth_failures", psum
         return None, psum
 
+    def stream(self, header: bytes, key: str) -> TagStream | None:
+        """For a header that inspect() accepted: a TagStream to feed the payload into as it arrives, whose
+        verdict() replaces open(); None where open() must run (aes-gcm, or a scheme this reader lacks)."""
+        _, _, _, nbytes, scheme, _, key_id, psum, nonce, tag, _ = SEALED_HEADER.unpack(header)
+        if scheme == 3 or (scheme != 1 and not have_cryptography()):
+            return None
+        out = TagStream(scheme, self._by_id[key_id], self._fields(nbytes, scheme, key_id, psum, nonce, key), key, nonce)
+        out.expected = tag
+        return out
+
     def open(self, header: bytes, key: str, dst: np.ndarray) -> str | None:
         """After inspect and the psum64 check passed: verify the tag (and decrypt dst in place for
         aes-gcm). None, or "auth_failures" (dst then holds bytes that must not be used)."""
@@ -294,22 +307,42 @@ def _name(keys: TenantKeys, key: str) -> bytes:
     return struct.pack("<I", len(name)) + name
 
 
+class TagStream:
+    """The tag of a MAC-only value (HMAC-SHA256 truncated, or AES-GMAC), fed in pieces: the authenticated
+    header fields and the value's name first, then its bytes chunk by chunk — so a load can feed each
+    chunk while it is still in cache, right after it was received, instead of a second pass afterwards."""
+
+    def __init__(self, scheme: int, keys: TenantKeys, fields: bytes, key: str, nonce: bytes) -> None:
+        named = _name(keys, key)
+        if scheme == 1:
+            self._h: Any = hmac.new(keys.mac_key, fields, hashlib.sha256)
+            self._h.update(named)
+            self.update = self._h.update
+        else:
+            _, cipher, algorithms, modes, _ = _crypto()
+            self._h = cipher(algorithms.AES(keys.mac_key), modes.GCM(nonce)).encryptor()
+            self._h.authenticate_additional_data(fields)
+            self._h.authenticate_additional_data(named)
+            self.update = self._h.authenticate_additional_data
+        self._scheme = scheme
+        self.expected = b""
+
+    def digest(self) -> bytes:
+        if self._scheme == 1:
+            return self._h.digest()[:_TAG_SIZE]
+        self._h.finalize()
+        return self._h.tag
+
+    def verdict(self) -> str | None:
+        """None when the bytes fed match the stored tag, else "auth_failures"."""
+        return None if hmac.compare_digest(self.digest(), self.expected) else "auth_failures"
+
+
 def _mac(scheme: int, keys: TenantKeys, fields: bytes, key: str, payload: np.ndarray, nonce: bytes) -> bytes:
-    """The 16-byte tag of a MAC-only value: HMAC-SHA256 (truncated) or AES-GMAC over the authenticated
-    header fields, the value's name and its bytes (fed in pieces: the payload is never copied)."""
-    named = _name(keys, key)
-    if scheme == 1:
-        h = hmac.new(keys.mac_key, fields, hashlib.sha256)
-        h.update(named)
-        h.update(memoryview(payload))
-        return h.digest()[:_TAG_SIZE]
-    _, cipher, algorithms, modes, _ = _crypto()
-    enc = cipher(algorithms.AES(keys.mac_key), modes.GCM(nonce)).encryptor()
-    enc.authenticate_additional_data(fields)
-    enc.authenticate_additional_data(named)
-    enc.authenticate_additional_data(memoryview(payload))
-    enc.finalize()
-    return enc.tag
+    """The 16-byte tag of a MAC-only value over the header fields, the value's name and its bytes."""
+    stream = TagStream(scheme, keys, fields, key, nonce)
+    stream.update(memoryview(payload))
+    return stream.digest()
 
 
 def codec_for(cfg: Any) -> PlainCodec | SealedCodec:
