@@ -231,3 +231,17 @@ def test_an_unauthenticated_tier_warns_at_start(make, caplog):
     with caplog.at_level("WARNING", logger="umbp.remote"):
         make(auth_key_env="UMBP_TEST_KEY_A")
     assert "unauthenticated" not in caplog.text
+
+
+@pytest.mark.parametrize("scheme", [1, 2], ids=["hmac", "gmac"])
+@pytest.mark.parametrize("size", [0, 4096, 256 << 10, (256 << 10) + 1])
+def test_one_shot_and_streamed_tags_agree(scheme, size):
+    """A value sealed in one call verifies when its tag is fed chunk by chunk while it is received."""
+    from umbp.pool.remote_auth import TagStream, TenantKeys, _mac
+
+    keys = TenantKeys.derive(SECRET_A.encode())
+    payload, nonce, fields = blob(size, 5), bytes(range(12)), bytes(range(64))
+    stream = TagStream(scheme, keys, fields, key(1), nonce)
+    for at in range(0, size, 10_000):
+        stream.update(memoryview(payload[at : at + 10_000]))
+    assert stream.digest() == _mac(scheme, keys, fields, key(1), payload, nonce)

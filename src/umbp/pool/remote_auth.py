@@ -338,8 +338,21 @@ class TagStream:
         return None if hmac.compare_digest(self.digest(), self.expected) else "auth_failures"
 
 
+_ONE_SHOT_GMAC = 256 << 10  # below this a one-shot AESGCM call on a joined copy beats a Cipher object (~6 us)
+
+
+@lru_cache(maxsize=16)
+def _gmac_of(mac_key: bytes) -> Any:
+    return _crypto()[4](mac_key)
+
+
 def _mac(scheme: int, keys: TenantKeys, fields: bytes, key: str, payload: np.ndarray, nonce: bytes) -> bytes:
-    """The 16-byte tag of a MAC-only value over the header fields, the value's name and its bytes."""
+    """The 16-byte tag of a MAC-only value over the header fields, the value's name and its bytes. AES-GMAC
+    of a small value is one AESGCM call over a joined copy (the same tag as TagStream's pieces: GCM
+    authenticates the concatenation of its associated data)."""
+    if scheme == 2 and payload.size <= _ONE_SHOT_GMAC:
+        aad = b"".join((fields, _name(keys, key), memoryview(payload)))
+        return _gmac_of(keys.mac_key).encrypt(nonce, b"", aad)
     stream = TagStream(scheme, keys, fields, key, nonce)
     stream.update(memoryview(payload))
     return stream.digest()
