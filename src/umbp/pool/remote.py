@@ -4,7 +4,7 @@
     tier = RedisTier(RemoteConfig.from_options({"url": "redis://127.0.0.1:6379/0", "ttl_s": 3600}))
     tier.exists(keys)                 # one pipelined round trip per server, however many keys
     tier.put(keys, buffers)           # or put_async: copies, returns at once, a background writer sends
-    tier.get_into(keys, buffers)      # header + checksum verified, bytes land in the caller's buffers
+    tier.get_into(keys, buffers)      # header + checksum (+ tag) verified, bytes land in the caller's buffers
 
 Failure semantics (why this shape): the tier is a cache. A server that is down, slow or restarting must
 cost the engine a recompute, never a stall, an exception or a wrong byte. So every network failure turns
@@ -12,6 +12,10 @@ into misses (lookups, loads) or dropped saves, all counted; the server is then l
 `retry_interval_s` (calls answer at once), and the next call after that reconnects. A key whose load
 failed is quarantined for `quarantine_s`: `exists` says False, so a rescheduled request does not retry the
 same failing load every step. Bad *input* (wrong buffer type, unknown option) still raises, as in DramPool.
+A broken or hostile server gets the same treatment: replies are bounded by what was asked, every call has
+one deadline, and nothing a server sends makes a call raise. With a tenant secret (`auth_key_env`) every
+value carries a tag keyed by it (umbp.pool.remote_auth), so no one without the secret can plant a value
+that loads; without one the tier warns at start-up that it is unauthenticated.
 
 The hot paths use redis-py's connections with a minimal RESP codec (`umbp.pool.resp`); connecting, auth,
 TLS, pooling, and the cluster's slot table and MOVED/ASK handling are redis-py's. See docs/remote.md.

@@ -8,6 +8,11 @@ with numpy, and a load streams the value straight into the destination (`recv_in
 connecting, AUTH/ACL, TLS, timeouts, the connection pool, cluster topology, MOVED/ASK on the slow path —
 stays redis-py's.
 
+The client is bounded like a server: what it reads is limited by what it asked for (a reply longer than
+the request can receive, an endless line, deep nesting is a ProtocolError before anything is allocated
+on the server's word), and every wait ends at the call's deadline (`Wire.deadline`), not a timeout per
+receive, so a server that drips bytes cannot stretch a call.
+
 A `Wire` is made per checkout of a connection and must be drained before the connection goes back to
 the pool; any error (timeout, short read, unexpected reply) means the stream position is unknown, so the
 caller disconnects the connection instead of returning it.
@@ -177,8 +182,9 @@ class Wire:
     # ---- writing ------------------------------------------------------------------------------------
 
     def send(self, parts: Sequence[bytes | memoryview]) -> None:
-        """Send parts in order without copying them: one gathering sendmsg on plain TCP; on TLS (no
-        sendmsg) small parts are coalesced into one write and large ones written as they are."""
+        """Send parts in order without copying them: gathering writes (writev) on plain TCP; on TLS (no
+        sendmsg) small parts are coalesced into one write and large ones written as they are. Either way
+        a server that stops reading holds the call no longer than its deadline."""
         if self.gather:
             if self._poll_out is not None:
                 self._writev_all(parts)
