@@ -65,6 +65,7 @@ GET_WINDOW_BYTES = 4 << 20
 PUT_SEND_BYTES = 256 << 10  # a put sends whenever this much payload is ready (see _store_job)
 _MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
 _STORED = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n+OK\r\n+OK\r\n"  # MULTI, SET value, SET marker, EXEC
+_REMOVABLE = ("checksum_failures", "auth_failures", "unauthenticated_values")  # deleted after a failed load
 _STORED_RUN = 4096  # saves whose all-OK replies are matched at once (160 KiB of replies)
 _VALUE_SLACK = 4096  # a stored value may be this much longer than expected (a later format's header)
 _HEAL = ("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end return 0")
@@ -710,7 +711,9 @@ class RedisTier(Pool):
         or expired apart), so no other instance keeps trying them. One pipelined round trip for the
         batch: a command per key, each awaited, made a get of 1,024 absent 16 KiB keys take 132-146 ms
         on loopback against 8-15 ms for 1,024 hits (16-20 ms with the pipeline)."""
-        corrupt = [k for k, r in zip(keys, res, strict=True) if r == "checksum_failures"]
+        # a value failing its tag is deleted like a damaged one: saves are SET NX, so a planted value left
+        # in place would turn every later save of the key into a no-op and every load into a miss
+        corrupt = [k for k, r in zip(keys, res, strict=True) if r in _REMOVABLE]
         absent = [k for k, r in zip(keys, res, strict=True) if r == "misses_absent"]
         if not corrupt and not absent:
             return
