@@ -6,6 +6,7 @@ writes to the socket itself (a dripping or endless server), or None to read on w
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +21,8 @@ class FakeResp:
     """One listening socket; each client connection is served by a daemon thread until it closes or the
     server is stopped. Use as a context manager."""
 
-    def __init__(self, respond: Respond, read_commands: bool = True) -> None:
-        self.respond, self.read_commands = respond, read_commands
+    def __init__(self, respond: Respond, read_commands: bool = True, tls: ssl.SSLContext | None = None) -> None:
+        self.respond, self.read_commands, self.tls = respond, read_commands, tls
         self.commands: list[list[bytes]] = []
         self._listener = socket.create_server((HOST, 0))
         self._listener.settimeout(0.1)
@@ -32,7 +33,7 @@ class FakeResp:
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{HOST}:{self.port}/0"
 
     def __enter__(self) -> FakeResp:
         self._accepting.start()
@@ -60,6 +61,13 @@ class FakeResp:
             self._threads.append(t)
 
     def _serve(self, conn: socket.socket) -> None:
+        if self.tls is not None:
+            conn.settimeout(5)
+            try:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            except OSError:
+                conn.close()
+                return
         conn.settimeout(0.1)
         reader = _Reader(conn, self._stop)
         try:

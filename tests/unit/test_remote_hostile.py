@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytest.importorskip("redis")
 
 from fake_resp import FakeResp, drip, endless  # noqa: E402
+from redis_servers import make_tls_files  # noqa: E402
 from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
 from umbp.pool.remote_format import HEADER_SIZE, pack_header  # noqa: E402
 
@@ -214,3 +215,21 @@ def test_hostile_replies_to_redis_py_paths_never_raise(when):
         finally:
             if when == b"CLIENT":
                 fake_resp._SETUP = server_setup
+
+
+def test_a_dripping_server_over_tls_is_held_to_the_whole_call_deadline(tmp_path):
+    """TLS sockets have no descriptor shortcut: each receive and send gets what is left of the deadline
+    as its timeout (and the socket's own timeout back after it)."""
+    import ssl
+
+    tls = make_tls_files(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    reply = b"$%d\r\n" % (HEADER_SIZE + SIZE) + pack_header(KEY, SIZE, 0) + b"\0" * SIZE + b"\r\n"
+    with FakeResp(lambda cmd: None, tls=ctx) as server:
+        server.respond = on((b"GET", b"MULTI", b"SET"), drip(reply * 4, 0.2, server))
+        t = tier_for(server, tls_ca_file=str(tls.ca), connect_timeout_s=5)
+        assert bounded(lambda: get_one(t), 1.8) == [False]
+        assert bounded(lambda: put_one(t), 1.8) == [False]
+        assert t.stats()["timeouts"] == 2
+        t.close()
