@@ -21,7 +21,9 @@ class FakeResp:
     """One listening socket; each client connection is served by a daemon thread until it closes or the
     server is stopped. Use as a context manager."""
 
-    def __init__(self, respond: Respond, read_commands: bool = True, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, respond: Respond, read_commands: bool = True, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.respond, self.read_commands, self.tls = respond, read_commands, tls
         self.commands: list[list[bytes]] = []
         self._listener = socket.create_server((HOST, 0))

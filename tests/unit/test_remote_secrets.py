@@ -42,7 +42,9 @@ BAD_URLS = [
 @pytest.mark.parametrize("url", BAD_URLS)
 def test_url_errors_never_show_the_password(url):
     with pytest.raises(OptionValueError) as e:
-        RemoteConfig.from_options({"url": url, "timeout_s": 1}) if "?" not in url else parse_url(url + "x:99999")
+        RemoteConfig.from_options({"url": url, "timeout_s": 1}) if "?" not in url else parse_url(
+            url + "x:99999"
+        )
     assert_hidden(str(e.value))
     with pytest.raises(OptionValueError) as e:
         RemoteConfig.from_options({"urls": [url, "redis://127.0.0.1:1/0"], "cluster": True})
@@ -58,8 +60,11 @@ def test_a_password_with_url_delimiters_is_parsed_whole():
 
 
 def test_option_values_with_secrets_are_redacted_in_errors(monkeypatch):
-    for value in ([f"redis://:{PASSWORD}@h:1/0"], {"url": f"redis://:{PASSWORD}@h:1", "password": PASSWORD},
-                  (f"redis://u:{PASSWORD}@h:1",)):
+    for value in (
+        [f"redis://:{PASSWORD}@h:1/0"],
+        {"url": f"redis://:{PASSWORD}@h:1", "password": PASSWORD},
+        (f"redis://u:{PASSWORD}@h:1",),
+    ):
         assert_hidden(redact_options(value))
     with pytest.raises(OptionValueError) as e:
         RemoteConfig.from_options({"url": "redis://h:1", "password": 123})
@@ -91,14 +96,23 @@ def test_wrong_password_and_tenant_secret_stay_out_of_errors_and_stats(tmp_path,
     s = start_server(tmp_path, password=PASSWORD)
     monkeypatch.setenv("UMBP_TEST_SECRET", SECRET)
     try:
-        good = RedisTier(RemoteConfig.from_options({"url": f"redis://:{PASSWORD}@127.0.0.1:{s.port}/0",
-                                                    "auth_key_env": "UMBP_TEST_SECRET"}))
+        good = RedisTier(
+            RemoteConfig.from_options(
+                {"url": f"redis://:{PASSWORD}@127.0.0.1:{s.port}/0", "auth_key_env": "UMBP_TEST_SECRET"}
+            )
+        )
         assert good.put(["k"], [b"value"]) == [True]  # the unencoded password authenticates
         out = np.empty(5, np.uint8)
         assert good.get_into(["k"], [out]) == [True] and out.tobytes() == b"value"
         with caplog.at_level(logging.DEBUG):
-            bad = RedisTier(RemoteConfig.from_options({"url": f"redis://:{PASSWORD[::-1]}@127.0.0.1:{s.port}/0",
-                                                       "auth_key_env": "UMBP_TEST_SECRET"}))
+            bad = RedisTier(
+                RemoteConfig.from_options(
+                    {
+                        "url": f"redis://:{PASSWORD[::-1]}@127.0.0.1:{s.port}/0",
+                        "auth_key_env": "UMBP_TEST_SECRET",
+                    }
+                )
+            )
             assert bad.put(["k2"], [b"v"]) == [False]
         text = caplog.text + str(bad.stats()) + str(good.stats()) + repr(good.config) + repr(good._codec)
         assert_hidden(text)

@@ -239,7 +239,9 @@ class SealedCodec:
         _, _, _, nbytes, scheme, _, key_id, psum, nonce, tag, _ = SEALED_HEADER.unpack(header)
         if scheme == 3 or (scheme != 1 and not have_cryptography()):
             return None
-        out = TagStream(scheme, self._by_id[key_id], self._fields(nbytes, scheme, key_id, psum, nonce, key), key, nonce)
+        out = TagStream(
+            scheme, self._by_id[key_id], self._fields(nbytes, scheme, key_id, psum, nonce, key), key, nonce
+        )
         out.expected = tag
         return out
 
