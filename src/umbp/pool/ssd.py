@@ -55,6 +55,7 @@ from umbp.pool.ssd_format import (
     DATA,
     LOCK_NAME,
     MAX_KEY_BYTES,
+    MAX_SEGMENT_NUMBER,
     SUMMARY,
     TOMBSTONE,
     RecordInfo,
@@ -69,11 +70,11 @@ from umbp.pool.ssd_format import (
     psum_of_rows,
     psums_of_records,
     record_bytes,
-    scan,
     seal_bytes,
     segment_name,
 )
 from umbp.pool.ssd_options import SsdOptions
+from umbp.pool.ssd_recovery import scan, write_flush_mark
 
 log = logging.getLogger("umbp.ssd")
 KiB, MiB = 1 << 10, 1 << 20
@@ -182,6 +183,7 @@ class _Shard:
     active: _Segment | None = None
     next_seq: int = 1
     next_segment: int = 1
+    written_seq: int = 0  # the highest seq of a record whose write reached the file (what flush() marks)
     index: dict[str, _Loc] = field(default_factory=dict)
     lru: OrderedDict[str, None] = field(default_factory=OrderedDict)
     staged: dict[str, _Item] = field(default_factory=dict)
@@ -350,12 +352,13 @@ class SsdTier(Pool):
         """Adopt what the directory holds: index the winners, seal segments a crash left open."""
         found = scan(shard.directory)
         shard.next_seq, shard.next_segment = found.next_seq, found.next_segment
+        shard.written_seq = found.next_seq - 1
         for reason in found.discarded:
             log.warning("umbp: SSD %s: %s", shard.directory, reason)
+        self._unlink_empty(shard, found.segments)
         by_number = {}
         for s in found.segments:
-            if not s.records:  # nothing valid in it (e.g. created just before a crash)
-                os.unlink(s.path)
+            if not s.records:
                 continue
             seg = _Segment(s.number, s.path, self._open_fd(shard, s.path, create=False), s.size, s.sealed,
                            list(s.records), sum(entry_bytes(k.encode()) for k, _ in s.records))
@@ -370,6 +373,21 @@ class SsdTier(Pool):
                 self._counters["foreign_records"] += 1
                 continue
             self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum))
+
+    @staticmethod
+    def _unlink_empty(shard: _Shard, segments: list) -> None:
+        """Delete segments left with nothing to serve (created just before a crash, or holding only records
+        a loss withholds), durably, before the walked segments are sealed: a seal ends their walks, so a
+        withheld older record must be gone from the disk before the loss that withholds it is forgotten."""
+        empty = [s for s in segments if not s.records]
+        for s in empty:
+            os.unlink(s.path)
+        if empty:
+            dfd = os.open(shard.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
 
     def _open_fd(self, shard: _Shard, path: str, create: bool) -> int:
         flags = os.O_RDWR | os.O_CLOEXEC | ((os.O_CREAT | os.O_EXCL) if create else 0)
@@ -776,12 +794,15 @@ class SsdTier(Pool):
                 if left is not None and left <= 0:
                     return False
                 self._idle.wait(left)
-            fds = [s.active.fd for s in self._shards if s.active is not None and s.active.fd >= 0]
-        for fd in fds:
+            marks = [(s.directory, s.active.fd if s.active is not None else -1, s.written_seq) for s in self._shards]
+        for directory, fd, seq in marks:
             try:
-                os.fdatasync(fd)
+                if fd >= 0:
+                    os.fdatasync(fd)
             except OSError:
-                pass
+                continue  # not synced: no mark (a restart then treats these records as never flushed)
+            if seq:  # what a restart needs to tell damaged flushed records from a crash's torn writes
+                write_flush_mark(directory, seq)
         return True
 
     def wait_for_room(self, sizes: Sequence[int], timeout: float | None = None) -> bool:
@@ -1477,6 +1498,7 @@ class SsdTier(Pool):
                 else:
                     it.state = DONE
             if whole:
+                shard.written_seq = max(shard.written_seq, w.seqs[-1])
                 seg.size += w.nbytes
                 seg.entry_bytes += ebytes
                 c["records_written"] += len(w.group)
@@ -1511,6 +1533,9 @@ class SsdTier(Pool):
 
     def _new_segment(self, shard: _Shard) -> _Segment | None:
         number = shard.next_segment
+        if number > MAX_SEGMENT_NUMBER:  # never a name the scanner would not read back
+            self._fail(shard, f"segment numbers are exhausted (a file seg-{number - 1}.umbp is present)")
+            return None
         shard.next_segment += 1
         path = os.path.join(shard.directory, segment_name(number))
         try:
@@ -1648,6 +1673,7 @@ class SsdTier(Pool):
             seg.entries.append((key, RecordInfo(seg.number, at, loc.length, loc.checksum, seq, DATA)))
             seg.entry_bytes += entry_bytes(kb)
             seg.size = at + pay
+            shard.written_seq = max(shard.written_seq, seq)
             self._set_reserved(shard, seg)
             self._counters["copied_forward"] += 1
             self._counters["copied_forward_bytes"] += head + pay
