@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ _MARK_MAGIC = b"UMBP-FLS"
 _MARK_SLOT = 512  # two slots, written alternately: a torn write spoils one, the other holds the previous mark
 _RESYNC_CHUNK = 1 << 20  # bytes read at a time while looking for the next valid head past damage
 _LOOKS_LIKE_SEGMENT = re.compile(r"^seg-\d+\.umbp$")
+_MARK_LOCK = threading.Lock()  # concurrent flush() calls: the slot choice and its write go together
 
 
 # ---- the flush mark --------------------------------------------------------------------------------------
@@ -102,6 +104,11 @@ def write_flush_mark(directory: str, seq: int) -> bool:
     the slot holding the lower (or no) mark, then syncs, so one valid slot survives a torn write. False
     (logged) if it could not be written: a restart then judges losses against the previous mark."""
     path = os.path.join(directory, FLUSH_MARK_NAME)
+    with _MARK_LOCK:
+        return _write_mark(path, directory, seq)
+
+
+def _write_mark(path: str, directory: str, seq: int) -> bool:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -414,10 +421,13 @@ def _segment_files(directory: str) -> list[int]:
 
 def scan(directory: str) -> DirectoryScan:
     """Every segment of `directory`, oldest first, and the winning record of each present key."""
+    # the mark first: a reader beside a running owner must not judge what it saw against a mark newer than
+    # the files it read (records still being written would look like flushed ones lost)
+    mark = read_flush_mark(directory)
     numbers = _segment_files(directory)
     segments = [s for n in numbers if (s := scan_segment(os.path.join(directory, segment_name(n)), n))]
     sealed_max = max((r.seq for s in segments if s.sealed for _, r in s.records), default=0)
-    flushed = max(read_flush_mark(directory), sealed_max)
+    flushed = max(mark, sealed_max)
     horizon = _horizon(segments, flushed)
     if horizon:
         for s in segments:
