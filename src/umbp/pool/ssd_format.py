@@ -1,6 +1,7 @@
 """The SSD tier's on-disk format, and a read-only scanner usable from any process (see docs/ssd.md).
 
-A directory holds `LOCK` (the owner's flock) and append-only segment files `seg-<12 digits>.umbp`. A
+A directory holds `LOCK` (the owner's flock), `FLUSHED` (the flush mark, umbp.pool.ssd_recovery) and
+append-only segment files `seg-<12 digits, more once needed>.umbp`. A
 segment is a sequence of groups (format 2, what this code writes) or records (format 1, still read). Every
 group starts on a 4 KiB boundary and is a whole number of 4 KiB blocks, so the owner can write and read it
 with O_DIRECT::
