@@ -492,3 +492,23 @@ def test_a_torn_format1_segment_is_cut_where_it_tears(tmp_path):
     assert os.path.getsize(seg) > 4 * (BLOCK + padded(20 * KiB))  # sealed after k3
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
         assert _check(tier, blobs) == ["k0", "k1", "k2", "k3"]
+
+
+def test_a_corrupt_format1_header_is_stepped_over_and_a_sealed_newer_record_withholds_the_older(tmp_path):
+    """Format 1 is walked with the same resync: a zeroed header block loses its record (key unknown), the
+    records after it are served. Here a later sealed segment proves the lost record was synced (its seq is
+    below the newest sealed one), so the records older than the loss are withheld: the lost one may have
+    been a newer version of any of them."""
+    blobs = {f"k{i}": _blob(20 * KiB, i) for i in range(4)}
+    _segment1(tmp_path, 1, [(k, DATA, 1 + i, v) for i, (k, v) in enumerate(blobs.items())], sealed=False)
+    with open(tmp_path / segment_name(1), "r+b") as f:  # k1's header block
+        f.seek(BLOCK + padded(20 * KiB))
+        f.write(bytes(BLOCK))
+    assert sorted(scan_directory(str(tmp_path))) == ["k0", "k2", "k3"]  # nothing synced is known: a torn write
+    late = _blob(8 * KiB, 50)
+    _segment1(tmp_path, 2, [("late", DATA, 5, late)], sealed=True)  # the next seq: no records missing between
+    assert sorted(scan_directory(str(tmp_path))) == ["k2", "k3", "late"]
+    with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
+        assert _check(tier, blobs | {"late": late}) == ["k2", "k3", "late"]
+    with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:  # decided once, kept
+        assert _check(tier, blobs | {"late": late}) == ["k2", "k3", "late"]

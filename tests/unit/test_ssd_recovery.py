@@ -444,3 +444,21 @@ def test_a_flushed_remove_of_an_evicted_object_is_not_undone_by_a_restart(tmp_pa
         assert tier.flush()
     with _tier(tmp_path) as tier:
         assert _hits(tier, {"k": 1, "other": 1}) == {"k": False, "other": True}
+
+
+def test_a_sealed_segment_cut_at_a_group_boundary_is_caught_by_the_seq_gap(tmp_path):
+    """A cut that removes whole groups (and the seal) leaves a walk that ends cleanly; only the seqs tell:
+    the next segment starts past the next seq, below the flush mark, so records were lost there (here the
+    tombstone of "a") and every older record is withheld."""
+    with _tier(tmp_path) as tier:
+        _fill(tier, ["a", "b"], 1)  # seqs 1, 2
+        assert tier.remove(["a"]) == 1 and tier.flush()  # seq 3, cut away below
+    with _tier(tmp_path) as tier:
+        _fill(tier, ["d"], 2)  # seq 4, in the next segment
+    first = _segments(str(tmp_path))[0]
+    tomb = next(r for s in scan(str(tmp_path)).segments for _, r in s.records if r.flags == TOMBSTONE)
+    os.truncate(first, tomb.offset - BLOCK)
+    result = scan(str(tmp_path))
+    assert result.horizon == 2 and sorted(result.records) == ["d"]
+    with _tier(tmp_path) as tier:
+        assert _hits(tier, {"a": 1, "b": 1, "d": 2}) == {"a": False, "b": False, "d": True}
