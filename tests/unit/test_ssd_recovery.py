@@ -306,8 +306,9 @@ def test_damage_before_a_flushed_tombstone_and_reput_never_brings_back_the_old_v
         with open(path, "r+b") as f:
             f.seek(x.offset + BLOCK)
             f.write(bytes(BLOCK))
-    for _ in range(2):
+    for restart in range(2):
         with SsdTier(directory, capacity_bytes=64 * MiB) as tier:
+            assert tier.stats()["restart_damaged_records"] == (1 if restart == 0 else 0)  # then a tombstone
             out = np.empty(48 * KiB, np.uint8)
             assert tier.get_into(["K"], [out]) == [True]
             assert (out == 3).all(), f"K served {out[0]}: the removed, replaced v1 came back"
@@ -362,10 +363,12 @@ def test_a_corrupt_group_head_withholds_what_is_older_and_serves_what_is_newer(t
         result.flushed_seq == 7 and result.horizon == 4
     )  # 4: a's tombstone, the last record before the loss
     assert sorted(result.records) == ["d", "e"]
-    for _ in range(2):
+    for restart in range(2):
         with _tier(tmp_path) as tier:
             got = _hits(tier, {"a": 3, "b": 1, "c": 2, "d": 3, "e": 4})
+            counted = tier.stats()["restart_withheld_records"]
         assert got == {"a": False, "b": False, "c": False, "d": True, "e": True}
+        assert counted == (4 if restart == 0 else 0)  # a, b, c and a's tombstone; gone from the disk after
 
 
 def test_an_unflushed_torn_group_withholds_nothing(tmp_path):

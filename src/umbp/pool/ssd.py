@@ -308,7 +308,7 @@ class SsdTier(Pool):
              "put_checksum_mismatch", "records_written", "bytes_written", "tombstones", "tombstones_dropped", "hits", "hits_staged",
              "misses", "checksum_failures", "read_errors", "bytes_read", "evictions", "evicted_bytes",
              "segments_reclaimed", "copied_forward", "copied_forward_bytes", "segments_lost", "write_errors",
-             "enospc", "seal_errors", "foreign_records"),
+             "enospc", "seal_errors", "foreign_records", "restart_damaged_records", "restart_withheld_records"),
             0,
         )
         self._ndirs = len(dirs)
@@ -357,6 +357,8 @@ class SsdTier(Pool):
         shard.written_seq = found.next_seq - 1
         for reason in found.discarded:
             log.warning("umbp: SSD %s: %s", shard.directory, reason)
+        self._counters["restart_damaged_records"] += found.damaged
+        self._counters["restart_withheld_records"] += found.withheld
         self._unlink_empty(shard, found.segments)
         by_number = {}
         for s in found.segments:

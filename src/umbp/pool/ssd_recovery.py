@@ -145,6 +145,7 @@ class SegmentScan:
     records: list[tuple[str, RecordInfo]] = field(default_factory=list)
     losses: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    shadows: int = 0  # records listed as tombstones because their payload is damaged or missing
 
     @property
     def discarded(self) -> str:
@@ -159,6 +160,7 @@ class SegmentScan:
     def shadow(self, key: str, r: RecordInfo, why: str = "") -> None:
         """A record whose key and seq are known and whose payload is not: it hides every older version."""
         self.records.append((key, r._replace(flags=TOMBSTONE)))
+        self.shadows += 1
         if why:
             self.problems.append(why)
 
@@ -362,9 +364,10 @@ class DirectoryScan:
     next_seq: int
     next_segment: int
     flushed_seq: int = 0  # the flush mark, or the newest sealed record if higher
-    horizon: int = (
-        0  # records of seq <= horizon are withheld: flushed bytes of unknown keys were lost after them
-    )
+    # records of seq <= horizon are withheld: flushed bytes of unknown keys were lost after them
+    horizon: int = 0
+    withheld: int = 0  # records withheld for that
+    damaged: int = 0  # records whose payload the walk found damaged or missing (misses)
 
     @property
     def discarded(self) -> list[str]:
@@ -429,9 +432,13 @@ def scan(directory: str) -> DirectoryScan:
     sealed_max = max((r.seq for s in segments if s.sealed for _, r in s.records), default=0)
     flushed = max(mark, sealed_max)
     horizon = _horizon(segments, flushed)
+    damaged = sum(s.shadows for s in segments)
+    withheld = 0
     if horizon:
         for s in segments:
-            s.records = [(k, r) for k, r in s.records if r.seq > horizon]
+            kept = [(k, r) for k, r in s.records if r.seq > horizon]
+            withheld += len(s.records) - len(kept)
+            s.records = kept
     best: dict[str, RecordInfo] = {}
     for seg in segments:
         for key, r in seg.records:
@@ -446,6 +453,8 @@ def scan(directory: str) -> DirectoryScan:
         next_segment=(numbers[-1] + 1) if numbers else 1,
         flushed_seq=flushed,
         horizon=horizon,
+        withheld=withheld,
+        damaged=damaged,
     )
 
 
