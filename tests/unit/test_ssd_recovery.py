@@ -421,13 +421,15 @@ def test_the_flush_mark_is_never_lowered_and_survives_a_torn_slot(tmp_path):
 def test_a_stray_last_segment_number_never_makes_names_the_scanner_skips(tmp_path):
     """A stray seg-999999999999.umbp used to make the next name 13 digits long, which the scanner ignored:
     objects flushed there were lost at restart. Now such names are read back."""
-    (tmp_path / "seg-999999999999.umbp").write_bytes(b"")
     with _tier(tmp_path) as tier:
-        assert tier.put(["k"], [value(1)]) == [True]
+        _fill(tier, ["old"], 1)
+    os.rename(tmp_path / "seg-000000000001.umbp", tmp_path / "seg-999999999999.umbp")  # the stray: a real one
+    with _tier(tmp_path) as tier:
+        assert tier.put(["k"], [value(2)]) == [True]
         assert tier.flush()
     assert "seg-1000000000000.umbp" in os.listdir(tmp_path)
     with _tier(tmp_path) as tier:
-        assert _hits(tier, {"k": 1}) == {"k": True}
+        assert _hits(tier, {"k": 2, "old": 1}) == {"k": True, "old": True}
     assert segment_number("seg-0000000000001.umbp") is None  # one name per number: no leading zero past 12
     with pytest.raises(ValueError, match="out of range"):
         segment_name(10**19)
@@ -465,3 +467,20 @@ def test_a_sealed_segment_cut_at_a_group_boundary_is_caught_by_the_seq_gap(tmp_p
     assert result.horizon == 2 and sorted(result.records) == ["d"]
     with _tier(tmp_path) as tier:
         assert _hits(tier, {"a": 1, "b": 1, "d": 2}) == {"a": False, "b": False, "d": True}
+
+
+def test_segment_numbers_at_the_end_of_their_range_fail_the_directory_clearly(tmp_path):
+    """A stray garbage file with the largest number is deleted at start-up and takes no number with it; a
+    real segment there leaves no number for the next one: the directory is failed with a message that
+    says so, and what it holds is still served."""
+    (tmp_path / "seg-9999999999999999999.umbp").write_bytes(os.urandom(BLOCK))
+    with _tier(tmp_path) as tier:
+        _fill(tier, ["k"], 1)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("seg-")) == ["seg-000000000001.umbp"]
+    os.rename(tmp_path / "seg-000000000001.umbp", tmp_path / "seg-9999999999999999999.umbp")
+    with _tier(tmp_path) as tier:
+        assert _hits(tier, {"k": 1}) == {"k": True}
+        assert tier.put(["new"], [value(2)]) == [True]
+        tier.flush()
+        assert "segment numbers are exhausted" in tier.stats()["failed_dirs"][str(tmp_path)]
+        assert _hits(tier, {"k": 1}) == {"k": True}

@@ -360,6 +360,9 @@ class SsdTier(Pool):
         self._counters["restart_damaged_records"] += found.damaged
         self._counters["restart_withheld_records"] += found.withheld
         self._unlink_empty(shard, found.segments)
+        # numbers of deleted files are free again: a stray empty or garbage seg-999999999999.umbp must not
+        # push every later name up
+        shard.next_segment = max((s.number for s in found.segments if s.records), default=0) + 1
         by_number = {}
         for s in found.segments:
             if not s.records:
