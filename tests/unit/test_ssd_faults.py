@@ -277,10 +277,10 @@ def test_torn_tail_and_corrupt_headers_at_restart(tmp_path):
         assert _check(tier, blobs) == ["k0", "k1", "k2", "k3"]
 
 
-def test_a_torn_record_in_the_middle_of_a_walked_segment_ends_the_walk(tmp_path):
+def test_a_torn_record_in_the_middle_of_a_walked_segment_is_a_miss_and_the_walk_goes_on(tmp_path):
     """A crash with several writes in flight can cut an earlier write short while a later one completed:
-    a torn record with intact records after it. The walk must stop at the torn record, so neither it nor
-    anything after it is indexed (no record after a hole), and nothing fails its checksum when read."""
+    a torn record with intact records after it. The torn record is a miss (never indexed, so nothing fails
+    its checksum when read); the records after it are still served (the walk used to stop there)."""
     blobs = {f"k{i}": _blob(10 * KiB, i) for i in range(5)}
     with _tier(tmp_path) as tier:
         tier.put(list(blobs), list(blobs.values()))
@@ -290,13 +290,13 @@ def test_a_torn_record_in_the_middle_of_a_walked_segment_ends_the_walk(tmp_path)
     with open(seg, "r+b") as f:  # k2's last payload block never reached the disk (a hole reads as zeros)
         f.seek(loc.offset + padded(loc.length) - BLOCK)
         f.write(bytes(BLOCK))
-    assert sorted(scan_directory(str(tmp_path))) == ["k0", "k1"]
+    assert sorted(scan_directory(str(tmp_path))) == ["k0", "k1", "k3", "k4"]
     with _tier(tmp_path) as tier:
-        assert _check(tier, blobs) == ["k0", "k1"]
+        assert _check(tier, blobs) == ["k0", "k1", "k3", "k4"]
         assert tier.stats()["checksum_failures"] == 0
         tier.put(["k2"], [blobs["k2"]])
-    with _tier(tmp_path) as tier:  # the walked segment was cut at k2 and sealed; k2 is in the next one
-        assert _check(tier, blobs) == ["k0", "k1", "k2"]
+    with _tier(tmp_path) as tier:  # the walked segment was sealed with k2 as a miss; k2 is in the next one
+        assert _check(tier, blobs) == ["k0", "k1", "k2", "k3", "k4"]
 
 
 def test_segment_deleted_under_the_running_process(tmp_path):
@@ -485,10 +485,30 @@ def test_a_torn_format1_segment_is_cut_where_it_tears(tmp_path):
     with open(seg, "r+b") as f:  # k2's last payload block never reached the disk
         f.seek(3 * (BLOCK + padded(20 * KiB)) - BLOCK)
         f.write(bytes(BLOCK))
-    assert sorted(scan_directory(str(tmp_path))) == ["k0", "k1"]
+    assert sorted(scan_directory(str(tmp_path))) == ["k0", "k1", "k3"]  # k2 a miss, the walk goes on
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
-        assert _check(tier, blobs) == ["k0", "k1"]
+        assert _check(tier, blobs) == ["k0", "k1", "k3"]
         assert tier.put(["k2"], [blobs["k2"]]) == [True]
-    assert os.path.getsize(seg) > 2 * (BLOCK + padded(20 * KiB))  # cut after k1, then sealed
+    assert os.path.getsize(seg) > 4 * (BLOCK + padded(20 * KiB))  # sealed after k3
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
-        assert _check(tier, blobs) == ["k0", "k1", "k2"]
+        assert _check(tier, blobs) == ["k0", "k1", "k2", "k3"]
+
+
+def test_a_corrupt_format1_header_is_stepped_over_and_a_sealed_newer_record_withholds_the_older(tmp_path):
+    """Format 1 is walked with the same resync: a zeroed header block loses its record (key unknown), the
+    records after it are served. Here a later sealed segment proves the lost record was synced (its seq is
+    below the newest sealed one), so the records older than the loss are withheld: the lost one may have
+    been a newer version of any of them."""
+    blobs = {f"k{i}": _blob(20 * KiB, i) for i in range(4)}
+    _segment1(tmp_path, 1, [(k, DATA, 1 + i, v) for i, (k, v) in enumerate(blobs.items())], sealed=False)
+    with open(tmp_path / segment_name(1), "r+b") as f:  # k1's header block
+        f.seek(BLOCK + padded(20 * KiB))
+        f.write(bytes(BLOCK))
+    assert sorted(scan_directory(str(tmp_path))) == ["k0", "k2", "k3"]  # nothing synced is known: a torn write
+    late = _blob(8 * KiB, 50)
+    _segment1(tmp_path, 2, [("late", DATA, 5, late)], sealed=True)  # the next seq: no records missing between
+    assert sorted(scan_directory(str(tmp_path))) == ["k2", "k3", "late"]
+    with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:
+        assert _check(tier, blobs | {"late": late}) == ["k2", "k3", "late"]
+    with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:  # decided once, kept
+        assert _check(tier, blobs | {"late": late}) == ["k2", "k3", "late"]

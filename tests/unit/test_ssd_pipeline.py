@@ -247,32 +247,39 @@ def test_wait_for_room_blocks_until_staging_is_given_back(tmp_path, monkeypatch)
 
 
 def test_a_seal_runs_while_the_next_segment_is_written(tmp_path, monkeypatch):
-    """A full segment's seal (summary write + fdatasync) runs on an I/O thread: while it syncs, the writer
-    goes on writing the next segment. Here the first seal's sync waits until two more writes have
-    started; a seal on the writer thread would leave at most one write in flight behind it."""
-    real_pw, real_sync = ssd_mod._pwritev, os.fdatasync
-    lock, state = threading.Lock(), {"sealing": False, "during": 0, "seen": None}
-    started = threading.Event()
+    """A full segment's seal (summary write + fdatasync) runs on an I/O thread: while it runs, the writer
+    goes on writing the next segment. Here the first seal waits until the writer has submitted two more
+    writes since it queued the seal; a seal the writer waited for would never see them (10 s, then False).
 
-    def pwritev(fd, iov, off):
-        with lock:
-            if state["sealing"]:
-                state["during"] += 1
-                if state["during"] >= 2:
-                    started.set()
-        return real_pw(fd, iov, off)
+    Counted from the seal's submission, on the writer thread, not from when the seal's sync starts: under
+    CPU load the I/O thread could reach the sync after the writer had already issued every remaining write,
+    and the test used to wait for writes that never came (about one run in four of `-k ssd` on a loaded
+    2-core VM)."""
+    cond, state = threading.Condition(), {"submitted": 0, "at_seal": None, "seen": None}
+    real_submit, real_seal_later, real_seal_io = SsdTier._submit, SsdTier._seal_later, SsdTier._seal_io
 
-    def fdatasync(fd):
-        if state["seen"] is None:  # the first sync is the first segment's seal
-            with lock:
-                state["sealing"] = True
-            state["seen"] = started.wait(10)
-            with lock:
-                state["sealing"] = False
-        return real_sync(fd)
+    def submit(self, shard, w):
+        with cond:
+            state["submitted"] += 1
+            cond.notify_all()
+        return real_submit(self, shard, w)
 
-    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
-    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    def seal_later(self, shard, seg):
+        with cond:
+            if state["at_seal"] is None:
+                state["at_seal"] = state["submitted"]
+        return real_seal_later(self, shard, seg)
+
+    def seal_io(shard, seg, image, offset):
+        with cond:
+            if state["seen"] is None:  # the first seal
+                at = state["at_seal"]
+                state["seen"] = at is not None and cond.wait_for(lambda: state["submitted"] >= at + 2, 10)
+        return real_seal_io(shard, seg, image, offset)
+
+    monkeypatch.setattr(SsdTier, "_submit", submit)
+    monkeypatch.setattr(SsdTier, "_seal_later", seal_later)
+    monkeypatch.setattr(SsdTier, "_seal_io", staticmethod(seal_io))
     blobs = {f"k{i}": _blob(OBJ, i) for i in range(12)}
     with SsdTier(str(tmp_path), capacity_bytes=8 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
                  segment_bytes=256 * KiB) as tier:

@@ -52,7 +52,8 @@ __all__ = [
 
 # The SSD tier and the tier composition (docs/ssd.md).
 from umbp.pool.ssd import SsdDirectoryError, SsdError, SsdLockedError, SsdTier  # noqa: E402
-from umbp.pool.ssd_format import RecordInfo, scan_directory  # noqa: E402
+from umbp.pool.ssd_format import RecordInfo  # noqa: E402
+from umbp.pool.ssd_recovery import scan_directory  # noqa: E402
 from umbp.pool.tiered import TieredPool  # noqa: E402
 
 __all__ += ["RecordInfo", "SsdDirectoryError", "SsdError", "SsdLockedError", "SsdTier", "TieredPool", "scan_directory"]

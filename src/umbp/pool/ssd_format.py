@@ -1,6 +1,7 @@
 """The SSD tier's on-disk format, and a read-only scanner usable from any process (see docs/ssd.md).
 
-A directory holds `LOCK` (the owner's flock) and append-only segment files `seg-<12 digits>.umbp`. A
+A directory holds `LOCK` (the owner's flock), `FLUSHED` (the flush mark, umbp.pool.ssd_recovery) and
+append-only segment files `seg-<12 digits, more once needed>.umbp`. A
 segment is a sequence of groups (format 2, what this code writes) or records (format 1, still read). Every
 group starts on a 4 KiB boundary and is a whole number of 4 KiB blocks, so the owner can write and read it
 with O_DIRECT::
@@ -22,9 +23,8 @@ served.
 A sealed segment ends with a summary group (one summary entry whose payload lists every record of the
 segment) and a trailer block ("UMBP-END", version, summary offset, crc32), so a restart reads two blocks
 per segment instead of every head. A segment without a valid trailer (the one being written when the
-process died) is walked group by group, verifying every data payload's checksum; the walk stops at the
-first head or entry that is torn or corrupt, at the first payload that runs past the end of the file, or
-at the first payload that fails its checksum. Everything after the stopping point is discarded, never served.
+process died) is walked group by group, verifying every data payload's checksum, stepping over what is
+damaged (umbp.pool.ssd_recovery, which also holds the scanner).
 
 `seq` increases with every record a directory receives, so when a key appears more than once the highest
 seq wins, and a winning tombstone means the key is absent. Offsets held in memory (RecordInfo.offset,
@@ -33,17 +33,16 @@ summary entries of format 2) are payload offsets, whatever the format.
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from umbp.pool import native
-from umbp.pool.psum import as_rows, checksum_u8, combine_padded_rows
+from umbp.pool.psum import as_rows, combine_padded_rows
 
 BLOCK = 4096
 MAGIC = b"UMBP-REC"
@@ -60,7 +59,10 @@ _CRC_AT = 40
 _ENTRY = struct.Struct("<QQQQHH")  # summary entry: offset, length, checksum, seq, flags, key_len; then key
 _TRAILER = struct.Struct("<8sHHIQQI")  # magic, version, 0, 0, summary offset, summary record bytes, crc
 _GROUP = struct.Struct("<8sHHIII")  # magic, version, 0, count, head bytes, crc32 of the first 20 bytes
-_SEGMENT_RE = re.compile(r"^seg-(\d{12})\.umbp$")
+# 12 digits, or more without a leading zero: names grow past 12 digits rather than stop being read, and every
+# number has exactly one name
+_SEGMENT_RE = re.compile(r"^seg-(\d{12}|[1-9]\d{12,18})\.umbp$")
+MAX_SEGMENT_NUMBER = 10**19 - 1  # the largest number a segment name the scanner reads can carry
 
 
 def padded(n: int) -> int:
@@ -96,6 +98,11 @@ def seal_bytes(summary_entry_bytes: int) -> int:
 
 
 def segment_name(number: int) -> str:
+    """The file name of segment `number`: 12 digits, more once numbers need them, and never a name that
+    segment_number would not read back (a stray seg-999999999999.umbp used to make the next name 13 digits
+    long, which the scanner ignored, losing flushed objects at restart)."""
+    if not 0 <= number <= MAX_SEGMENT_NUMBER:
+        raise ValueError(f"umbp: segment number {number} is out of range (0..{MAX_SEGMENT_NUMBER})")
     return f"seg-{number:012d}.umbp"
 
 
@@ -305,183 +312,18 @@ def parse_trailer(block: bytes) -> tuple[int, int, int] | None:
     return version, off, nbytes
 
 
-# ---- scanning ------------------------------------------------------------------------------------------
+# ---- scanning: umbp.pool.ssd_recovery --------------------------------------------------------------------
 
 
-@dataclass
-class SegmentScan:
-    """What one segment file holds. `records` lists every data and tombstone record in file order;
-    `valid_end` is where trustworthy content ends (the file size for a sealed segment)."""
+def scan(directory: str):  # noqa: ANN201 - re-exported for callers that import it from here
+    """umbp.pool.ssd_recovery.scan (the scanner lives there, beside the resync and the flush mark)."""
+    from umbp.pool.ssd_recovery import scan as _scan
 
-    number: int
-    path: str
-    size: int
-    sealed: bool
-    valid_end: int
-    records: list[tuple[str, RecordInfo]] = field(default_factory=list)
-    discarded: str = ""  # why the walk stopped early ("" if it did not)
-
-
-@dataclass
-class DirectoryScan:
-    segments: list[SegmentScan]
-    records: dict[str, RecordInfo]  # the winner of each present key (data records only)
-    next_seq: int
-    next_segment: int
-
-    @property
-    def discarded(self) -> list[str]:
-        return [f"{os.path.basename(s.path)}: {s.discarded}" for s in self.segments if s.discarded]
-
-
-def _pread(fd: int, n: int, offset: int) -> bytes:
-    return os.pread(fd, n, offset)
-
-
-def _read_summary(fd: int, size: int, number: int) -> list[tuple[str, RecordInfo]] | None:
-    if size < 2 * BLOCK or size % BLOCK:
-        return None
-    trailer = parse_trailer(_pread(fd, BLOCK, size - BLOCK))
-    if trailer is None:
-        return None
-    version, off, nbytes = trailer
-    if off + nbytes != size - BLOCK or nbytes < BLOCK:
-        return None
-    raw = _pread(fd, nbytes, off)
-    if len(raw) != nbytes:
-        return None
-    if version == VERSION_1:  # one record: its header block, then the payload
-        head, at = parse_header(raw[:BLOCK], VERSION_1), BLOCK
-    else:  # a group of one summary entry
-        group = parse_group_head(raw[:BLOCK])
-        entries = parse_entries(raw[: group[1]], 1) if group is not None and group[0] == 1 else []
-        head, at = (entries[0], group[1]) if entries else (None, 0)
-    if head is None or head.flags != SUMMARY or at + padded(head.length) != nbytes:
-        return None
-    payload = np.frombuffer(raw, np.uint8)[at : at + head.length]
-    if checksum_u8(payload) != head.checksum:
-        return None
-    entries = unpack_summary(payload.tobytes(), number)
-    if entries is not None and version == VERSION_1:  # format 1 lists header offsets
-        entries = [(key, r._replace(offset=r.offset + BLOCK)) for key, r in entries]
-    return entries
-
-
-def _verify_payload(fd: int, r: RecordInfo) -> bool:
-    raw = _pread(fd, r.length, r.offset)
-    return len(raw) == r.length and checksum_u8(np.frombuffer(raw, np.uint8)) == r.checksum
-
-
-def _walk(fd: int, scan: SegmentScan) -> None:
-    """Group by group (or format-1 record by record) from the start; stops at the first record that is not
-    whole and intact. Every data record's payload is verified, not only the last one: with several writes
-    in flight, a crash can leave a torn record in the middle (an earlier write cut short, a later one
-    complete behind it)."""
-    off, size = 0, scan.size
-    while off < size:
-        block = _pread(fd, BLOCK, off) if off + BLOCK <= size else b""
-        if block[:8] == GROUP_MAGIC:
-            off, whole = _walk_group(fd, scan, off, block)
-        elif block[:8] == MAGIC:
-            off, whole = _walk_record(fd, scan, off, block)
-        else:
-            scan.discarded, whole = f"no valid header at offset {off}", False
-        if not whole:
-            scan.discarded = f"{scan.discarded} (torn or corrupt); {size - off} bytes from offset {off} discarded"
-            break
-    scan.valid_end = off
-
-
-def _walk_group(fd: int, scan: SegmentScan, off: int, block: bytes) -> tuple[int, bool]:
-    """Index a group's intact entries in order. Returns where the valid bytes end and whether the whole
-    group is valid; a bad entry or payload ends it right after the last good payload, so the entries
-    before it are kept (a group cut short keeps the records that reached the disk)."""
-    group = parse_group_head(block)
-    if group is None:
-        scan.discarded = f"group head at offset {off} is corrupt"
-        return off, False
-    count, nbytes = group
-    if off + nbytes > scan.size:  # checked before reading: a head is never read past the file's end
-        scan.discarded = f"group head at offset {off} runs past the end of the file"
-        return off, False
-    head = block if nbytes == BLOCK else _pread(fd, nbytes, off)
-    entries = parse_entries(head, count) if len(head) == nbytes else []
-    pos = off + nbytes
-    for i, h in enumerate(entries):
-        r = RecordInfo(scan.number, pos, h.length, h.checksum, h.seq, h.flags)
-        if pos + r.nbytes > scan.size or (h.flags == DATA and not _verify_payload(fd, r)):
-            scan.discarded = f"record {i} of the group at offset {off} is torn or fails its checksum"
-            return (pos if i else off), False
-        if h.flags != SUMMARY:
-            scan.records.append((h.key, r))
-        pos += r.nbytes
-    if len(entries) < count:
-        scan.discarded = f"entry {len(entries)} of the group at offset {off} is corrupt"
-        return (pos if entries else off), False
-    return pos, True
-
-
-def _walk_record(fd: int, scan: SegmentScan, off: int, block: bytes) -> tuple[int, bool]:
-    """A format-1 record: its header block, then its payload."""
-    head = parse_header(block, VERSION_1)
-    if head is None:
-        scan.discarded = f"no valid header at offset {off}"
-        return off, False
-    nbytes = BLOCK if head.flags == TOMBSTONE else record_bytes(head.length)
-    if off + nbytes > scan.size:
-        scan.discarded = f"record at offset {off} runs past the end of the file"
-        return off, False
-    if head.flags != SUMMARY:
-        info = RecordInfo(scan.number, off + BLOCK, head.length, head.checksum, head.seq, head.flags)
-        if head.flags == DATA and not _verify_payload(fd, info):
-            scan.discarded = f"record at offset {off} fails its checksum"
-            return off, False
-        scan.records.append((head.key, info))
-    return off + nbytes, True
-
-
-def scan_segment(path: str, number: int) -> SegmentScan | None:
-    """What a segment holds (None if it vanished). Read-only; safe while its owner appends to it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        scan = SegmentScan(number, path, size, sealed=False, valid_end=0)
-        entries = _read_summary(fd, size, number)
-        if entries is not None:
-            scan.sealed, scan.valid_end, scan.records = True, size, entries
-        else:
-            _walk(fd, scan)
-        return scan
-    finally:
-        os.close(fd)
-
-
-def scan(directory: str) -> DirectoryScan:
-    """Every segment of `directory`, oldest first, and the winning record of each present key."""
-    numbers = sorted(n for n in map(segment_number, os.listdir(directory)) if n is not None)
-    segments = [s for n in numbers if (s := scan_segment(os.path.join(directory, segment_name(n)), n))]
-    best: dict[str, RecordInfo] = {}
-    for seg in segments:
-        for key, r in seg.records:
-            old = best.get(key)
-            if old is None or r.seq > old.seq:
-                best[key] = r
-    max_seq = max((r.seq for s in segments for _, r in s.records), default=0)
-    return DirectoryScan(
-        segments=segments,
-        records={k: r for k, r in best.items() if r.flags == DATA},
-        next_seq=max_seq + 1,
-        next_segment=(numbers[-1] + 1) if numbers else 1,
-    )
+    return _scan(directory)
 
 
 def scan_directory(directory: str) -> dict[str, RecordInfo]:
-    """key -> RecordInfo of every object `directory` holds, as a restarted SsdTier would serve it.
+    """umbp.pool.ssd_recovery.scan_directory: key -> RecordInfo of every object a restart would serve."""
+    from umbp.pool.ssd_recovery import scan_directory as _scan_directory
 
-    Pure and read-only (no lock is taken), so another process (the vLLM scheduler) can learn what a
-    worker's directory holds. Payloads are read only in unsealed segments (the walk verifies each one);
-    the owner verifies every payload's checksum when it serves it."""
-    return scan(directory).records
+    return _scan_directory(directory)
