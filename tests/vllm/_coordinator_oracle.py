@@ -14,7 +14,12 @@ from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, make_block_hash_with_group_id
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+    resolve_dcp_kv_block_size,
+)
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -35,7 +40,11 @@ def vllm_spec(group: CacheGroup) -> KVCacheSpec:
     variant = 8 + int(group.tag or 0)
     if isinstance(group, FullAttention):
         return FullAttentionSpec(
-            block_size=group.block_size, num_kv_heads=1, head_size=variant, dtype=torch.float32
+            block_size=group.block_size,
+            num_kv_heads=1,
+            head_size=variant,
+            dtype=torch.float32,
+            dcp_sharded=group.dcp_sharded,
         )
     if isinstance(group, SlidingWindow):
         return SlidingWindowSpec(
@@ -44,6 +53,7 @@ def vllm_spec(group: CacheGroup) -> KVCacheSpec:
             head_size=variant,
             dtype=torch.float32,
             sliding_window=group.window,
+            dcp_sharded=group.dcp_sharded,
         )
     if isinstance(group, RecurrentState):
         return MambaSpec(
@@ -63,11 +73,15 @@ def vllm_longest_hit(
     hashed_tokens: int,
     use_eagle: bool,
     flagged: Iterable[int] = (),
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> tuple[int, tuple[tuple[int, ...], ...], int]:
     """``(hit tokens, per-group load ends, hit alignment)`` from vLLM's coordinator.
 
     ``use_eagle``: the scheduler's ``use_eagle_block_drop``; ``flagged``: groups annotated
-    ``is_eagle_group`` (vLLM flags all when EAGLE is on and none is annotated).
+    ``is_eagle_group`` (vLLM flags all when EAGLE is on and none is annotated). Group block sizes are per
+    rank; the scheduler block size is the lcm of the DCP-resolved sizes, as ``resolve_kv_cache_block_sizes``
+    computes it. Whatever vLLM refuses (an assertion in the coordinator or a manager) propagates.
     """
     flagged = set(flagged)
     kv_groups = [
@@ -77,7 +91,7 @@ def vllm_longest_hit(
     config = KVCacheConfig(
         num_blocks=2, kv_cache_tensors=[], kv_cache_groups=kv_groups, prefix_cache_retention_interval=None
     )
-    sizes = [g.block_size for g in groups]
+    sizes = [resolve_dcp_kv_block_size(g.kv_cache_spec, dcp_world_size) for g in kv_groups]
     coordinator = get_kv_cache_coordinator(
         config,
         max_model_len=1 << 20,
@@ -85,8 +99,8 @@ def vllm_longest_hit(
         use_eagle=use_eagle,
         enable_caching=True,
         enable_kv_cache_events=False,
-        dcp_world_size=1,
-        pcp_world_size=1,
+        dcp_world_size=dcp_world_size,
+        pcp_world_size=pcp_world_size,
         scheduler_block_size=math.lcm(*sizes) if len(sizes) > 1 else sizes[0],
         hash_block_size=unit,
     )

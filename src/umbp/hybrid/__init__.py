@@ -5,12 +5,22 @@
 * :mod:`umbp.hybrid.planner`: which pages to store, under which key (:class:`RequestStorePlanner`).
 """
 
-from umbp.hybrid.groups import CacheGroup, FullAttention, GroupHit, Need, RecurrentState, SlidingWindow, Space
+from umbp.hybrid.groups import (
+    CacheGroup,
+    FullAttention,
+    GroupHit,
+    Need,
+    RecurrentState,
+    SlidingWindow,
+    Space,
+    resolve_groups,
+)
 from umbp.hybrid.lookup import (
     Boundary,
     Explanation,
     GroupStatus,
     Hit,
+    check_context_parallel,
     explain,
     explain_hit,
     hit_alignment,
@@ -34,10 +44,12 @@ __all__ = [
     "SlidingWindow",
     "Space",
     "StorePlan",
+    "check_context_parallel",
     "explain",
     "explain_hit",
     "hit_alignment",
     "longest_hit",
     "partial_hits_enabled",
     "resolve_eagle_ids",
+    "resolve_groups",
 ]

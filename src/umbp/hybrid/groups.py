@@ -18,8 +18,8 @@ Pure Python: no vLLM, numpy or torch here (layer 1).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 Has = Callable[[int], bool]
@@ -81,6 +81,18 @@ class CacheGroup(ABC):
     tag: str
     downward_closed: ClassVar[bool] = False
     fine_grained: ClassVar[bool] = True
+    dcp_sharded: bool = False  # attention groups override this with a field (default True)
+
+    def span(self, dcp_world_size: int = 1) -> int:
+        """Tokens one block covers: ``block_size`` is per rank (as in vLLM's specs), and decode context
+        parallelism shards a sharded group's block over ``dcp_world_size`` ranks (vLLM
+        ``resolve_dcp_kv_block_size``). Recurrent state is never sharded."""
+        return self.block_size * (dcp_world_size if self.dcp_sharded else 1)
+
+    def resolved(self, dcp_world_size: int = 1) -> CacheGroup:
+        """This group with ``block_size`` = its token span under DCP: what vLLM's manager works with."""
+        span = self.span(dcp_world_size)
+        return self if span == self.block_size else replace(self, block_size=span)
 
     @abstractmethod
     def longest(self, has: Has, max_tokens: int, space: Space, drop_eagle: bool) -> GroupHit:
@@ -102,6 +114,13 @@ class CacheGroup(ABC):
         return f"{self.kind}, B={self.block_size}"
 
 
+def resolve_groups(groups: Sequence[CacheGroup], dcp_world_size: int = 1) -> tuple[CacheGroup, ...]:
+    """Per-rank group specs -> the token spans vLLM's managers use (sharded attention: ``B * dcp``)."""
+    if dcp_world_size < 1:
+        raise ValueError(f"dcp_world_size must be >= 1, got {dcp_world_size}")
+    return tuple(g.resolved(dcp_world_size) for g in groups)
+
+
 @dataclass(frozen=True)
 class FullAttention(CacheGroup):
     """Full attention (incl. MLA): pages covering ``[0, T)``; the partial page of block ``T // B`` if needed.
@@ -113,6 +132,7 @@ class FullAttention(CacheGroup):
     block_size: int
     kind: str = field(default="full_attention", init=False, repr=False)
     tag: str = ""
+    dcp_sharded: bool = True  # False: a replicated (draft) group, each rank holds every token
     downward_closed: ClassVar[bool] = True
 
     def eagle_margin(self, space: Space) -> int:
@@ -161,6 +181,7 @@ class SlidingWindow(CacheGroup):
     window: int
     kind: str = field(default="sliding_window", init=False, repr=False)
     tag: str = ""
+    dcp_sharded: bool = True  # vLLM 0.32 accepts DCP only for a replicated (False) sliding-window group
     fine_grained: ClassVar[bool] = False
 
     def splits_blocks(self, space: Space) -> bool:

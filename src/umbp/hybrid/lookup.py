@@ -12,7 +12,16 @@ import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from umbp.hybrid.groups import CacheGroup, GroupHit, Has, Need, RecurrentState, Space
+from umbp.hybrid.groups import (
+    CacheGroup,
+    FullAttention,
+    GroupHit,
+    Has,
+    Need,
+    RecurrentState,
+    Space,
+    resolve_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -29,23 +38,55 @@ class Hit:
     alignment: int
 
 
-def partial_hits_enabled(groups: Sequence[CacheGroup], unit: int) -> bool:
+def partial_hits_enabled(groups: Sequence[CacheGroup], unit: int, dcp_world_size: int = 1) -> bool:
     """vLLM's ``partial_hash_hits_enabled``: hits may land on any ``unit`` boundary only if some recurrent
-    group has blocks longer than ``unit`` and every group can probe inside its blocks (or has unit blocks)."""
+    group has blocks longer than ``unit`` (at least ``unit`` under DCP, which scales the attention blocks
+    instead) and every group can probe inside its blocks or has unit-long blocks (DCP spans)."""
     if len(groups) < 2:
         return False
-    if not any(isinstance(g, RecurrentState) and g.block_size > unit for g in groups):
+    if dcp_world_size > 1:
+        long_state = any(isinstance(g, RecurrentState) and g.block_size >= unit for g in groups)
+    else:
+        long_state = any(isinstance(g, RecurrentState) and g.block_size > unit for g in groups)
+    if not long_state:
         return False
-    return all(g.fine_grained or g.block_size == unit for g in groups)
+    return all(g.fine_grained or g.span(dcp_world_size) == unit for g in groups)
 
 
-def hit_alignment(groups: Sequence[CacheGroup], unit: int) -> int:
-    """Granularity of every hit: ``unit`` with partial hits, else the scheduler block size (lcm)."""
+def hit_alignment(groups: Sequence[CacheGroup], unit: int, dcp_world_size: int = 1) -> int:
+    """Granularity of every hit: ``unit`` with partial hits, else the scheduler block size (the lcm of the
+    groups' token spans)."""
+    spans = [g.span(dcp_world_size) for g in groups]
     if len(groups) == 1:
-        return groups[0].block_size
-    if partial_hits_enabled(groups, unit):
+        return spans[0]
+    if partial_hits_enabled(groups, unit, dcp_world_size):
         return unit
-    return math.lcm(*(g.block_size for g in groups))
+    return math.lcm(*spans)
+
+
+def check_context_parallel(groups: Sequence[CacheGroup], dcp_world_size: int, pcp_world_size: int) -> None:
+    """Raise ``ValueError`` for what vLLM 0.32's coordinators and managers refuse under DCP/PCP.
+
+    A hybrid layout takes full attention, recurrent state (DCP only) and replicated attention groups; a
+    DCP/PCP-sharded sliding window cannot be looked up at all. With one group, vLLM's unitary coordinator
+    hands the raw PCP size to the manager, and only the full-attention lookup accepts PCP > 1.
+    """
+    if dcp_world_size < 1 or pcp_world_size < 1:
+        raise ValueError(f"dcp_world_size and pcp_world_size must be >= 1, got {dcp_world_size}, {pcp_world_size}")
+    for g, spec in enumerate(groups):
+        window = not isinstance(spec, FullAttention | RecurrentState)
+        if window and spec.dcp_sharded and (dcp_world_size > 1 or pcp_world_size > 1):
+            raise ValueError(
+                f"group {g} ({spec.describe()}): vLLM 0.32 does not look up a DCP/PCP-sharded sliding window; "
+                "only a replicated one (dcp_sharded=False)"
+            )
+        if pcp_world_size > 1 and len(groups) == 1 and not isinstance(spec, FullAttention):
+            raise ValueError(f"group {g} ({spec.describe()}): vLLM 0.32 looks up only full attention under PCP")
+        if pcp_world_size > 1 and isinstance(spec, RecurrentState):
+            raise ValueError(
+                f"group {g} ({spec.describe()}): vLLM 0.32's hybrid coordinator accepts PCP only with full "
+                "attention and replicated attention groups"
+            )
 
 
 def resolve_eagle_ids(num_groups: int, eagle: bool, eagle_groups: Iterable[int] | None) -> frozenset[int]:
@@ -70,11 +111,12 @@ class _Lookup:
 
 @dataclass(frozen=True)
 class _Request:
-    groups: tuple[CacheGroup, ...]
+    groups: tuple[CacheGroup, ...]  # token spans (DCP resolved)
     space: Space
     max_tokens: int
     lookups: tuple[_Lookup, ...]
     eagle_ids: frozenset[int]
+    dcp: int = 1
 
 
 def _prepare(
@@ -85,16 +127,20 @@ def _prepare(
     eagle: bool,
     eagle_groups: Iterable[int] | None,
     hashed_tokens: int | None,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> _Request:
-    groups = tuple(groups)
     if not groups:
         raise ValueError("need at least one cache group")
+    check_context_parallel(groups, dcp_world_size, pcp_world_size)
+    alignment = hit_alignment(groups, unit, dcp_world_size)
+    groups = resolve_groups(groups, dcp_world_size)
     if len(present) != len(groups):
         raise ValueError(f"present has {len(present)} entries for {len(groups)} groups")
     if unit <= 0 or any(g.block_size <= 0 or g.block_size % unit for g in groups):
         raise ValueError(f"unit {unit} must divide every block size {[g.block_size for g in groups]}")
     if len(groups) == 1 and groups[0].block_size != unit:
-        raise ValueError("with one cache group vLLM hashes per block: unit must equal its block size")
+        raise ValueError("with one cache group vLLM hashes per block: unit must equal its block (DCP span)")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if hashed_tokens is None:
@@ -106,8 +152,8 @@ def _prepare(
         if any(e <= 0 or e % unit for e in ends):
             raise ValueError(f"present[{g}] holds token ends that are not positive multiples of {unit}")
     eagle_ids = resolve_eagle_ids(len(groups), eagle, eagle_groups)
-    space = Space(unit, hit_alignment(groups, unit), hashed_tokens)
-    return _Request(groups, space, max_tokens, _merge(groups, present, eagle_ids), eagle_ids)
+    space = Space(unit, alignment, hashed_tokens)
+    return _Request(groups, space, max_tokens, _merge(groups, present, eagle_ids), eagle_ids, dcp_world_size)
 
 
 def _merge(
@@ -183,15 +229,22 @@ def longest_hit(
     eagle: bool = False,
     eagle_groups: Iterable[int] | None = None,
     hashed_tokens: int | None = None,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> Hit:
     """The longest point every group can resume at, and per group the objects to load.
 
-    ``present[g]``: ends ``t`` (multiples of ``unit``) of group ``g``'s existing objects for ``[0, t)``.
-    ``max_tokens``: the most that may be restored (vLLM: prompt length - 1). ``hashed_tokens``: where the
-    request's keys end (vLLM: ``len(block_hashes) * unit``); default ``(max_tokens + 1)`` rounded down to
-    ``unit``. ``eagle``: EAGLE's drop on every group unless ``eagle_groups`` names the flagged ones.
+    ``groups``: block sizes per rank, as in vLLM's specs. ``present[g]``: ends ``t`` (multiples of
+    ``unit``) of group ``g``'s existing objects for ``[0, t)``. ``max_tokens``: the most that may be
+    restored (vLLM: prompt length - 1). ``hashed_tokens``: where the request's keys end (vLLM:
+    ``len(block_hashes) * unit``); default ``(max_tokens + 1)`` rounded down to ``unit``. ``eagle``:
+    EAGLE's drop on every group unless ``eagle_groups`` names the flagged ones. ``dcp_world_size``: a
+    sharded attention block spans ``block_size * dcp`` tokens (the object ending at ``e`` goes into block
+    ``(e - 1) // span``); ``pcp_world_size`` changes no boundary in vLLM 0.32, only what is accepted.
     """
-    return _longest(_prepare(groups, unit, present, max_tokens, eagle, eagle_groups, hashed_tokens))
+    return _longest(
+        _prepare(groups, unit, present, max_tokens, eagle, eagle_groups, hashed_tokens, dcp_world_size, pcp_world_size)
+    )
 
 
 def _longest(req: _Request) -> Hit:
@@ -338,10 +391,14 @@ def explain_hit(
     eagle_groups: Iterable[int] | None = None,
     hashed_tokens: int | None = None,
     limit: int = 3,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> Explanation:
     """Why the restore stopped where it did: at the nearest boundaries above the hit that some group could
     resume at (at most ``limit``), which group lacks which object. Arguments as :func:`longest_hit`."""
-    req = _prepare(groups, unit, present, max_tokens, eagle, eagle_groups, hashed_tokens)
+    req = _prepare(
+        groups, unit, present, max_tokens, eagle, eagle_groups, hashed_tokens, dcp_world_size, pcp_world_size
+    )
     hit, reaches, space = _longest(req), _reaches(req), req.space
 
     def statuses(t: int) -> list[GroupStatus]:
@@ -353,6 +410,7 @@ def explain_hit(
     lines = [
         f"stopped at {hit.tokens} of max {max_tokens} (unit {unit}, hits aligned to {space.align}"
         + (f", EAGLE drop on groups {sorted(req.eagle_ids)}" if req.eagle_ids else "")
+        + (f", DCP {req.dcp}: B below is a block's token span over all ranks" if req.dcp > 1 else "")
         + ")"
     ]
     at_hit = tuple(st for st in statuses(hit.tokens) if not st.ready) if hit.tokens else ()
@@ -387,6 +445,11 @@ def explain(
     eagle: bool = False,
     eagle_groups: Iterable[int] | None = None,
     hashed_tokens: int | None = None,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> str:
     """Human-readable answer to "why did the restore stop at T?" (see :func:`explain_hit`)."""
-    return explain_hit(groups, unit, present, max_tokens, eagle, eagle_groups, hashed_tokens).text
+    return explain_hit(
+        groups, unit, present, max_tokens, eagle, eagle_groups, hashed_tokens,
+        dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size,
+    ).text

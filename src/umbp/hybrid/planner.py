@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from umbp.hybrid.groups import CacheGroup, RecurrentState, Space
+from umbp.hybrid.groups import CacheGroup, RecurrentState, Space, resolve_groups
 from umbp.hybrid.lookup import hit_alignment, resolve_eagle_ids
 
 NULL_BLOCK = 0  # vLLM's null block: a freed/skipped position, never holds data worth saving
@@ -49,21 +49,29 @@ def _block_at(block_ids: Sequence[Sequence[int]], group: int, index: int) -> int
     return table[index] if 0 <= index < len(table) else NULL_BLOCK
 
 
-def _page_shifts(groups: Sequence[CacheGroup], unit: int, eagle_groups: frozenset[int]) -> dict[int, int]:
+def _page_shifts(
+    groups: Sequence[CacheGroup], unit: int, eagle_groups: frozenset[int], dcp_world_size: int = 1
+) -> dict[int, int]:
     """How far past a boundary each attention group's lookup probes: 0, or for EAGLE groups the
     coordinator's margin (one unit with partial hits, else a whole block: then the page is a full block).
     vLLM looks up groups with equal specs jointly and gives all of them the drop if one is flagged."""
-    space = Space(unit, hit_alignment(groups, unit), hashed_tokens=0)
-    dropping = {groups[g] for g in eagle_groups}
+    space = Space(unit, hit_alignment(groups, unit, dcp_world_size), hashed_tokens=0)
+    spans = resolve_groups(groups, dcp_world_size)
+    dropping = {spans[g] for g in eagle_groups}
     return {
         g: spec.eagle_margin(space) if spec in dropping else 0
-        for g, spec in enumerate(groups)
+        for g, spec in enumerate(spans)
         if not isinstance(spec, RecurrentState)
     }
 
 
 class RequestStorePlanner:
     """Turns one request's progress into store plans; never plans the same ``(group, key_end)`` twice.
+
+    ``groups`` are per-rank specs as for :func:`umbp.hybrid.longest_hit`; with ``dcp_world_size > 1`` a
+    sharded attention block spans ``block_size * dcp`` tokens, so block ``i`` of the request's table holds
+    tokens ``[i * span, (i + 1) * span)`` (each rank its shard) and a boundary page is keyed where vLLM's
+    DCP-aware lookup probes it.
 
     State kept between steps: what was planned, per-group cursors over complete blocks, and boundary
     pages waiting for their tokens. Block ids are never cached: every attention plan names a block from
@@ -78,22 +86,25 @@ class RequestStorePlanner:
         eagle_groups: frozenset[int] = frozenset(),
         boundary_page: bool = True,
         store_limit: int | None = None,
+        dcp_world_size: int = 1,
     ) -> None:
         if unit <= 0:
             raise ValueError(f"unit must be positive, got {unit}")
         for g, spec in enumerate(groups):
             if not isinstance(spec, CacheGroup):
                 raise TypeError(f"group {g}: unsupported group spec {spec!r}")
+        spans = resolve_groups(groups, dcp_world_size)
+        for g, spec in enumerate(spans):
             if spec.block_size <= 0 or spec.block_size % unit:
-                raise ValueError(f"group {g}: block_size {spec.block_size} is not a multiple of unit {unit}")
-        self.groups = tuple(groups)
+                raise ValueError(f"group {g}: block span {spec.block_size} is not a multiple of unit {unit}")
+        self.groups = spans  # token spans: every index below is into vLLM's (DCP-scaled) block table
         self.unit = unit
         self.eagle_groups = frozenset(eagle_groups)
         self.boundary_page = boundary_page
         self.store_limit = store_limit
         self._attention = tuple(g for g, s in enumerate(groups) if not isinstance(s, RecurrentState))
         self._recurrent = frozenset(g for g, s in enumerate(groups) if isinstance(s, RecurrentState))
-        self._page_shift = _page_shifts(self.groups, unit, self.eagle_groups)
+        self._page_shift = _page_shifts(groups, unit, self.eagle_groups, dcp_world_size)
         self._planned: set[tuple[int, int]] = set()  # (group, key_end) handed to the connector
         self._pending_pages: set[tuple[int, int]] = set()  # (group, key_end) waiting for tokens
         self._next_block = [0] * len(groups)  # per group: lowest block index that may still need a plan
