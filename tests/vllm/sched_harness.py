@@ -40,20 +40,22 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from umbp.identity import RankCoord
+from umbp.identity import ParallelSizes, RankCoord, dcp_rank
 from umbp.replay.engine import make_scheduler
 from umbp.vllm.connector import UMBPConnector
 
 HEADS, HEAD = 2, 8
 
 
-def fake_model_dir(root: Path, eagle: bool = False) -> Path:
-    d = root / ("fake_eagle" if eagle else "fake_model")
+def fake_model_dir(root: Path, eagle: bool = False, heads: int = 4, kv_heads: int = 2) -> Path:
+    """A config-only Llama. DCP needs more TP ranks than KV heads and heads divisible by TP: the DCP tests
+    use 8 heads and one KV head (MQA, like MLA)."""
+    d = root / (("fake_eagle" if eagle else "fake_model") + ("" if (heads, kv_heads) == (4, 2) else f"_h{heads}kv{kv_heads}"))
     d.mkdir(parents=True, exist_ok=True)
     arch = "EagleLlamaForCausalLM" if eagle else "LlamaForCausalLM"
     cfg = {
         "architectures": [arch], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1 if eagle else 2,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": 1 if eagle else 2,
         "vocab_size": 512, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
     }
     (d / "config.json").write_text(json.dumps(cfg))
@@ -89,6 +91,8 @@ class Harness:
     fail_next_load: bool = False
     failing_save_ranks: set[int] = field(default_factory=set)
     log: list[str] = field(default_factory=list)
+    dcp: int = 1  # decode context parallel size: attention blocks span block_size * dcp tokens
+    interleave: int = 1  # vLLM cp_kv_cache_interleave_size: consecutive tokens one DCP rank holds
 
     # ---------------------------------------------------------------- requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
@@ -134,7 +138,7 @@ class Harness:
         outputs = []
         for rank, (worker, cache) in enumerate(zip(self.workers, self.caches)):
             self._apply_copies(cache, so)
-            self._fake_forward(cache, so)
+            self._fake_forward(cache, so, rank)
             if rank in self.failing_save_ranks:
                 worker._worker._start_save = _raise
             worker.bind_connector_metadata(so.kv_connector_metadata)
@@ -183,7 +187,14 @@ class Harness:
             for t in cache.values():
                 t[dst] = t[src]
 
-    def _fake_forward(self, cache, so) -> None:
+    def _slot(self, p: int, block_size: int, rank: int) -> tuple[int, int] | None:
+        """(block index in vLLM's table, offset in this rank's page) of token p, or None when another DCP
+        rank holds it: vLLM's slot mapping interleaves a block's tokens over the DCP ranks."""
+        dcp_rank = self.workers[rank]._worker.rank.dcp
+        return shard_slot(p, block_size, self.dcp, dcp_rank, self.interleave)
+
+    def _fake_forward(self, cache, so, rank: int = 0) -> None:
+        salt = self.workers[rank]._worker.rank.dcp if self.dcp > 1 else 0
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[req_id]
             end = req.num_computed_tokens  # already advanced by schedule()
@@ -195,12 +206,15 @@ class Harness:
                 if gdef.kind == "mamba":
                     idx = (end - 1) // gdef.block_size
                     if idx < len(table) and table[idx]:
-                        t[table[idx]] = state_value(req.all_token_ids, end)
+                        t[table[idx]] = state_value(req.all_token_ids, end, salt)
                     continue
                 for p in range(start, end):
-                    b = table[p // gdef.block_size]
+                    slot = self._slot(p, gdef.block_size, rank)
+                    if slot is None:
+                        continue
+                    b = table[slot[0]]
                     if b:
-                        t[b, p % gdef.block_size] = token_value(req.all_token_ids, p)
+                        t[b, slot[1]] = token_value(req.all_token_ids, p)
 
     def _corrupt_arena(self, worker, meta) -> None:
         for job in meta.loads:
@@ -215,19 +229,23 @@ class Harness:
         req = self.sched.requests[req_id]
         block_ids = self.sched.kv_cache_manager.get_block_ids(req_id)
         cache = self.caches[rank]
+        salt = self.workers[rank]._worker.rank.dcp if self.dcp > 1 else 0
         bad = []
         for g, gdef in enumerate(self.groups):
             t, table = cache[f"g{g}"], block_ids[g]
             if gdef.kind == "mamba":
                 idx = (tokens - 1) // gdef.block_size
                 got = t[table[idx]].flatten()[0].item()
-                if got != state_value(req.all_token_ids, tokens):
+                if got != state_value(req.all_token_ids, tokens, salt):
                     bad.append(f"g{g} state at {tokens}")
                 continue
             lo = 0 if gdef.kind == "fa" else max(0, tokens - gdef.window)
             for p in range(lo, tokens):
-                b = table[p // gdef.block_size]
-                got = t[b, p % gdef.block_size].flatten()[0].item()
+                slot = self._slot(p, gdef.block_size, rank)
+                if slot is None:
+                    continue  # another DCP rank's shard
+                b = table[slot[0]]
+                got = t[b, slot[1]].flatten()[0].item()
                 if got != token_value(req.all_token_ids, p):
                     bad.append(f"g{g} token {p}")
                     break
@@ -246,14 +264,31 @@ def token_value(tokens: list[int], p: int) -> float:
     return _digest(list(tokens[: p + 1]))
 
 
-def state_value(tokens: list[int], t: int) -> float:
-    return -_digest(list(tokens[:t])) - 1.0
+def state_value(tokens: list[int], t: int, salt: int = 0) -> float:
+    """The state after t tokens; ``salt`` (a DCP rank) makes each rank's copy distinct, so a rank that
+    loaded another rank's state page would be caught."""
+    return -_digest(list(tokens[:t]) + ([("rank", salt)] if salt else [])) - 1.0
+
+
+def shard_slot(p: int, block_size: int, dcp: int, dcp_rank: int, interleave: int = 1) -> tuple[int, int] | None:
+    """vLLM 0.32's DCP slot mapping (v1/worker/block_table.py): token p lies in block p // (B * dcp) of
+    the request's table; within it, runs of ``interleave`` tokens go round-robin to the DCP ranks, and a
+    rank packs its runs densely into its own B-token page. None: another rank holds p."""
+    span = block_size * dcp
+    offset = p % span
+    if (offset // interleave) % dcp != dcp_rank:
+        return None
+    return p // span, offset // (dcp * interleave) * interleave + offset % interleave
 
 
 def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool = False, tp: int = 1,
           num_blocks: int = 64, extra: dict | None = None, retention: int | None = 0,
-          max_num_batched_tokens: int = 1024, max_model_len: int = 4096) -> Harness:
-    model = ModelConfig(model=str(fake_model_dir(tmp_path)), skip_tokenizer_init=True, dtype="float32",
+          max_num_batched_tokens: int = 1024, max_model_len: int = 4096, dcp: int = 1,
+          interleave: int = 1) -> Harness:
+    """``dcp > 1``: vLLM's decode context parallelism over the ``tp`` ranks (tp >= dcp); block sizes in
+    ``groups`` are per rank, as in vLLM's specs."""
+    heads = {"heads": 8, "kv_heads": 1} if dcp > 1 else {}
+    model = ModelConfig(model=str(fake_model_dir(tmp_path, **heads)), skip_tokenizer_init=True, dtype="float32",
                         max_model_len=max_model_len)
     sched_cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=True,
@@ -265,12 +300,14 @@ def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool
                                 kv_role="kv_both", kv_connector_extra_config=extra or {"dram_bytes": 64 << 20})
     spec = None
     if eagle:
-        spec = SpeculativeConfig(method="eagle", model=str(fake_model_dir(tmp_path, eagle=True)),
+        target = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp) if dcp > 1 else ParallelConfig()
+        spec = SpeculativeConfig(method="eagle", model=str(fake_model_dir(tmp_path, eagle=True, **heads)),
                                  num_speculative_tokens=1, target_model_config=model,
-                                 target_parallel_config=ParallelConfig())
+                                 target_parallel_config=target)
     vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched_cfg,
                              kv_transfer_config=transfer, speculative_config=spec,
-                             parallel_config=ParallelConfig(tensor_parallel_size=tp))
+                             parallel_config=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                                                            cp_kv_cache_interleave_size=interleave))
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
@@ -284,7 +321,7 @@ def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool
         workers, caches = [], []
         for r in range(tp):
             w = UMBPConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            w._worker.rank = RankCoord(tp=r)
+            w._worker.rank = RankCoord(tp=r, dcp=dcp_rank(r, 0, ParallelSizes(tp=tp, dcp=dcp)))
             cache_t = {}
             for g, gd in enumerate(groups):
                 if gd.kind == "mamba":
@@ -295,4 +332,4 @@ def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool
             workers.append(w)
             caches.append(cache_t)
     return Harness(sched, workers, caches, kv_cache_config, vllm_config, hasher, groups,
-                   KVOutputAggregator(tp))
+                   KVOutputAggregator(tp), dcp=dcp, interleave=interleave)

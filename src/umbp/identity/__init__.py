@@ -8,6 +8,7 @@ from umbp.identity.keys import (
     ParallelSizes,
     RankCoord,
     all_ranks,
+    dcp_rank,
     object_key,
     parse_key,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "ParallelSizes",
     "RankCoord",
     "all_ranks",
+    "dcp_rank",
     "object_key",
     "parse_key",
 ]

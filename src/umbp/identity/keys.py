@@ -88,13 +88,20 @@ class RankCoord:
         return f"tp{self.tp}:pcp{self.pcp}:dcp{self.dcp}:pp{self.pp}"
 
 
+def dcp_rank(tp: int, pcp: int, sizes: ParallelSizes) -> int:
+    """The DCP rank of the worker at (tp, pcp), as vLLM 0.32 forms its DCP groups (parallel_state): the
+    (PCP, TP) grid is walked TP-major, PCP-minor and cut into groups of ``dcp`` ranks. With PCP 1 that is
+    ``tp % dcp``; with DCP == PCP it is the PCP rank; with DCP == TP x PCP, ``tp * pcp_size + pcp``."""
+    return (tp * sizes.pcp + pcp) % sizes.dcp
+
+
 def all_ranks(sizes: ParallelSizes) -> list[RankCoord]:
-    """Every rank whose shard a logical hit needs. DCP partitions the TP ranks (dcp = tp % dcp_size)."""
+    """Every rank whose shard a logical hit needs."""
     ranks = []
     for pp in range(sizes.pp):
         for pcp in range(sizes.pcp):
             for tp in range(sizes.tp):
-                ranks.append(RankCoord(tp=tp, pcp=pcp, dcp=tp % sizes.dcp, pp=pp))
+                ranks.append(RankCoord(tp=tp, pcp=pcp, dcp=dcp_rank(tp, pcp, sizes), pp=pp))
     return ranks
 
 

@@ -15,7 +15,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from umbp.hybrid import FullAttention, RecurrentState, SlidingWindow
+from umbp.hybrid import FullAttention, RecurrentState, SlidingWindow, check_context_parallel, resolve_groups
 from umbp.identity import GroupLayout, ModelIdentity, ParallelSizes, RankCoord, all_ranks
 
 
@@ -25,13 +25,20 @@ class UnsupportedLayout(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    groups: tuple  # umbp.hybrid group specs, one per KV-cache group
+    groups: tuple  # umbp.hybrid group specs, one per KV-cache group; block sizes per rank, as vLLM's specs
     unit: int  # prefix_match_unit == vLLM hash_block_size
     eagle_groups: frozenset[int]
     identity: ModelIdentity
     namespace: str
     ranks: tuple[RankCoord, ...]
     object_bytes: tuple[int, ...]  # per group: bytes one rank's object of that group may take
+    dcp: int = 1  # decode context parallel size: a sharded attention block spans block_size * dcp tokens
+
+    @property
+    def spans(self) -> tuple:
+        """The groups with ``block_size`` = tokens per block of vLLM's scheduler-side block table (DCP
+        scales sharded attention groups): every block index the scheduler side computes uses these."""
+        return resolve_groups(self.groups, self.dcp)
 
 
 def umbp_group(spec) -> object:
@@ -39,9 +46,10 @@ def umbp_group(spec) -> object:
     merges only groups whose specs are equal)."""
     tag = repr(spec)
     if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindow(block_size=spec.block_size, window=spec.sliding_window, tag=tag)
+        return SlidingWindow(block_size=spec.block_size, window=spec.sliding_window, tag=tag,
+                             dcp_sharded=spec.dcp_sharded)
     if isinstance(spec, FullAttentionSpec):
-        return FullAttention(block_size=spec.block_size, tag=tag)
+        return FullAttention(block_size=spec.block_size, tag=tag, dcp_sharded=spec.dcp_sharded)
     if isinstance(spec, MambaSpec):
         if spec.mamba_cache_mode != "align":
             raise UnsupportedLayout(
@@ -74,15 +82,32 @@ def parallel_sizes(vllm_config) -> ParallelSizes:
     )
 
 
+def check_parallel(sizes: ParallelSizes, groups: tuple) -> None:
+    """One clear start-up line for a context-parallel setting umbp cannot serve.
+
+    DCP is served: each rank saves and loads its own shard of every attention page (vLLM shards a block's
+    tokens over the DCP ranks) and its own recurrent state; a hit needs every rank's shard. PCP is not:
+    vLLM 0.32 runs it only in its V2 model runner, whose KV layout under PCP umbp has not been proven on.
+    """
+    if sizes.pcp > 1:
+        raise UnsupportedLayout(
+            f"umbp: prefill_context_parallel_size={sizes.pcp} is not supported (vLLM 0.32 runs PCP only in "
+            "its V2 model runner, untested with umbp); use prefill_context_parallel_size=1 "
+            "(decode_context_parallel_size, TP and PP are supported)"
+        )
+    try:
+        check_context_parallel(groups, sizes.dcp, sizes.pcp)
+    except ValueError as exc:
+        raise UnsupportedLayout(f"umbp: decode_context_parallel_size={sizes.dcp}: {exc}") from None
+
+
 def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> Layout:
     sizes = parallel_sizes(vllm_config)
-    if sizes.dcp > 1 or sizes.pcp > 1:
-        raise UnsupportedLayout(
-            "umbp: decode/prefill context parallelism (dcp/pcp > 1) is not supported yet; run with "
-            "dcp=pcp=1 (TP and PP are supported)"
-        )
     kv_groups = kv_cache_config.kv_cache_groups
     groups = tuple(umbp_group(g.kv_cache_spec) for g in kv_groups)
+    check_parallel(sizes, groups)
+    # which rank holds which token of a sharded block (vLLM cp_kv_cache_interleave_size): other bytes per key
+    interleave = getattr(vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1) if sizes.dcp > 1 else None
     unit = kv_cache_config.hash_block_size or vllm_config.cache_config.hash_block_size
     if not unit:
         unit = vllm_config.cache_config.block_size
@@ -93,6 +118,7 @@ def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> L
             layer_names=tuple(g.layer_names),
             page_shapes=((g.kv_cache_spec.page_size_bytes,),),
             dtypes=(str(getattr(g.kv_cache_spec, "dtype", getattr(g.kv_cache_spec, "dtypes", ""))),),
+            extra=(("dcp_interleave", str(interleave)),) if interleave and groups[i].dcp_sharded else (),
         )
         for i, g in enumerate(kv_groups)
     )
@@ -119,4 +145,5 @@ def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> L
         namespace=identity.namespace(),
         ranks=tuple(all_ranks(sizes)),
         object_bytes=object_bytes,
+        dcp=sizes.dcp,
     )

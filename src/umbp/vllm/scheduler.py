@@ -99,9 +99,12 @@ class SchedulerSide:
         # keys are a fixed head + the prefix hash's hex (cached per request): built once here
         ns = layout.namespace
         self._logical_heads = [key_head(logical_key(ns, g, b"\x00")) for g in range(len(layout.groups))]
-        # full-attention groups (MLA included) -> block size: every hit needs all their whole blocks (_add_remote)
-        self._full_blocks = {g: spec.block_size for g, spec in enumerate(layout.groups) if isinstance(spec, FullAttention)}
-        self._max_block = max((spec.block_size for spec in layout.groups), default=0)
+        # block geometry of vLLM's scheduler-side tables: under DCP a sharded attention block spans
+        # block_size * dcp tokens (each rank holds its shard of it under its own key)
+        self.spans = layout.spans
+        # full-attention groups (MLA included) -> span: every hit needs all their whole blocks (_add_remote)
+        self._full_blocks = {g: spec.block_size for g, spec in enumerate(self.spans) if isinstance(spec, FullAttention)}
+        self._max_block = max((spec.block_size for spec in self.spans), default=0)
         self._rank_heads = [[key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))]
                             for r in layout.ranks]
         if cfg.ssd_dirs:
@@ -126,6 +129,7 @@ class SchedulerSide:
                 eagle_groups=self.layout.eagle_groups,
                 boundary_page=self.cfg.boundary_page,
                 store_limit=None if self.cfg.decode_saves else request.num_prompt_tokens,
+                dcp_world_size=self.layout.dcp,
             )
             tracked = TrackedRequest(request, planner)
             self.requests[request.request_id] = tracked
@@ -249,6 +253,7 @@ class SchedulerSide:
             max_tokens=max_tokens,
             eagle_groups=self.layout.eagle_groups,
             hashed_tokens=hashed,
+            dcp_world_size=self.layout.dcp,  # PCP: vLLM's Scheduler builds its coordinator with pcp 1
         )
         tracked.hit, tracked.hit_local = hit, num_computed_tokens
         if hit.tokens <= num_computed_tokens:
@@ -265,6 +270,7 @@ class SchedulerSide:
             max_tokens=request.num_tokens - 1,
             eagle_groups=self.layout.eagle_groups,
             hashed_tokens=hashed,
+            dcp_world_size=self.layout.dcp,
         )
 
     # ---------------------------------------------------------------- loads
@@ -294,7 +300,7 @@ class SchedulerSide:
         destination block is missing."""
         moves = []
         for g, ends in enumerate(hit.loads):
-            spec = self.layout.groups[g]
+            spec = self.spans[g]  # block (end - 1) // span of vLLM's (DCP-scaled) table
             for end in sorted(ends):
                 idx = (end - 1) // spec.block_size
                 if spec.kind != "recurrent_state" and idx * spec.block_size < local:

@@ -32,7 +32,10 @@ logger = logging.getLogger("umbp.vllm")
 
 
 def current_rank() -> RankCoord:
-    """This worker's parallel coordinates (all 0 when vLLM's parallel state is not initialised)."""
+    """This worker's parallel coordinates from vLLM's parallel state (all 0 when it is not initialised).
+
+    The DCP and PCP ranks are read from their own groups, never derived: the shard a rank's attention page
+    holds is decided by its DCP rank (vLLM's slot mapping), so its key must carry exactly that one."""
     try:
         from vllm.distributed import parallel_state as ps
 
@@ -40,7 +43,15 @@ def current_rank() -> RankCoord:
         pp = ps.get_pp_group().rank_in_group
     except Exception:  # noqa: BLE001 - no distributed state (single process tests)
         return RankCoord()
-    return RankCoord(tp=tp, pcp=0, dcp=0, pp=pp)
+    return RankCoord(tp=tp, pcp=_group_rank(ps, "get_pcp_group"), dcp=_group_rank(ps, "get_dcp_group"), pp=pp)
+
+
+def _group_rank(ps, getter: str) -> int:
+    """Rank in a DCP/PCP group; 0 when vLLM did not build that group (its size is then 1)."""
+    try:
+        return getattr(ps, getter)().rank_in_group
+    except (AssertionError, AttributeError):
+        return 0
 
 
 LOAD_IO_THREADS = 2  # tier reads of loads in parallel (each tier call is itself batched and threaded)
@@ -116,6 +127,13 @@ class WorkerSide:
         self.totals: Counter[str] = Counter()  # since start, for `umbp stats`-style inspection and tests
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.rank not in self.layout.ranks:
+            # the scheduler waits for a confirmation from every rank it expects: a rank it does not know
+            # would make every save of this deployment unconfirmable
+            raise RuntimeError(
+                f"umbp: this worker's parallel rank {self.rank.tag()} is not one the scheduler expects "
+                f"({', '.join(r.tag() for r in self.layout.ranks)}); check the TP/PCP/DCP/PP sizes"
+            )
         num_blocks = self.kv_cache_config.num_blocks
         for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
             pages = group_pages(kv_caches, list(group.layer_names), num_blocks)
