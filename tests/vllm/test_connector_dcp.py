@@ -17,6 +17,10 @@ pytestmark = pytest.mark.vllm
 if os.environ.get("UMBP_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # redis_servers
 from sched_harness import GroupDef, build, shard_slot  # noqa: E402
 from test_connector_scheduler import PROMPT, compute_then_drop, restore  # noqa: E402
 
@@ -174,3 +178,40 @@ def test_what_umbp_cannot_serve_fails_at_start_up_with_one_line():
     with pytest.raises(UnsupportedLayout, match="decode_context_parallel_size=2.*sliding window"):
         check_parallel(ParallelSizes(tp=2, dcp=2), (FullAttention(16), SlidingWindow(16, 32)))
     check_parallel(ParallelSizes(tp=8, dcp=8), (FullAttention(16), SlidingWindow(16, 32, dcp_sharded=False)))
+
+
+def test_shared_tier_needs_every_dcp_ranks_shard(tmp_path):
+    """Instance 1 (DCP 4) writes through to Redis; a fresh instance restores byte-exact from it. With one
+    DCP rank's shards deleted from the server, a third instance finds no hit at all."""
+    import redis
+
+    from redis_servers import require_redis, start_server
+
+    require_redis()
+    server = start_server(tmp_path / "redis")
+    try:
+        extra = {
+            "dram_bytes": 64 << 20,
+            "remote": {"url": server.url, "timeout_s": 0.5, "retry_interval_s": 0.2},
+        }
+        prompt = PROMPT[:300]
+        instances = []
+        h1 = make(tmp_path, "dcp4-interleave4", extra=extra)
+        instances.append(h1)
+        assert compute_then_drop(h1, "A", prompt) == 288
+        for w in h1.workers:
+            w.shutdown()  # flushes the asynchronous writes
+        h2 = make(tmp_path, "dcp4-interleave4", extra=extra)
+        instances.append(h2)
+        assert restore(h2, "B", prompt) == (288, [])
+        client = redis.Redis.from_url(server.url)
+        gone = [k for k in client.scan_iter(count=1000) if b":dcp2:" in k]
+        assert gone and client.delete(*gone) == len(gone)
+        h3 = make(tmp_path, "dcp4-interleave4", extra=extra)
+        instances.append(h3)
+        assert restore(h3, "C", prompt) == (0, [])
+    finally:
+        for h in instances[1:]:
+            for w in h.workers:
+                w.shutdown()
+        server.stop()
