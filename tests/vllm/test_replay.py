@@ -199,3 +199,33 @@ def test_layouts_validate():
         tiny_layout().with_overrides(retention=100)
     with pytest.raises(LayoutError, match="unit"):
         ReplayLayout.from_dict({**tiny_layout().to_dict(), "unit": 48})
+
+
+def test_kimi_layout_runs_vllm_with_dcp_8(tmp_path):
+    """The deployment's row is replayed with DCP 8 configured on vLLM's Scheduler, not only modelled: its
+    MLA manager allocates 1024-token blocks from 128-token per-rank specs, KDA keeps 128, and umbp's
+    connector looks up with DCP 8 over all eight ranks."""
+    from umbp.replay.engine import build_engine
+
+    layout = load_layout("kimi-k3")
+    engine = build_engine(layout, boundary_page=True, retention=0, workdir=tmp_path)
+    assert engine.vllm_config.parallel_config.decode_context_parallel_size == 8
+    managers = engine.sched.kv_cache_manager.coordinator.single_type_managers
+    assert [(m.block_size, m.dcp_world_size) for m in managers] == [(1024, 8), (128, 1)]
+    assert engine.sched.kv_cache_manager.coordinator.enable_partial_hash_hits  # DCP's >= rule (KDA 128 = u)
+    assert engine.umbp.layout.dcp == 8 and len(engine.umbp.rank_tags) == 8
+
+
+@pytest.mark.parametrize("page", [True, False])
+def test_dcp_layout_known_answers(tmp_path, page):
+    """The tiny trace at DCP 4: attention blocks of 16 tokens per rank span 64, Mamba blocks are 16 = u.
+    A's second turn resumes at b = 176 (inside the third 64-token span) only with the boundary page; without
+    it nothing older is restorable either (no state at a 64-token boundary was kept: retention 0)."""
+    base = tiny_layout(kind="mla").to_dict()
+    base["groups"] = [{**base["groups"][0], "block_size": 16, "page_bytes": 16 * 2 * 8},
+                      {**base["groups"][1], "block_size": 16}]
+    layout = ReplayLayout.from_dict({**base, "dcp": 4, "ranks": 4})
+    assert layout.scheduler_block_size == 64 and layout.gpu_pool_tokens() == 12 * 64
+    turn = {r.req_id: r for r in run(tmp_path, layout, page).records}["A#1"]
+    assert (turn.local, turn.oracle) == (0, 176)
+    assert turn.restored == (176 if page else 0)

@@ -381,10 +381,10 @@ def record_commits(index) -> set[str]:
 def stop_reason(umbp, request, target: int, committed: set[str] = frozenset()) -> str:
     """Which object umbp lacks for a resume at ``target`` (the oracle), checked group by group."""
     layout = umbp.layout
-    groups, unit = list(layout.groups), layout.unit
+    groups, unit = list(layout.spans), layout.unit  # block spans of vLLM's tables (DCP-scaled attention)
     hashed = len(request.block_hashes) * unit
     present = umbp.present_sets(request, hashed)
-    space = Space(unit, hit_alignment(groups, unit), hashed)
+    space = Space(unit, hit_alignment(layout.groups, unit, layout.dcp), hashed)
     for g, spec in enumerate(groups):
         eagle = g in layout.eagle_groups
         has = present[g].__contains__

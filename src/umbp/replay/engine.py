@@ -64,13 +64,17 @@ class Engine:
         return self.connector._sched
 
 
-def model_dir(root: Path, max_model_len: int, eagle: bool = False) -> Path:
-    """A config-only Llama directory (vLLM's ModelConfig needs one; nothing else is read)."""
-    d = root / (f"eagle-{max_model_len}" if eagle else f"model-{max_model_len}")
+def model_dir(root: Path, max_model_len: int, eagle: bool = False, tp: int = 1) -> Path:
+    """A config-only Llama directory (vLLM's ModelConfig needs one; nothing else is read). Under DCP, vLLM
+    wants more TP ranks than KV heads and heads divisible by TP: then ``tp`` heads and one KV head (MQA,
+    like MLA)."""
+    heads, kv_heads = (tp, 1) if tp > 1 else (4, 2)
+    suffix = f"-tp{tp}" if tp > 1 else ""
+    d = root / ((f"eagle-{max_model_len}" if eagle else f"model-{max_model_len}") + suffix)
     d.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["EagleLlamaForCausalLM" if eagle else "LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "num_hidden_layers": 1 if eagle else 2, "vocab_size": 1 << 17,
         "max_position_embeddings": max_model_len, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
     }
@@ -131,8 +135,10 @@ def build_engine(layout: ReplayLayout, *, boundary_page: bool, retention: int, w
     """A fresh Scheduler + ReplayConnector (scheduler role) for one replay setting; `connector=False`:
     the same scheduler with no KV connector at all (`umbp bench sched` compares the two)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    model = ModelConfig(model=str(model_dir(workdir, layout.max_model_len)), skip_tokenizer_init=True,
+    tp = layout.dcp  # DCP reuses the TP ranks: the smallest TP vLLM accepts for it
+    model = ModelConfig(model=str(model_dir(workdir, layout.max_model_len, tp=tp)), skip_tokenizer_init=True,
                         dtype="float32", max_model_len=layout.max_model_len)
+    parallel = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=layout.dcp)
     sched_cfg = SchedulerConfig(max_num_seqs=layout.max_num_seqs,
                                 max_num_batched_tokens=layout.max_num_batched_tokens,
                                 max_model_len=layout.max_model_len, enable_chunked_prefill=True,
@@ -146,11 +152,13 @@ def build_engine(layout: ReplayLayout, *, boundary_page: bool, retention: int, w
                                 kv_role="kv_both", kv_connector_extra_config=extra)
     spec = None
     if layout.eagle_drop:
-        spec = SpeculativeConfig(method="eagle", model=str(model_dir(workdir, layout.max_model_len, eagle=True)),
+        spec = SpeculativeConfig(method="eagle", model=str(model_dir(workdir, layout.max_model_len, eagle=True, tp=tp)),
                                  num_speculative_tokens=1, target_model_config=model,
-                                 target_parallel_config=ParallelConfig())
+                                 target_parallel_config=ParallelConfig(tensor_parallel_size=tp,
+                                                                       decode_context_parallel_size=layout.dcp))
     vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched_cfg,
-                             kv_transfer_config=transfer if connector else None, speculative_config=spec)
+                             kv_transfer_config=transfer if connector else None, speculative_config=spec,
+                             parallel_config=parallel)
     vllm_config.cache_config.num_gpu_blocks = layout.num_gpu_blocks
     kv_config = kv_cache_config(layout, retention)
     sched, hasher = make_scheduler(vllm_config, kv_config)

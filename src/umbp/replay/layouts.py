@@ -38,7 +38,8 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class GroupConfig:
-    """One KV-cache group. ``page_bytes``: one layer's page for one block, on one rank."""
+    """One KV-cache group. ``page_bytes``: one layer's page for one block, on one rank. ``block_size`` is
+    per rank, as in vLLM's specs: under the layout's DCP an attention block spans ``block_size * dcp``."""
 
     kind: str  # "mla" | "attention" (full attention) | "state" (Mamba2/GDN/KDA recurrent state, align mode)
     block_size: int
@@ -91,14 +92,19 @@ class ReplayLayout:
     dram_gb_per_rank: float
     retention: int  # the positive prefix_cache_retention_interval of the ablation (0 is always run)
     timing: TimingConfig = field(default_factory=TimingConfig)
+    dcp: int = 1  # vLLM decode_context_parallel_size (configured on the Scheduler, with TP = dcp)
+
+    def span(self, g: GroupConfig) -> int:
+        """Tokens one block of ``g`` covers: attention blocks are DCP-sharded, recurrent state is not."""
+        return g.block_size * (self.dcp if g.kind != "state" else 1)
 
     @property
     def scheduler_block_size(self) -> int:
-        return math.lcm(*(g.block_size for g in self.groups))
+        return math.lcm(*(self.span(g) for g in self.groups))
 
     def gpu_pool_tokens(self) -> int:
         """Tokens of full attention the GPU pool holds (what a request's attention table can use)."""
-        return self.num_gpu_blocks * self.groups[0].block_size
+        return self.num_gpu_blocks * self.span(self.groups[0])
 
     def validate(self) -> ReplayLayout:
         if not self.groups:
@@ -106,8 +112,8 @@ class ReplayLayout:
         for i, g in enumerate(self.groups):
             if g.kind not in KINDS:
                 raise LayoutError(f"layout {self.name!r}: group {i} kind {g.kind!r} is not one of {KINDS}")
-            if g.block_size <= 0 or g.block_size % self.unit:
-                raise LayoutError(f"layout {self.name!r}: group {i} block_size {g.block_size} is not a "
+            if g.block_size <= 0 or self.span(g) % self.unit:
+                raise LayoutError(f"layout {self.name!r}: group {i} block span {self.span(g)} is not a "
                                   f"positive multiple of unit {self.unit}")
             if g.layers <= 0 or g.page_bytes <= 0:
                 raise LayoutError(f"layout {self.name!r}: group {i} needs positive 'layers' and 'page_bytes'")
@@ -118,15 +124,19 @@ class ReplayLayout:
                               f"multiple of the scheduler block size {self.scheduler_block_size}")
         if self.num_gpu_blocks < 4 or self.ranks < 1 or self.dram_gb_per_rank <= 0:
             raise LayoutError(f"layout {self.name!r}: num_gpu_blocks >= 4, ranks >= 1, dram_gb_per_rank > 0")
+        if self.dcp < 1 or self.ranks % self.dcp:
+            raise LayoutError(f"layout {self.name!r}: dcp {self.dcp} must be >= 1 and divide ranks {self.ranks}")
         return self
 
     def with_overrides(self, **changes: Any) -> ReplayLayout:
         return replace(self, **{k: v for k, v in changes.items() if v is not None}).validate()
 
     def summary(self) -> str:
-        parts = [f"{g.kind} B={g.block_size}" for g in self.groups]
+        parts = [f"{g.kind} B={g.block_size}" + (f" (x{self.dcp} = {self.span(g)})" if self.span(g) != g.block_size
+                                                  else "") for g in self.groups]
         drop = "on" if self.eagle_drop else "off"
-        return (f"{self.name}: {' + '.join(parts)}, u={self.unit}, EAGLE/DSpark drop {drop}, "
+        dcp = f", DCP {self.dcp}" if self.dcp > 1 else ""
+        return (f"{self.name}: {' + '.join(parts)}, u={self.unit}{dcp}, EAGLE/DSpark drop {drop}, "
                 f"GPU pool {self.num_gpu_blocks} blocks")
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,10 +163,10 @@ GRANITE_PAGE = 2 * 400 * 4 * 64 * 2  # K and V, 400 tokens, 4 KV heads x 64, bf1
 LAYOUTS: dict[str, ReplayLayout] = {
     "kimi-k3": ReplayLayout(
         name="kimi-k3",
-        description="Kimi-K3-like: MLA (16 layers) + KDA (48 layers), 1024-token blocks, u=128, "
-                    "DSpark drop on the MLA group, TP8/DCP8 (bytes x8 ranks), 1799 GB DRAM",
-        groups=(GroupConfig("mla", 1024, 16, KIMI_PAGE, eagle=True),
-                GroupConfig("state", 1024, 48, KIMI_PAGE, checkpoint_alignment=64)),
+        description="Kimi-K3-like: MLA (16 layers) + KDA (48 layers), 128-token blocks per rank (MLA spans 1024 "
+                    "over DCP 8), u=128, DSpark drop on the MLA group, TP8/DCP8 on vLLM's Scheduler, 1799 GB DRAM",
+        groups=(GroupConfig("mla", 128, 16, KIMI_PAGE, eagle=True),
+                GroupConfig("state", 128, 48, KIMI_PAGE, checkpoint_alignment=64)),
         unit=128,
         eagle_drop=True,
         num_gpu_blocks=320,
@@ -167,6 +177,7 @@ LAYOUTS: dict[str, ReplayLayout] = {
         dram_gb_per_rank=1799 / 8,
         retention=8192,
         timing=TimingConfig(step_overhead_s=0.01, prefill_s_per_token=40e-6),
+        dcp=8,
     ),
     "granite-4.0-h": ReplayLayout(
         name="granite-4.0-h",

@@ -76,7 +76,7 @@ def oracle_hit(seen: EverCachedMap, request, layout) -> int:
     hashed = len(request.block_hashes) * layout.unit
     present = present_sets(seen, request, layout.unit, len(groups))
     hit = longest_hit(groups, unit=layout.unit, present=present, max_tokens=request.num_tokens - 1,
-                      eagle_groups=layout.eagle_groups, hashed_tokens=hashed)
+                      eagle_groups=layout.eagle_groups, hashed_tokens=hashed, dcp_world_size=layout.dcp)
     return hit.tokens
 
 
