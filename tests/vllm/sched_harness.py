@@ -284,9 +284,10 @@ def shard_slot(p: int, block_size: int, dcp: int, dcp_rank: int, interleave: int
 def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool = False, tp: int = 1,
           num_blocks: int = 64, extra: dict | None = None, retention: int | None = 0,
           max_num_batched_tokens: int = 1024, max_model_len: int = 4096, dcp: int = 1,
-          interleave: int = 1) -> Harness:
+          interleave: int = 1, eagle_groups: frozenset[int] = frozenset()) -> Harness:
     """``dcp > 1``: vLLM's decode context parallelism over the ``tp`` ranks (tp >= dcp); block sizes in
-    ``groups`` are per rank, as in vLLM's specs."""
+    ``groups`` are per rank, as in vLLM's specs. ``eagle_groups``: groups annotated ``is_eagle_group``
+    (DSpark confines the drop to its MLA group this way; none annotated: vLLM drops on every group)."""
     heads = {"heads": 8, "kv_heads": 1} if dcp > 1 else {}
     model = ModelConfig(model=str(fake_model_dir(tmp_path, **heads)), skip_tokenizer_init=True, dtype="float32",
                         max_model_len=max_model_len)
@@ -313,7 +314,8 @@ def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool
         num_blocks=num_blocks,
         kv_cache_tensors=[KVCacheTensor(size=1, layers=[f"g{g}"], layer_stride=0, block_stride=0)
                           for g in range(len(groups))],
-        kv_cache_groups=[KVCacheGroupSpec([f"g{g}"], _spec(gd)) for g, gd in enumerate(groups)],
+        kv_cache_groups=[KVCacheGroupSpec([f"g{g}"], _spec(gd), is_eagle_group=g in eagle_groups)
+                         for g, gd in enumerate(groups)],
         prefix_cache_retention_interval=retention,
     )
     sched, hasher = make_scheduler(vllm_config, kv_cache_config)

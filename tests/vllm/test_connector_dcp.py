@@ -67,11 +67,17 @@ def test_restore_at_the_boundary_on_every_dcp_rank(tmp_path, name):
     assert h.leaks() == NO_LEAKS
 
 
-@pytest.mark.parametrize("name", ["dcp2", "dcp8"])
-def test_eagle_dspark_keying_under_dcp(tmp_path, name):
+@pytest.mark.parametrize(
+    "name,flagged",
+    [("dcp2", frozenset()), ("dcp8", frozenset()), ("dcp8", frozenset({0}))],
+    ids=["dcp2-eagle", "dcp8-eagle", "dcp8-dspark"],
+)
+def test_eagle_dspark_keying_under_dcp(tmp_path, name, flagged):
     """EAGLE/DSpark's drop: the state is keyed at b, the attention page one unit past it (b + u), which is
-    where vLLM's DCP-aware lookup probes; the restore reaches vLLM's local hit."""
-    h = make(tmp_path, name, eagle=True)
+    where vLLM's DCP-aware lookup probes; the restore reaches vLLM's local hit. DSpark: only the attention
+    group is annotated ``is_eagle_group`` (vLLM 0.32 does so for Kimi-K3's MLA spec)."""
+    h = make(tmp_path, name, eagle=True, eagle_groups=flagged)
+    assert h.umbp.layout.eagle_groups == (flagged or frozenset({0, 1}))
     prompt = PROMPT[:300]
     b = 300 // 16 * 16 - 16
     assert compute_then_drop(h, "A", prompt) == b
@@ -136,16 +142,13 @@ def test_corrupt_shard_on_one_dcp_rank_is_a_recompute(tmp_path):
 
 def test_keys_carry_each_workers_dcp_rank(tmp_path):
     h = make(tmp_path, "dcp4-interleave4")
-    keys = {w._worker.rank_key(0, b"\x01") for w in h.workers}
-    assert len(keys) == 4 and all(
-        f":dcp{r.dcp}:" in w._worker.rank_key(0, b"\x01")
-        for w, r in zip(h.workers, (w._worker.rank for w in h.workers))
-    )
+    for rank, w in enumerate(h.workers):
+        assert f":tp{rank}:pcp0:dcp{rank}:pp0:g0:01" in w._worker.rank_key(0, b"\x01")
     assert {r.tag() for r in h.umbp.layout.ranks} == {w._worker.rank.tag() for w in h.workers}
     # the interleave changes which token a shard holds: it is part of the namespace
-    h1 = make(tmp_path, "dcp4-interleave4")
+    again = make(tmp_path, "dcp4-interleave4")
     other = build(tmp_path, CASES["dcp4-interleave4"][1], unit=16, tp=4, dcp=4, interleave=1)
-    assert h1.umbp.layout.namespace == h.umbp.layout.namespace != other.umbp.layout.namespace
+    assert again.umbp.layout.namespace == h.umbp.layout.namespace != other.umbp.layout.namespace
 
 
 def test_dcp_ranks_follow_vllms_group_layout():
