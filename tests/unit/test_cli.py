@@ -28,6 +28,16 @@ def test_explain_names_the_missing_boundary_page(capsys):
     assert "stopped at 800" in out and "no object at 832" in out
 
 
+def test_explain_with_dcp_uses_block_spans(capsys):
+    argv = ["explain", "--groups", "full:128,state:128", "--unit", "128", "--dcp", "8", "--max-tokens", "9999",
+            "--present", "0=1024", "--present", "1=1152"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "DCP 8" in out and "no object at 1152 (partial page of block 1)" in out
+    with pytest.raises(SystemExit, match="sliding window"):
+        main(["explain", "--groups", "full:16,swa:16:32", "--unit", "16", "--dcp", "2", "--max-tokens", "99"])
+
+
 def test_explain_rejects_bad_groups():
     with pytest.raises(SystemExit, match="bad group"):
         main(["explain", "--groups", "full", "--unit", "16", "--max-tokens", "10"])

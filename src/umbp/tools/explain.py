@@ -4,7 +4,10 @@
                  --present 0=400,800,832 --present 1=832
 
 Groups: `full:B` (full attention), `swa:B:W` (sliding window W), `state:B` (Mamba/GDN/KDA recurrent state).
-`--present G=t1,t2,...` lists the token ends at which group G has a stored object.
+`--present G=t1,t2,...` lists the token ends at which group G has a stored object. With `--dcp N`, block
+sizes are per rank (as in vLLM's specs) and attention blocks span B x N tokens:
+
+    umbp explain --groups full:128,state:128 --unit 128 --dcp 8 --max-tokens 9999 --present 0=1024 --present 1=1152
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hashed-tokens", type=int, default=None, help="where the request's keys end")
     parser.add_argument("--eagle", action="store_true", help="EAGLE block drop on every group")
     parser.add_argument("--eagle-groups", default="", help="comma list of groups that take EAGLE's drop")
+    parser.add_argument("--dcp", type=int, default=1, help="decode_context_parallel_size (block sizes per rank)")
 
 
 def parse_groups(text: str) -> list:
@@ -63,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     groups = parse_groups(args.groups)
     present = parse_present(args.present, len(groups))
     eagle_groups = {int(g) for g in args.eagle_groups.split(",") if g.strip()} or None
-    print(explain(groups, args.unit, present, args.max_tokens, eagle=args.eagle, eagle_groups=eagle_groups,
-                  hashed_tokens=args.hashed_tokens))
+    try:
+        text = explain(groups, args.unit, present, args.max_tokens, eagle=args.eagle, eagle_groups=eagle_groups,
+                       hashed_tokens=args.hashed_tokens, dcp_world_size=args.dcp)
+    except ValueError as exc:
+        raise SystemExit(f"umbp explain: {exc}") from None
+    print(text)
     sys.stdout.flush()
     return 0
