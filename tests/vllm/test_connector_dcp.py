@@ -218,3 +218,25 @@ def test_shared_tier_needs_every_dcp_ranks_shard(tmp_path):
             for w in h.workers:
                 w.shutdown()
         server.stop()
+
+
+def test_worker_reads_its_dcp_rank_from_vllms_parallel_state(monkeypatch):
+    """The worker's key coordinates come from vLLM's own groups (here stand-ins for a TP8/DCP8 rank 5):
+    never derived from the TP rank, so a layout vLLM forms differently cannot mislabel a shard."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state as ps
+
+    from umbp.vllm.worker import current_rank
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 5)
+    monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
+    monkeypatch.setattr(ps, "get_dcp_group", lambda: SimpleNamespace(rank_in_group=5))
+    monkeypatch.setattr(ps, "get_pcp_group", lambda: SimpleNamespace(rank_in_group=0))
+    assert current_rank() == RankCoord(tp=5, pcp=0, dcp=5, pp=0)
+
+    def not_initialised():
+        raise AssertionError("decode context model parallel group is not initialized")
+
+    monkeypatch.setattr(ps, "get_dcp_group", not_initialised)
+    assert current_rank() == RankCoord(tp=5)
