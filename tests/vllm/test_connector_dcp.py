@@ -240,3 +240,25 @@ def test_worker_reads_its_dcp_rank_from_vllms_parallel_state(monkeypatch):
 
     monkeypatch.setattr(ps, "get_dcp_group", not_initialised)
     assert current_rank() == RankCoord(tp=5)
+
+
+def test_interleave_in_the_namespace_is_what_the_workers_use(tmp_path):
+    """vLLM adjusts the interleave only in its worker processes; the scheduler side applies the same rules
+    (a deprecated dcp_kv_cache_interleave_size wins; beside NIXL, the smallest per-rank block size)."""
+    from types import SimpleNamespace
+
+    from umbp.vllm.layout import dcp_interleave
+
+    h = make(tmp_path, "dcp4-interleave4")
+    cfg, kv = h.vllm_config, h.kv_cache_config
+    assert dcp_interleave(cfg, kv) == 4
+    legacy = SimpleNamespace(
+        parallel_config=SimpleNamespace(cp_kv_cache_interleave_size=4, dcp_kv_cache_interleave_size=2),
+        kv_transfer_config=cfg.kv_transfer_config,
+    )
+    assert dcp_interleave(legacy, kv) == 2
+    nixl = SimpleNamespace(
+        parallel_config=cfg.parallel_config,
+        kv_transfer_config=SimpleNamespace(has_connector=lambda name: name == "NixlConnector"),
+    )
+    assert dcp_interleave(nixl, kv) == 16  # min per-rank block size: FA 16, Mamba 32

@@ -101,13 +101,31 @@ def check_parallel(sizes: ParallelSizes, groups: tuple) -> None:
         raise UnsupportedLayout(f"umbp: decode_context_parallel_size={sizes.dcp}: {exc}") from None
 
 
+def dcp_interleave(vllm_config, kv_cache_config: KVCacheConfig) -> int:
+    """How many consecutive tokens of a sharded block one DCP rank holds (vLLM's slot mapping): another
+    value means other bytes under the same key, so it is part of the namespace. Read the way the workers end
+    up with it: vLLM adjusts it only in the worker processes (``adjust_dcp_kv_cache_interleave_size``): a
+    set (deprecated) ``dcp_kv_cache_interleave_size`` overrides ``cp_kv_cache_interleave_size``, and beside
+    a NixlConnector (1P1D) it becomes the smallest per-rank block size. The scheduler applies the same rules
+    so that both roles name the same namespace."""
+    parallel = vllm_config.parallel_config
+    interleave = getattr(parallel, "cp_kv_cache_interleave_size", 1)
+    legacy = getattr(parallel, "dcp_kv_cache_interleave_size", 1) or 1
+    if legacy > 1:
+        interleave = legacy
+    transfer = vllm_config.kv_transfer_config
+    nixl = transfer is not None and hasattr(transfer, "has_connector") and transfer.has_connector("NixlConnector")
+    if nixl and getattr(parallel, "_allow_auto_resolve_cp_interleave_size", False):
+        interleave = min(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
+    return interleave
+
+
 def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> Layout:
     sizes = parallel_sizes(vllm_config)
     kv_groups = kv_cache_config.kv_cache_groups
     groups = tuple(umbp_group(g.kv_cache_spec) for g in kv_groups)
     check_parallel(sizes, groups)
-    # which rank holds which token of a sharded block (vLLM cp_kv_cache_interleave_size): other bytes per key
-    interleave = getattr(vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1) if sizes.dcp > 1 else None
+    interleave = dcp_interleave(vllm_config, kv_cache_config) if sizes.dcp > 1 else None
     unit = kv_cache_config.hash_block_size or vllm_config.cache_config.hash_block_size
     if not unit:
         unit = vllm_config.cache_config.block_size
