@@ -262,3 +262,23 @@ def test_interleave_in_the_namespace_is_what_the_workers_use(tmp_path):
         kv_transfer_config=SimpleNamespace(has_connector=lambda name: name == "NixlConnector"),
     )
     assert dcp_interleave(nixl, kv) == 16  # min per-rank block size: FA 16, Mamba 32
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_restore_beyond_a_local_hit_under_dcp(tmp_path, name):
+    """Turn 1 is held locally (restored from umbp, then cached by vLLM), turn 2 only in umbp: the restore
+    starts from vLLM's local hit (rounded down to the scheduler block) and loads the DCP-scaled blocks past
+    it, byte-exact on every rank."""
+    h = make(tmp_path, name)
+    turn1, turn2 = PROMPT[:300], PROMPT[:600]
+    for req_id, prompt in (("A", turn1), ("A2", turn2)):
+        h.add(req_id, prompt, max_tokens=2)
+        h.run()
+    assert h.sched.reset_prefix_cache()
+    assert restore(h, "A-again", turn1) == (288, [])
+    assert h.local_hit(turn2) == 288
+    before = h.umbp.totals["restored_tokens"]
+    assert restore(h, "C", turn2) == (592, [])
+    block = h.sched.block_size  # the scheduler block: lcm of the DCP spans (here 64 or 128)
+    assert block in (64, 128) and h.umbp.totals["restored_tokens"] - before == 592 - 288 // block * block
+    assert h.leaks() == NO_LEAKS
