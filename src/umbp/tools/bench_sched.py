@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="umbp-bench-sched-") as tmp:
         for n in counts:
-            blocks = n * (-(-(prompt + steps + 64) // layout.groups[0].block_size) + 1) + 16
+            blocks = n * (-(-(prompt + steps + 64) // layout.span(layout.groups[0])) + 1) + 16
             sized = dataclasses.replace(layout, max_num_seqs=max(n, layout.max_num_seqs),
                                         num_gpu_blocks=max(blocks, layout.num_gpu_blocks))
             rows.append(measure(sized, n, prompt, steps, Path(tmp)))
