@@ -23,6 +23,8 @@ def _ok_configs(monkeypatch):
     return [
         {"remote": "redis://:" + quote(PASSWORD, safe="") + "@127.0.0.1:6379/0"},
         {"remote": "redis://alice:" + quote(PASSWORD, safe="") + "@127.0.0.1:6379/0"},
+        {"remote": "redis://:" + PASSWORD + "@127.0.0.1:6379/0"},  # unencoded: the user info ends at the last @
+        {"remote": {"url": "redis://:" + PASSWORD + "@h:1", "password": PASSWORD}},
         {"remote": {"url": "redis://127.0.0.1:6379/0", "password": PASSWORD}},
         {"remote": {"url": "redis://127.0.0.1:6379/0", "password_env": "UMBP_TEST_REDIS_PW"}},
     ]
@@ -40,12 +42,12 @@ def test_repr_and_str_hide_the_password(monkeypatch):
 BAD = [
     {"remote": ["redis://:" + PASSWORD + "@127.0.0.1:6379"]},  # list form: not a URL or dict
     {"remote": ("redis://:" + PASSWORD + "@h:1", "redis://h:2")},
-    {"remote": "redis://:" + PASSWORD + "@127.0.0.1:6379/0"},  # unencoded: urlsplit sees a bad port
-    {"remote": "redis://alice:" + PASSWORD + "@127.0.0.1:6379/0"},
+    {"remote": "redis://:" + PASSWORD + "@127.0.0.1:99999/0"},  # unencoded (read whole), then a bad port
+    {"remote": "redis://alice:" + PASSWORD + "@127.0.0.1:70000/0"},
     {"remote": "redis://:" + PASSWORD + "@127.0.0.1:notaport/0"},
     {"remote": "http://:" + PASSWORD + "@127.0.0.1:6379/0"},  # wrong scheme
     {"remote": "redis://:" + quote(PASSWORD, safe="") + "@127.0.0.1:6379/notadb"},
-    {"remote": {"url": "redis://:" + PASSWORD + "@h:1", "password": PASSWORD}},
+    {"remote": {"url": "redis://:" + PASSWORD + "@h:1", "password": PASSWORD, "db": -1}},
     {"remote": {"url": "redis://h:1", "password": PASSWORD, "bogus": 1}},
     {"remote": {"url": "redis://h:1", "password": PASSWORD, "timeout_s": -1}},
     {"remote": {"url": "redis://h:1", "password": PASSWORD, "tls_cert_file": "/c"}},
