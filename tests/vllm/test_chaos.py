@@ -42,7 +42,7 @@ def test_no_crash_and_no_wrong_token_from_a_defended_fault(campaign):
     assert campaign.arm_wrong_tokens == 0
     wrong = {k: t.wrong_tokens for k, t in campaign.kinds.items() if t.wrong_tokens and k not in UNDEFENDED}
     assert wrong == {}, f"defended fault kinds produced wrong tokens: {wrong}"
-    assert campaign.max_abs_dlogprob <= 1e-4
+    assert campaign.max_abs_dlogprob <= Options().tol
 
 
 def test_every_kind_landed_and_each_damage_was_a_counted_miss(campaign):

@@ -66,6 +66,8 @@ class Result:
     max_abs_dlogprob: float = 0.0  # over the turns judged right
     kinds: dict[str, Tally] = field(default_factory=dict)
     crash_reports: list[str] = field(default_factory=list)
+    closest_calls: list[tuple] = field(default_factory=list)  # right turns farthest from the reference:
+    # (|dlogprob|, prompt tokens, restored tokens, cached tokens)
     events: list[dict[str, Any]] = field(default_factory=list)  # one per fault, for the JSON
     umbp_totals: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -90,10 +92,10 @@ class Options:
     user_tokens: int = 100
     max_tokens: int = 8
     seed: int = 0
-    tol: float = 1e-4
+    tol: float = 5e-4
     arch: str = "granite"
     model_dir: str = ""
-    dram_gb: float = 0.01  # ~50 objects: DRAM evicts (and demotes) all along
+    dram_gb: float = 0.003  # ~16 objects of ~200 KB: DRAM evicts (and demotes) all along
     progress: bool = True
 
 
@@ -202,6 +204,12 @@ class Bench:
         from umbp.tools import vllm_harness as H
 
         totals = dict(self.rig.sched.totals) if self.rig is not None else {}
+        if self.rig is not None:
+            dram = self.rig.sched.index.stats()
+            totals.update({f"dram_{k}": v for k, v in dram.items() if isinstance(v, int)})
+        if self.rig is not None and self.rig.worker.remote is not None:  # why the shared tier's loads missed
+            remote = self.rig.worker.remote.stats()
+            totals.update({f"remote_{k}": v for k, v in remote.items() if isinstance(v, int) and v})
         try:
             if self.llm is not None:
                 H.shutdown_llm(self.llm)
@@ -231,6 +239,7 @@ class Campaign:
         self.prompts = [p for turn in zip(*convs) for p in turn]  # turn 0 of every conversation, then 1, ...
         self.fresh = list(fresh)
         self.next_prompt = 0
+        self.last_dlogprob = 0.0
         self.result = Result(kinds={k: Tally() for k in opts.kinds})
 
     def take_prompt(self, kind: Kind) -> list[int]:
@@ -241,9 +250,12 @@ class Campaign:
         return p
 
     def turn(self, bench: Bench, prompt: list[int], tally: Tally | None) -> tuple[int, bool]:
-        """Run one prompt and check it; (wrong tokens, crashed)."""
+        """Run one prompt and check it; (wrong tokens, crashed). Keeps the turn's largest |dlogprob| of a
+        right token in self.last_dlogprob."""
         from umbp.tools import vllm_harness as H
 
+        self.last_dlogprob = 0.0
+        restored0 = bench.counters()["restored_tokens"]
         try:
             out = H.run_prompt(bench.llm, prompt, max_tokens=self.opts.max_tokens)
         except Exception:  # noqa: BLE001 - the campaign counts it, then rebuilds the engine
@@ -254,9 +266,13 @@ class Campaign:
             bench.restart_engine()
             return 0, True
         wrong, worst = wrong_tokens(out, self.refs[tuple(prompt)], self.opts.tol)
+        self.last_dlogprob = worst
         self.result.wrong_tokens += wrong
         if wrong == 0:  # how close the right answers are to the reference: what --tol must allow
             self.result.max_abs_dlogprob = max(self.result.max_abs_dlogprob, worst)
+            restored = bench.counters()["restored_tokens"] - restored0
+            self.result.closest_calls.append((worst, len(prompt), restored, out.num_cached_tokens))
+            self.result.closest_calls = sorted(self.result.closest_calls, reverse=True)[:8]
         return wrong, False
 
     def arm(self, bench: Bench, kind: Kind, prompt: list[int]) -> bool:
@@ -282,13 +298,15 @@ class Campaign:
             return False
         rig = bench.rig
         before = bench.counters()
-        rig.pending = kind
+        rig.pending, rig.recording = kind, True
         wrong, crashed = self.turn(bench, prompt, tally)
         rig = bench.rig  # a new one after a crash
         landed = crashed or rig.injected
         after = bench.counters()
         rig.pending = None
         targets = list(rig.targets)
+        rig.stop_faults()
+        bench.settle()  # the victim turn's saves confirmed: heal purges them too
         rig.heal()
         if not landed:
             tally.not_landed += 1
@@ -296,6 +314,7 @@ class Campaign:
         self.result.faults += 1
         self.result.events.append({
             "kind": kind.name, "prompt_tokens": len(prompt), "wrong_tokens": wrong, "crashed": crashed,
+            "max_dlogprob_right": self.last_dlogprob,
             "load_failures": after["load_failures"] - before["load_failures"],
             "restored_tokens": after["restored_tokens"] - before["restored_tokens"],
             "read": sorted({(t.group, t.source) for t in targets}),
@@ -357,7 +376,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tol", type=float, default=1e-4, help="largest |dlogprob| of a right token")
+    parser.add_argument("--tol", type=float, default=5e-4,
+                        help="largest |dlogprob| of a right token (right turns differ by up to ~8e-5 here)")
     parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/chaos.json", help="JSON result path")
 

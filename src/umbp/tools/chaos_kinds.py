@@ -51,6 +51,8 @@ class Rig:
     read_keys: list[str] = field(default_factory=list)  # logical keys of the victim restore
     targets: list[Target] = field(default_factory=list)
     enospc_hits: int = 0  # SSD writes failed by Enospc
+    recording: bool = False  # while True, the keys of every save the scheduler confirms go to `written`
+    written: set[str] = field(default_factory=set)
 
     def redis(self):
         import redis
@@ -99,6 +101,14 @@ class Rig:
                 self.injected = self.proxy.fired > fired
 
         self.sched.lookup = lookup
+        original_finish = self.sched._finish_save
+
+        def finish_save(save):
+            if self.recording:
+                self.written.update(save.keys)
+            return original_finish(save)
+
+        self.sched._finish_save = finish_save
 
     def _force(self, tier: str, keys: list[str]) -> None:
         """Make the restore read `tier`: as if DRAM (and for "remote", the SSD tier too) had lost them."""
@@ -114,16 +124,21 @@ class Rig:
         return Target(logical, group, rank_key, source, move.offset, nbytes)
 
     # ------------------------------------------------------------ after a fault
-    def heal(self) -> None:
-        """Undo what outlives a fault: a dead server is started again (empty), the proxy disarmed, the
-        disk "freed"; then every object the victim restore read is dropped from every tier, so each fault's
-        damage (also the undetected kinds') is confined to its own turn."""
+    def stop_faults(self) -> None:
+        """What outlives a fault's turn: the proxy is disarmed, a dead server started again (empty), the
+        injected ENOSPC is over."""
         self.proxy.arm(None)
         if not self.server.alive():
             self.server.start()
         self.enospc_hits = 0
-        self.purge(self.read_keys)
-        self.read_keys, self.targets, self.injected = [], [], False
+
+    def heal(self) -> None:
+        """After `stop_faults` and the victim's saves are confirmed: every object the victim restore read,
+        and every object the victim turn stored (computed on top of what it restored: after an undetected
+        fault those are wrong too), is dropped from every tier, so each fault's damage stays in its turn."""
+        self.recording = False
+        self.purge(sorted(set(self.read_keys) | self.written))
+        self.read_keys, self.targets, self.injected, self.written = [], [], False, set()
 
     def purge(self, logical_keys: list[str]) -> None:
         if not logical_keys:
