@@ -79,3 +79,21 @@ def test_every_mangled_reply_is_a_miss_then_the_tier_recovers(proxied, mode):
         time.sleep(0.05)
         tier.put(["k"], [value])  # a value that failed its checksum was deleted by the tier
     assert np.array_equal(out, value)
+
+
+@pytest.mark.parametrize("mode", ["nested", "garbage", "close"])
+@pytest.mark.parametrize("call", ["exists", "get_into", "put"])
+def test_a_mangled_connection_handshake_is_a_miss_not_an_exception(proxied, mode, call):
+    """A fresh connection's first reply (redis-py's handshake, parsed by redis-py) is mangled: 100,000
+    nested arrays made redis-py's parser raise RecursionError out of exists(), i.e. out of vLLM's
+    scheduler step (an engine crash), before the tier treated it as a failed server."""
+    tier, proxy = proxied
+    value = blob(4096, seed=4)
+    proxy.arm(mode)
+    if call == "exists":
+        assert tier.exists(["k"]) == [False]
+    elif call == "get_into":
+        assert tier.get_into(["k"], [np.zeros_like(value)]) == [False]
+    else:
+        assert tier.put(["k"], [value]) == [False]
+    assert proxy.fired == 1

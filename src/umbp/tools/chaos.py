@@ -67,7 +67,7 @@ class Result:
     kinds: dict[str, Tally] = field(default_factory=dict)
     crash_reports: list[str] = field(default_factory=list)
     closest_calls: list[tuple] = field(default_factory=list)  # right turns farthest from the reference:
-    # (|dlogprob|, prompt tokens, restored tokens, cached tokens)
+    # (|dlogprob|, prompt tokens, restored tokens, cached tokens, tiers the restore read)
     events: list[dict[str, Any]] = field(default_factory=list)  # one per fault, for the JSON
     umbp_totals: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -121,6 +121,18 @@ def build_references(llm, opts: Options, fresh: int) -> tuple[list[list[list[int
     for p in fresh_prompts:
         refs[tuple(p)] = H.run_prompt(llm, p, max_tokens=opts.max_tokens)
     return convs, fresh_prompts, refs
+
+
+def crash_report() -> str:
+    """The exception and the frames of umbp and vLLM that led to it (a RecursionError's traceback is
+    thousands of frames of the same parser)."""
+    import sys
+
+    exc = sys.exc_info()[1]
+    ours = ("src/umbp/", "site-packages/umbp/", "site-packages/vllm/")
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if any(o in f.filename for o in ours)]
+    lines = traceback.format_list(frames[-12:])
+    return "".join(lines) + f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 def wrong_tokens(out, ref, tol: float) -> tuple[int, float]:
@@ -260,7 +272,7 @@ class Campaign:
             out = H.run_prompt(bench.llm, prompt, max_tokens=self.opts.max_tokens)
         except Exception:  # noqa: BLE001 - the campaign counts it, then rebuilds the engine
             self.result.crashes += 1
-            self.result.crash_reports.append(traceback.format_exc()[-2000:])
+            self.result.crash_reports.append(crash_report())
             if tally is not None:
                 tally.crashes += 1
             bench.restart_engine()
@@ -271,7 +283,9 @@ class Campaign:
         if wrong == 0:  # how close the right answers are to the reference: what --tol must allow
             self.result.max_abs_dlogprob = max(self.result.max_abs_dlogprob, worst)
             restored = bench.counters()["restored_tokens"] - restored0
-            self.result.closest_calls.append((worst, len(prompt), restored, out.num_cached_tokens))
+            self.result.closest_calls.append((worst, len(prompt), restored, out.num_cached_tokens,
+                                              ",".join(bench.rig.last_sources) if restored else ""))
+            bench.rig.last_sources = []
             self.result.closest_calls = sorted(self.result.closest_calls, reverse=True)[:8]
         return wrong, False
 
@@ -400,14 +414,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(result: Result) -> None:
-    head = f"{'fault kind':20} {'tier':6} {'injected':>8} {'miss':>5} {'restored-ok':>11} {'wrong tok':>9} {'crashes':>7}"
+    head = (f"{'fault kind':20} {'tier':6} {'injected':>8} {'detected-as-miss':>16} {'restored-ok':>11} "
+            f"{'wrong tokens':>12} {'crashes':>7}")
     print()
     print(head)
     print("-" * len(head))
     for name, t in result.kinds.items():
         mark = " *" if name in UNDEFENDED else ""
-        print(f"{name:20} {KINDS[name].reads:6} {t.injected:>8} {t.miss:>5} {t.restored_ok:>11} "
-              f"{t.wrong_tokens:>9} {t.crashes:>7}{mark}")
+        print(f"{name:20} {KINDS[name].reads:6} {t.injected:>8} {t.miss:>16} {t.restored_ok:>11} "
+              f"{t.wrong_tokens:>12} {t.crashes:>7}{mark}")
     print(f"(* not defended yet: {', '.join(sorted(UNDEFENDED))})")
     print(f"arm turns {result.arm_turns}, wrong tokens {result.arm_wrong_tokens}; max |dlogprob| of right "
           f"tokens {result.max_abs_dlogprob:.1e}; defended kinds: wrong tokens {result.defended_wrong_tokens()}")

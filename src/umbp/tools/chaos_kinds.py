@@ -53,6 +53,7 @@ class Rig:
     enospc_hits: int = 0  # SSD writes failed by Enospc
     recording: bool = False  # while True, the keys of every save the scheduler confirms go to `written`
     written: set[str] = field(default_factory=set)
+    last_sources: list[str] = field(default_factory=list)  # tiers the last unfaulted restore read
 
     def redis(self):
         import redis
@@ -72,7 +73,9 @@ class Rig:
         def place(load, moves):
             kind, self.pending = self.pending, None
             if kind is None:
-                return original(load, moves)
+                ok = original(load, moves)
+                self.last_sources = sorted({m.source if m.offset < 0 else "dram" for _g, m, _k in moves})
+                return ok
             keys = [key for _g, _m, key in moves]
             self.read_keys = keys
             self._force(kind.reads, keys)
