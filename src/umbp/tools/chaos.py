@@ -63,7 +63,7 @@ class Result:
     crashes: int = 0
     arm_turns: int = 0
     arm_wrong_tokens: int = 0
-    max_abs_dlogprob: float = 0.0  # over the turns judged right
+    max_abs_dlogprob: float = 0.0  # over the turns judged right (arm turns, defended kinds' victims)
     kinds: dict[str, Tally] = field(default_factory=dict)
     crash_reports: list[str] = field(default_factory=list)
     closest_calls: list[tuple] = field(default_factory=list)  # right turns farthest from the reference:
@@ -92,7 +92,7 @@ class Options:
     user_tokens: int = 100
     max_tokens: int = 8
     seed: int = 0
-    tol: float = 5e-4
+    tol: float = 1e-4
     arch: str = "granite"
     model_dir: str = ""
     dram_gb: float = 0.003  # ~16 objects of ~200 KB: DRAM evicts (and demotes) all along
@@ -261,9 +261,10 @@ class Campaign:
         self.next_prompt += 1
         return p
 
-    def turn(self, bench: Bench, prompt: list[int], tally: Tally | None) -> tuple[int, bool]:
+    def turn(self, bench: Bench, prompt: list[int], tally: Tally | None, measure: bool = True) -> tuple[int, bool]:
         """Run one prompt and check it; (wrong tokens, crashed). Keeps the turn's largest |dlogprob| of a
-        right token in self.last_dlogprob."""
+        right token in self.last_dlogprob; with `measure`, also in the result's noise figures (not for an
+        undefended kind's victim: an undetected swap may move a logprob a little, tokens unchanged)."""
         from umbp.tools import vllm_harness as H
 
         self.last_dlogprob = 0.0
@@ -280,7 +281,7 @@ class Campaign:
         wrong, worst = wrong_tokens(out, self.refs[tuple(prompt)], self.opts.tol)
         self.last_dlogprob = worst
         self.result.wrong_tokens += wrong
-        if wrong == 0:  # how close the right answers are to the reference: what --tol must allow
+        if wrong == 0 and measure:  # how close right answers are to the reference: what --tol must allow
             self.result.max_abs_dlogprob = max(self.result.max_abs_dlogprob, worst)
             restored = bench.counters()["restored_tokens"] - restored0
             self.result.closest_calls.append((worst, len(prompt), restored, out.num_cached_tokens,
@@ -313,7 +314,7 @@ class Campaign:
         rig = bench.rig
         before = bench.counters()
         rig.pending, rig.recording = kind, True
-        wrong, crashed = self.turn(bench, prompt, tally)
+        wrong, crashed = self.turn(bench, prompt, tally, measure=kind.name not in UNDEFENDED)
         rig = bench.rig  # a new one after a crash
         landed = crashed or rig.injected
         after = bench.counters()
@@ -390,8 +391,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tol", type=float, default=5e-4,
-                        help="largest |dlogprob| of a right token (right turns differ by up to ~8e-5 here)")
+    parser.add_argument("--tol", type=float, default=1e-4,
+                        help="largest |dlogprob| of a right token (right turns differ by up to ~1e-5 here)")
     parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/chaos.json", help="JSON result path")
 

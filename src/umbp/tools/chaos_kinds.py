@@ -78,6 +78,7 @@ class Rig:
                 return ok
             keys = [key for _g, _m, key in moves]
             self.read_keys = keys
+            self.last_sources = [kind.reads]
             self._force(kind.reads, keys)
             ok = original(load, moves)
             self.targets = [self._target(g, m, k) for g, m, k in moves]
