@@ -36,7 +36,7 @@ from typing import Any
 
 from umbp.tools.chaos_kinds import KINDS, UNDEFENDED, Enospc, Kind, Rig
 
-DEFAULT_FAULTS = 232  # 8 rounds of the 29 kinds
+DEFAULT_FAULTS = 240  # 8 rounds of the 30 kinds
 ATTEMPTS = 6  # prompts a planned fault may try until it finds something to damage (early on, e.g., no
 # other value of the same size exists yet to forge from)
 
@@ -121,6 +121,24 @@ def build_references(llm, opts: Options, fresh: int) -> tuple[list[list[list[int
     for p in fresh_prompts:
         refs[tuple(p)] = H.run_prompt(llm, p, max_tokens=opts.max_tokens)
     return convs, fresh_prompts, refs
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int) -> list:
+    """Greedy outputs (tokens, logprobs, cached tokens) of several token-id prompts in one batch, in order:
+    vllm_harness.run_prompt for a batch, so their loads and saves share the engine's steps."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from umbp.tools.vllm_harness import TurnResult
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    results = []
+    for out in outs:
+        comp = out.outputs[0]
+        toks = list(comp.token_ids)
+        lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(toks)]
+        results.append(TurnResult(toks, lps, int(out.num_cached_tokens or 0)))
+    return results
 
 
 def crash_report() -> str:
@@ -209,8 +227,8 @@ class Bench:
                 tier.flush(30)
 
     def counters(self) -> dict[str, int]:
-        return {"load_failures": self.rig.sched.totals["load_failures"],
-                "restored_tokens": self.rig.sched.totals["restored_tokens"]}
+        totals = self.rig.sched.totals
+        return {k: totals[k] for k in ("load_failures", "restored_tokens", "evictions")}
 
     def close(self) -> dict[str, int]:
         from umbp.tools import vllm_harness as H
@@ -261,16 +279,16 @@ class Campaign:
         self.next_prompt += 1
         return p
 
-    def turn(self, bench: Bench, prompt: list[int], tally: Tally | None, measure: bool = True) -> tuple[int, bool]:
-        """Run one prompt and check it; (wrong tokens, crashed). Keeps the turn's largest |dlogprob| of a
-        right token in self.last_dlogprob; with `measure`, also in the result's noise figures (not for an
-        undefended kind's victim: an undetected swap may move a logprob a little, tokens unchanged)."""
-        from umbp.tools import vllm_harness as H
-
+    def turn(self, bench: Bench, prompt: list[int], tally: Tally | None, measure: bool = True,
+             beside: Sequence[list[int]] = ()) -> tuple[int, bool]:
+        """Run one prompt (and `beside` in the same batch) and check every output; (wrong tokens, crashed).
+        Keeps the prompt's largest |dlogprob| of a right token in self.last_dlogprob; with `measure`, also
+        in the result's noise figures (not for an undefended kind's victim: an undetected swap may move a
+        logprob a little, tokens unchanged)."""
         self.last_dlogprob = 0.0
         restored0 = bench.counters()["restored_tokens"]
         try:
-            out = H.run_prompt(bench.llm, prompt, max_tokens=self.opts.max_tokens)
+            outs = generate(bench.llm, [prompt, *beside], self.opts.max_tokens)
         except Exception:  # noqa: BLE001 - the campaign counts it, then rebuilds the engine
             self.result.crashes += 1
             self.result.crash_reports.append(crash_report())
@@ -278,13 +296,14 @@ class Campaign:
                 tally.crashes += 1
             bench.restart_engine()
             return 0, True
-        wrong, worst = wrong_tokens(out, self.refs[tuple(prompt)], self.opts.tol)
+        checked = [wrong_tokens(out, self.refs[tuple(p)], self.opts.tol) for p, out in zip([prompt, *beside], outs)]
+        wrong, worst = sum(w for w, _ in checked), checked[0][1]
         self.last_dlogprob = worst
         self.result.wrong_tokens += wrong
         if wrong == 0 and measure:  # how close right answers are to the reference: what --tol must allow
-            self.result.max_abs_dlogprob = max(self.result.max_abs_dlogprob, worst)
+            self.result.max_abs_dlogprob = max([self.result.max_abs_dlogprob, *(d for _, d in checked)])
             restored = bench.counters()["restored_tokens"] - restored0
-            self.result.closest_calls.append((worst, len(prompt), restored, out.num_cached_tokens,
+            self.result.closest_calls.append((worst, len(prompt), restored, outs[0].num_cached_tokens,
                                               ",".join(bench.rig.last_sources) if restored else ""))
             bench.rig.last_sources = []
             self.result.closest_calls = sorted(self.result.closest_calls, reverse=True)[:8]
@@ -313,10 +332,14 @@ class Campaign:
             return False
         rig = bench.rig
         before = bench.counters()
+        beside = [self.take_prompt(KINDS["dram_bitflip"]) for _ in range(kind.beside)]
+        beside = [p for p in beside if p != prompt]
         rig.pending, rig.recording = kind, True
-        wrong, crashed = self.turn(bench, prompt, tally, measure=kind.name not in UNDEFENDED)
+        wrong, crashed = self.turn(bench, prompt, tally, measure=kind.name not in UNDEFENDED, beside=beside)
         rig = bench.rig  # a new one after a crash
         landed = crashed or rig.injected
+        if kind.beside and not crashed:  # the race happened only if DRAM evicted while the batch ran
+            landed = landed and bench.counters()["evictions"] > before["evictions"]
         after = bench.counters()
         rig.pending = None
         targets = list(rig.targets)

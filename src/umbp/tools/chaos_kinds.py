@@ -180,6 +180,7 @@ class Kind:
     what: str  # one line for the docs and the table
     fresh_prompt: bool = False  # the prompt must be computed anew under the fault (disk full)
     at_lookup: bool = False  # injected before the scheduler's lookup (inject gets no targets), not at placement
+    beside: int = 0  # other prompts computed in the same batch as the victim (their saves make DRAM evict)
 
 
 def _pick(rig: Rig, targets: list[Target]) -> Target | None:
@@ -392,6 +393,13 @@ def _evicted_everywhere(rig: Rig, targets: list[Target]) -> bool:
     return True
 
 
+def _under_pressure(rig: Rig, targets: list[Target]) -> bool:
+    """Nothing damaged: the victim restores from DRAM while other prompts in its batch are computed and
+    saved, so the tiny arena evicts (and demotes) during the restore (the campaign counts the fault only
+    when DRAM did evict during the turn)."""
+    return bool(targets)
+
+
 KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("dram_bitflip", "dram", _dram_damage("bitflip"), "one byte of an arena slot flipped"),
     Kind("dram_zeroed", "dram", _dram_damage("zeroed"), "one 4 KiB block of an arena slot zeroed"),
@@ -424,6 +432,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("lookup_nested", "remote", _hostile_lookup("nested"), "proxy answers the lookup with 100,000 nested arrays",
          at_lookup=True),
     Kind("evict_race_dram", "ssd", _evicted_from_dram, "evicted from DRAM between lookup and load"),
+    Kind("evict_race_batch", "dram", _under_pressure, "restored while 3 other prompts in its batch fill DRAM",
+         beside=3),
     Kind("evict_race_all", "ssd", _evicted_everywhere, "evicted from DRAM, SSD and Redis after the lookup"),
 ]}
 
