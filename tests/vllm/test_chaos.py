@@ -17,11 +17,13 @@ if os.environ.get("UMBP_REQUIRE_VLLM") != "1":
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_servers import require_redis  # noqa: E402
 from umbp.tools.chaos import Options, run_campaign  # noqa: E402
-from umbp.tools.chaos_kinds import KINDS, UNDEFENDED  # noqa: E402
+from umbp.tools.chaos_kinds import KINDS, undefended  # noqa: E402
 
 # Kinds whose every injection is bound to be caught: the bytes a restore reads are damaged (or gone, or the
 # server answers garbage) and the restore has no other source left. The others may also restore rightly:
 # an eviction race falls back to the SSD tier or keeps its pinned slots, a reordered page may change nothing.
+# The campaign runs the shared tier with a tenant secret (its default): a forged value fails its MAC.
+UNDEFENDED = undefended(secret=True)
 ALWAYS_A_MISS = {k for k in KINDS if k not in UNDEFENDED} - {"evict_race_dram", "evict_race_batch"}
 
 
@@ -43,6 +45,7 @@ def test_no_crash_and_no_wrong_token_from_a_defended_fault(campaign):
     wrong = {k: t.wrong_tokens for k, t in campaign.kinds.items() if t.wrong_tokens and k not in UNDEFENDED}
     assert wrong == {}, f"defended fault kinds produced wrong tokens: {wrong}"
     assert campaign.max_abs_dlogprob <= Options().tol
+    assert campaign.secret and "redis_forged" not in campaign.undefended
 
 
 def test_every_kind_landed_and_each_damage_was_a_counted_miss(campaign):

@@ -17,13 +17,19 @@ than --tol. A crash is an exception out of the engine (it is then rebuilt). Afte
 the victim read are purged from every tier, so each fault's damage stays in its own turn.
 
 The tally line is `faults N, wrong tokens W, crashes C`; the exit status is 0 when no defended kind (every
-kind outside chaos_kinds.UNDEFENDED) and no arm turn produced a wrong token and nothing crashed.
+kind outside chaos_kinds.undefended(secret)) and no arm turn produced a wrong token and nothing crashed.
+
+By default the shared tier runs with a tenant secret (`auth_key_env`, a random one per run): its values
+carry a MAC, so `redis_forged` and `redis_reordered` are defended; `--no-secret` runs the tier unauthenticated (the product's
+default), where a relabelled value or a swap of two words in a value verifies: `redis_forged` and
+`redis_reordered` join the undefended kinds.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import shutil
 import tempfile
@@ -34,9 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from umbp.tools.chaos_kinds import KINDS, UNDEFENDED, Enospc, Kind, Rig
+from umbp.tools.chaos_kinds import KINDS, Enospc, Kind, Rig, undefended
 
 DEFAULT_FAULTS = 240  # 8 rounds of the 30 kinds
+SECRET_ENV = "UMBP_CHAOS_TENANT_SECRET"  # where the campaign puts its random tenant secret
 ATTEMPTS = 6  # prompts a planned fault may try until it finds something to damage (early on, e.g., no
 # other value of the same size exists yet to forge from)
 
@@ -65,6 +72,8 @@ class Result:
     arm_wrong_tokens: int = 0
     max_abs_dlogprob: float = 0.0  # over the turns judged right (arm turns, defended kinds' victims)
     kinds: dict[str, Tally] = field(default_factory=dict)
+    secret: bool = True  # the shared tier ran with a tenant secret
+    undefended: list[str] = field(default_factory=list)  # kinds expected to give wrong tokens today
     crash_reports: list[str] = field(default_factory=list)
     closest_calls: list[tuple] = field(default_factory=list)  # right turns farthest from the reference:
     # (|dlogprob|, prompt tokens, restored tokens, cached tokens, tiers the restore read)
@@ -73,7 +82,7 @@ class Result:
     wall_s: float = 0.0
 
     def defended_wrong_tokens(self) -> int:
-        return self.arm_wrong_tokens + sum(t.wrong_tokens for k, t in self.kinds.items() if k not in UNDEFENDED)
+        return self.arm_wrong_tokens + sum(t.wrong_tokens for k, t in self.kinds.items() if k not in self.undefended)
 
     def ok(self) -> bool:
         return self.crashes == 0 and self.defended_wrong_tokens() == 0
@@ -95,6 +104,7 @@ class Options:
     tol: float = 1e-4
     arch: str = "granite"
     model_dir: str = ""
+    secret: bool = True  # the shared tier authenticated with a tenant secret (see the module docstring)
     dram_gb: float = 0.003  # ~16 objects of ~200 KB: DRAM evicts (and demotes) all along
     progress: bool = True
 
@@ -186,13 +196,17 @@ class Bench:
         self.start_engine()
 
     def extra(self) -> dict[str, Any]:
+        remote: dict[str, Any] = {"url": self.proxy.url, "timeout_s": 0.5, "connect_timeout_s": 0.5,
+                                  "retry_interval_s": 0.2, "quarantine_s": 1.0}
+        if self.opts.secret:
+            os.environ.setdefault(SECRET_ENV, os.urandom(32).hex())
+            remote["auth_key_env"] = SECRET_ENV
         return {
             "dram_gb": self.opts.dram_gb,
             "ssd_dirs": [str(self.scratch / f"ssd{self.engines}")],  # a rebuilt engine: a fresh directory
             "ssd_gb": 0.25,
             "quarantine_s": 1.0,
-            "remote": {"url": self.proxy.url, "timeout_s": 0.5, "connect_timeout_s": 0.5,
-                       "retry_interval_s": 0.2, "quarantine_s": 1.0},
+            "remote": remote,
         }
 
     def start_engine(self) -> None:
@@ -270,7 +284,8 @@ class Campaign:
         self.fresh = list(fresh)
         self.next_prompt = 0
         self.last_dlogprob = 0.0
-        self.result = Result(kinds={k: Tally() for k in opts.kinds})
+        self.result = Result(kinds={k: Tally() for k in opts.kinds}, secret=opts.secret,
+                             undefended=sorted(undefended(opts.secret) & set(opts.kinds)))
 
     def take_prompt(self, kind: Kind) -> list[int]:
         if kind.fresh_prompt and self.fresh:
@@ -335,7 +350,8 @@ class Campaign:
         beside = [self.take_prompt(KINDS["dram_bitflip"]) for _ in range(kind.beside)]
         beside = [p for p in beside if p != prompt]
         rig.pending, rig.recording = kind, True
-        wrong, crashed = self.turn(bench, prompt, tally, measure=kind.name not in UNDEFENDED, beside=beside)
+        wrong, crashed = self.turn(bench, prompt, tally, measure=kind.name not in self.result.undefended,
+                                   beside=beside)
         rig = bench.rig  # a new one after a crash
         landed = crashed or rig.injected
         if kind.beside and not crashed:  # the race happened only if DRAM evicted while the batch ran
@@ -416,6 +432,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tol", type=float, default=1e-4,
                         help="largest |dlogprob| of a right token (right turns differ by up to ~1e-5 here)")
+    parser.add_argument("--no-secret", dest="secret", action="store_false",
+                        help="run the shared tier without a tenant secret (unauthenticated: forged values verify)")
     parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/chaos.json", help="JSON result path")
 
@@ -429,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"umbp chaos: building a tiny random-weight {args.arch} model in {workdir} ...", flush=True)
     model_dir = build_tiny_model(args.arch, workdir / args.arch)
     opts = Options(faults=args.faults, kinds=kinds, conversations=args.conversations, turns=args.turns,
-                   seed=args.seed, tol=args.tol, arch=args.arch, model_dir=str(model_dir))
+                   seed=args.seed, tol=args.tol, arch=args.arch, model_dir=str(model_dir), secret=args.secret)
     result = run_campaign(opts)
     out = write_json(args.out, asdict(result))
     print_report(result)
@@ -444,10 +462,11 @@ def print_report(result: Result) -> None:
     print(head)
     print("-" * len(head))
     for name, t in result.kinds.items():
-        mark = " *" if name in UNDEFENDED else ""
+        mark = " *" if name in result.undefended else ""
         print(f"{name:20} {KINDS[name].reads:6} {t.injected:>8} {t.miss:>16} {t.restored_ok:>11} "
               f"{t.wrong_tokens:>12} {t.crashes:>7}{mark}")
-    print(f"(* not defended yet: {', '.join(sorted(UNDEFENDED))})")
+    secret = "with a tenant secret (values MACed)" if result.secret else "without a tenant secret"
+    print(f"(* not defended yet: {', '.join(result.undefended)}; shared tier {secret})")
     print(f"arm turns {result.arm_turns}, wrong tokens {result.arm_wrong_tokens}; max |dlogprob| of right "
           f"tokens {result.max_abs_dlogprob:.1e}; defended kinds: wrong tokens {result.defended_wrong_tokens()}")
     print(result.tally_line(), flush=True)

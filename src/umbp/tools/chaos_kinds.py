@@ -34,6 +34,14 @@ from umbp.tools.chaos_faults import (
 # each fix (a position-dependent check, a keyed MAC) removes its kinds from this set, and the campaign's
 # test then asserts 0 wrong tokens for them too.
 UNDEFENDED = frozenset({"dram_reordered", "ssd_reordered", "redis_reordered", "redis_forged"})
+# With a tenant secret (auth_key_env) every shared-tier value carries a MAC over its key and bytes: a relabelled
+# value and a swap of words in one both fail it.
+DEFENDED_BY_SECRET = frozenset({"redis_forged", "redis_reordered"})
+
+
+def undefended(secret: bool) -> frozenset[str]:
+    """The kinds expected to give wrong tokens today, with or without a tenant secret on the shared tier."""
+    return UNDEFENDED - DEFENDED_BY_SECRET if secret else UNDEFENDED
 
 
 @dataclass
@@ -45,7 +53,6 @@ class Rig:
     server: RedisServer
     proxy: ManglingProxy
     rng: random.Random
-    value_prefix: str = "umbp:"
     pending: Kind | None = None
     injected: bool = False
     read_keys: list[str] = field(default_factory=list)  # logical keys of the victim restore
@@ -59,6 +66,11 @@ class Rig:
         import redis
 
         return redis.Redis(port=self.server.port, socket_timeout=5)
+
+    @property
+    def value_prefix(self) -> str:
+        """The shared tier's key prefix (with a tenant secret it ends in the tenant's namespace)."""
+        return self.worker.remote._prefix_of("k")
 
     def value_key(self, rank_key: str) -> str:
         return f"{self.value_prefix}d:{rank_key}"
@@ -278,13 +290,18 @@ def _set_value(rig: Rig, t: Target, value: bytes) -> None:
     rig.redis().set(rig.value_key(t.rank_key), value, keepttl=True)
 
 
+def _header_size(v: bytearray) -> int:
+    """Both value formats keep their header size at bytes 6..8 (32 plain, 64 sealed)."""
+    return int.from_bytes(v[6:8], "little") if len(v) >= 8 else VALUE_HEADER
+
+
 def _redis_damage(how: str) -> Inject:
     def inject(rig: Rig, targets: list[Target]) -> bool:
         t = _pick(rig, targets)
         v = _value(rig, t) if t is not None else None
-        if v is None or len(v) <= VALUE_HEADER:
+        if v is None or len(v) <= _header_size(v):
             return False
-        payload = np.frombuffer(v, np.uint8, offset=VALUE_HEADER)
+        payload = np.frombuffer(v, np.uint8, offset=_header_size(v))
         if DAMAGE[how](payload, rig.rng) is False:
             return False
         _set_value(rig, t, bytes(v))
@@ -328,12 +345,14 @@ def _redis_stale(rig: Rig, targets: list[Target]) -> bool:
 
 def _redis_forged(rig: Rig, targets: list[Target]) -> bool:
     """Another key's value relabelled for this key by someone who holds no secret: the header's key CRC
-    is recomputed (public arithmetic), payload and checksum stay a valid pair."""
+    is recomputed (public arithmetic), payload and checksum stay a valid pair. A sealed value's tag covers
+    the key: the relabelled value no longer verifies."""
     got = _redis_peer_value(rig, targets)
     if got is None:
         return False
     t, v = got
-    v[KEY_CRC_AT:KEY_CRC_AT + 4] = zlib.crc32(t.rank_key.encode()).to_bytes(4, "little")
+    at = KEY_CRC_AT if _header_size(v) == VALUE_HEADER else _header_size(v) - 4  # sealed: the header's last field
+    v[at:at + 4] = zlib.crc32(t.rank_key.encode()).to_bytes(4, "little")
     _set_value(rig, t, bytes(v))
     return True
 
