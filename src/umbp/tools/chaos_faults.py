@@ -224,6 +224,10 @@ class ManglingProxy:
 
     def close(self) -> None:
         self._closed = True
+        try:  # close() alone does not wake a thread blocked in accept() on Linux; shutdown() does
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             conns, self._conns = self._conns, []
