@@ -1,26 +1,37 @@
-"""The per-object checksum ("psum64") and the fused copy + checksum used by the arena.
+"""The per-object checksum ("psum64", format 2) and the fused copy + checksum used by the arena.
 
-Why this function: a put or get already streams every byte through the CPU once (the copy, bound by DRAM
-bandwidth); the checksum must read every byte again, and on this class of machine nothing in numpy reads
-cache-hot data faster than a plain uint64 add-reduce (~25-35 GB/s; zlib.crc32 ~3.4, sha1 ~1.6, blake2b
-~0.6 GB/s, measured in `docs/pool.md`). So the checksum is one add-reduce pass:
+Definition. An object of n bytes is zero-padded to whole 4 KiB rows of 512 little-endian uint64 words;
+word i = 16*m + l of row r (lane l < 16, step m < 32) is read as a polynomial over GF(2) of degree < 64
+and given the exponent e = 512*r + 32*l + (31 - m). The digest is
 
-* the object is cut into 4 KiB rows of 512 little-endian uint64 words; each row is summed mod 2**64;
-* the row sums are combined as sum(row_sum[r] * W[r]) mod 2**64 with fixed odd pseudo-random weights W
-  (so rows are position-sensitive: a misplaced or swapped page changes the result);
-* the bytes after the last full row are summed the same way (zero-padded) with the next weight, and the
-  length is mixed in (xor with length * a constant).
+    D = ( XOR over all words of  w * x**(64*e)  mod P ) xor (n * GOLDEN mod 2**64)
 
-Guarantees: any change confined to one aligned 8-byte word (every single-bit flip, every single changed
-byte) changes the sum deterministically (an odd weight times a nonzero delta is nonzero mod 2**64). Other
-random corruption escapes with probability about 2**-64. Known blind spot, accepted for speed: changes
-inside one 4 KiB row whose word deltas cancel exactly (two words swapped within a row, or the same bit
-flipped 0->1 in one word and 1->0 in another of the same row).
+with carry-less products and P = x**64 + x**4 + x**3 + x + 1 (primitive: x has order 2**64 - 1). Every
+bit of the object gets its own power of x, 64*e + bit, so this is a CRC-64 of the object's bits in a
+fixed order (lanes transposed inside each row).
+
+Why this function (docs/pool.md has the full argument): the former psum64 added words mod 2**64 and so
+could not see two words swapped inside a row. No digest that adds per-word terms mod 2**64 can: a swap
+changes it by f_i(b) - f_i(a) + f_j(a) - f_j(b), and for that never to vanish every f_i - f_j must be a
+bijection of Z/2**64, which a cyclic group of even order does not allow for three positions (Hall-Paige).
+XOR-accumulated products in the field GF(2**64) = GF(2)[x]/P have no such limit, and with the powers of
+x above they detect with certainty: any change inside one word (every single-bit flip), any two flipped
+bits anywhere, any swap of two different words anywhere in the object, and a swap of two rows whose
+row values (below) differ. A zeroed block, a reordering of more rows, or other damage escapes only when
+the error polynomial is a multiple of P (about 2**-64 for damage unrelated to P).
+
+How it is computed cheaply everywhere: inside a row, each lane is a Horner chain over its 32 steps,
+acc = acc * x**64 + w, and multiplying by x**64 is a few shifts and xors because P is sparse (mulx64).
+Each lane's result is then multiplied once by K[16*r + l] = x**(2048*(16*r + l)) (a full field product,
+once per 32 words); the row's *value* rho_r is the XOR of its lanes times K[l], and D is the XOR of
+rho_r * K[16*r] (the row weight) over rows, plus the length term. Rows, and pieces of an object cut at
+row boundaries, combine by XOR, so threads, pieces and GPU programs add their parts with xor.
 
 The fused copy works chunk by chunk (256 KiB, half of a core's L2) so the checksum reads data the copy
 has just brought into cache instead of reading DRAM a second time. Both directions sum the arena side,
 so put and get compute the same value for the same stored bytes. Large numpy copies and reductions
-release the GIL.
+release the GIL. The C extension (umbp.pool._native) and the GPU copy kernel (umbp.transfer.kernels)
+compute the same value; this module is the reference and the fallback.
 """
 
 from __future__ import annotations
@@ -36,61 +47,129 @@ from umbp.pool.buffers import as_u8
 
 ROW_BYTES = 4096
 ROW_WORDS = ROW_BYTES // 8
+LANES = 16  # Horner chains per row (a row is LANES x STEPS words, lane = word index % LANES)
+STEPS = ROW_WORDS // LANES
 CHUNK_BYTES = 256 * 1024  # a multiple of ROW_BYTES
+FORMAT = 2  # the digest's version: stored digests of format 1 (additive psum64) never verify here
 # Split a batch across threads only when it is big and its objects are large: below these the thread
 # hand-off and the GIL held by per-object Python work cost more than the extra bandwidth gives back.
 PARALLEL_MIN_BYTES = 1 << 20
 PARALLEL_MIN_MEAN_OBJECT = 128 * 1024
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-_SEED = 0x75_6D_62_70  # "umbp"
+POLY_LOW = 0x1B  # P = x**64 + x**4 + x**3 + x + 1
 _LE_U64 = np.dtype("<u8")  # fixed byte order: the same bytes give the same checksum on every host
+_U = np.uint64
 
 
-def _make_weights(n: int) -> np.ndarray:
-    """splitmix64(i) | 1 for i in [0, n): odd, so a nonzero row delta can never vanish."""
-    z = np.arange(n, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(_SEED)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
-    z ^= z >> np.uint64(31)
-    return z | np.uint64(1)
+# ---- GF(2**64) arithmetic: Python ints (the reference) and numpy arrays ------------------------------------
 
 
-_weights_table = _make_weights(1 << 12)  # covers objects up to 16 MiB; grows on demand
+def gf_mul_int(a: int, b: int) -> int:
+    """a * b in GF(2)[x]/P for Python ints (the plain definition; tests and table seeds use it)."""
+    r = 0
+    while b:
+        if b & 1:
+            r ^= a
+        b >>= 1
+        a <<= 1
+        if a >> 64:
+            a = (a & _M64) ^ POLY_LOW
+    return r
 
 
-def _weights(n: int) -> np.ndarray:
-    global _weights_table
-    table = _weights_table
+def mulx64(a: np.ndarray) -> np.ndarray:
+    """a * x**64 mod P, elementwise: a*(x**4 + x**3 + x + 1) and its <= 3 overflow bits folded once more."""
+    o = (a >> _U(60)) ^ (a >> _U(61)) ^ (a >> _U(63))
+    r = a ^ (a << _U(1)) ^ (a << _U(3)) ^ (a << _U(4))
+    return r ^ o ^ (o << _U(1)) ^ (o << _U(3)) ^ (o << _U(4))
+
+
+def gf_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a * b mod P elementwise (broadcasting), 4 bits of b at a time: a table of a * v for v < 16 as
+    128-bit (hi, lo) pairs, then 16 shifted lookups, then one fold of the high half."""
+    a, b = np.broadcast_arrays(np.asarray(a, _U), np.asarray(b, _U))
+    tl = np.zeros((*a.shape, 16), _U)
+    th = np.zeros((*a.shape, 16), _U)
+    for t in range(4):  # table by doubling: entries [2**t, 2**(t+1)) = entries [0, 2**t) xor a * x**t
+        lo = a << _U(t)
+        hi = a >> _U(64 - t) if t else np.zeros_like(a)
+        tl[..., 1 << t : 2 << t] = tl[..., : 1 << t] ^ lo[..., None]
+        th[..., 1 << t : 2 << t] = th[..., : 1 << t] ^ hi[..., None]
+    lo = np.zeros(a.shape, _U)
+    hi = np.zeros(a.shape, _U)
+    for j in range(16):
+        v = ((b >> _U(4 * j)) & _U(15)).astype(np.intp)[..., None]
+        pl = np.take_along_axis(tl, v, axis=-1)[..., 0]
+        ph = np.take_along_axis(th, v, axis=-1)[..., 0]
+        lo ^= pl << _U(4 * j)
+        hi ^= ph << _U(4 * j)
+        if j:
+            hi ^= pl >> _U(64 - 4 * j)
+    return lo ^ mulx64(hi)
+
+
+def _make_lane_table(n: int) -> np.ndarray:
+    """K[j] = x**(2048*j) mod P for j < n (by doubling: K[s:2s] = K[:s] * x**(2048*s))."""
+    k = np.ones(1, _U)
+    step = 2  # x
+    for _ in range(11):  # x**(2**11) = x**2048
+        step = gf_mul_int(step, step)
+    while k.size < n:
+        k = np.concatenate([k, gf_mul(k, _U(step))])
+        step = gf_mul_int(step, step)
+    return k
+
+
+_lane_table = _make_lane_table(LANES * 1024)  # covers objects up to 4 MiB; grows on demand
+
+
+def lane_table(n: int) -> np.ndarray:
+    """At least n entries of K (see the module docstring): K[16*r + l] weighs lane l of row r."""
+    global _lane_table
+    table = _lane_table
     if table.size < n:
-        table = _make_weights(max(n, 2 * table.size))
-        _weights_table = table  # a single reference swap: safe for concurrent readers
+        table = _make_lane_table(max(n, 2 * table.size))
+        _lane_table = table  # a single reference swap: safe for concurrent readers
     return table
 
 
-def _tail_sum(region: np.ndarray, start: int) -> int:
-    """Sum mod 2**64 of the bytes after the last full row, as little-endian words, the last zero-padded."""
-    tail = region[start:]
-    nwords = tail.size // 8
-    total = int(np.add.reduce(tail[: nwords * 8].view(_LE_U64))) if nwords else 0
-    rest = tail[nwords * 8 :]
-    if rest.size:
-        total += int.from_bytes(rest.tobytes(), "little")
-    return total & _M64
+def _row_weights(nrows: int) -> np.ndarray:
+    """K[16*r] for r < nrows: what each row's value is multiplied by."""
+    return lane_table(LANES * nrows + 1)[: LANES * nrows : LANES]
+
+
+def row_values(rows_view: np.ndarray) -> np.ndarray:
+    """Each row's value (module docstring) from an as_rows view: 16 Horner chains of 32 steps per row,
+    then each lane times K[lane], xored."""
+    words = rows_view.reshape(-1, STEPS, LANES)
+    acc = words[:, 0, :].astype(_U)
+    for m in range(1, STEPS):
+        acc = mulx64(acc) ^ words[:, m, :]
+    return np.bitwise_xor.reduce(gf_mul(acc, lane_table(LANES)[:LANES]), axis=1)
+
+
+def _length_term(nbytes: int) -> int:
+    return (nbytes * _GOLDEN) & _M64
+
+
+def _tail_value(region: np.ndarray, start: int) -> int:
+    """The value of the bytes after the last full row, zero-padded to a row."""
+    row = np.zeros(ROW_BYTES, np.uint8)
+    row[: region.size - start] = region[start:]
+    return int(row_values(as_rows(row))[0])
 
 
 def _combine(rows: np.ndarray, region: np.ndarray, full: int) -> int:
-    """Weighted row sums + weighted tail + length. Mixing the length in keeps zero padding unambiguous;
-    xor with a length constant is a bijection, so it cannot hide a difference."""
+    """Row values times their row weights + the zero-padded tail as one more row + the length. Mixing
+    the length in keeps zero padding unambiguous; xor with a length constant cannot hide a difference."""
     nrows = rows.size
-    table = _weights(nrows + 1)
-    h = int(rows.dot(table[:nrows])) if nrows else 0
+    weights = _row_weights(nrows + 1)
+    h = int(np.bitwise_xor.reduce(gf_mul(rows, weights[:nrows]))) if nrows else 0
     nbytes = region.size
     if full < nbytes:
-        h += _tail_sum(region, full) * int(table[nrows])
-    return (h ^ (nbytes * _GOLDEN)) & _M64
+        h ^= int(gf_mul(_U(_tail_value(region, full)), weights[nrows]))
+    return h ^ _length_term(nbytes)
 
 
 def checksum_u8(region: np.ndarray) -> int:
@@ -99,43 +178,46 @@ def checksum_u8(region: np.ndarray) -> int:
         return native.lib.psum_copy((region,))[0]
     full = region.size // ROW_BYTES * ROW_BYTES
     body = region if full == region.size else region[:full]  # whole rows, the usual object: no slice
-    rows = np.add.reduce(as_rows(body), axis=1)
-    return _combine(rows, region, full)
+    return _combine(row_values(as_rows(body)), region, full)
 
 
 def as_rows(region: np.ndarray) -> np.ndarray:
-    """A region of whole rows as a (rows, ROW_WORDS) view of little-endian words: what row sums reduce."""
+    """A region of whole rows as a (rows, ROW_WORDS) view of little-endian words: what row_values reads."""
     return region.view(_LE_U64).reshape(-1, ROW_WORDS)
 
 
 def row_sums_into(rows_view: np.ndarray, out: np.ndarray) -> None:
-    """The row sums of an as_rows view, into out (one uint64 per row)."""
-    np.add.reduce(rows_view, axis=1, out=out)
+    """The row values (module docstring) of an as_rows view, into out (one uint64 per row). The name is
+    format 1's (row sums); callers keep it because they only pass row values on to combine_rows."""
+    out[...] = row_values(rows_view)
 
 
 def combine_rows(rows: np.ndarray, nbytes: int) -> np.ndarray:
-    """psum64 of several objects of `nbytes` each, all whole rows, from their row sums (one object per
-    row of `rows`): _combine for a batch as one matrix product instead of a Python step per object."""
+    """psum64 of several objects of `nbytes` each, all whole rows, from their row values (one object per
+    row of `rows`): _combine for a batch in a few array operations instead of a Python step per object."""
     if rows.shape[1] * ROW_BYTES != nbytes:
         raise ValueError(f"umbp: combine_rows needs whole {ROW_BYTES}-byte rows, got {nbytes} bytes")
     return combine_padded_rows(rows, nbytes)
 
 
 def combine_padded_rows(rows: np.ndarray, nbytes: int) -> np.ndarray:
-    """psum64 of several objects of `nbytes` each from the row sums of their rows, the last one zero-padded
-    (a zero-padded tail's row sum is exactly what psum64 adds for the tail, with the next weight)."""
+    """psum64 of several objects of `nbytes` each from the values of their rows, the last one zero-padded
+    (a zero-padded tail's row value is exactly what psum64 takes for the tail, with the next weight)."""
     nrows = rows.shape[1]
-    return (rows @ _weights(nrows + 1)[:nrows]) ^ np.uint64((nbytes * _GOLDEN) & _M64)
+    weighted = gf_mul(np.asarray(rows, _U), _row_weights(nrows)[None, :])
+    return np.bitwise_xor.reduce(weighted, axis=1) ^ _U(_length_term(nbytes))
 
 
 def checksum(buffer: Any) -> int:
     """psum64 of any contiguous buffer (bytes, bytearray, memoryview, numpy array, CPU torch tensor):
-    a 64-bit int that changes on any single-bit flip or changed byte (see the module docstring)."""
+    a 64-bit int that changes on any change inside one word and on any swap of two different words (see
+    the module docstring)."""
     return checksum_u8(as_u8(buffer, key="<checksum>", what="buffer", writable=False))
 
 
 def _copy_chunk(region: np.ndarray, other: np.ndarray, rows: np.ndarray, c0: int, c1: int, to_region: bool) -> None:
-    """Copy bytes [c0, c1) and sum the full rows among them into rows[]; c0 is a multiple of ROW_BYTES."""
+    """Copy bytes [c0, c1) and put the values of the full rows among them into rows[]; c0 is a multiple
+    of ROW_BYTES."""
     if to_region:
         np.copyto(region[c0:c1], other[c0:c1])
     else:
@@ -215,8 +297,8 @@ def _copy_many_native(
 ) -> list[int]:
     """copy_many across threads with the C extension: the batch's bytes are cut into `threads` equal
     spans (at row boundaries, across objects), each copied and summed by one call that holds no GIL, so
-    a thread never waits for the interpreter mid-span. psum64 is a sum of weighted rows, so the pieces
-    of an object cut apart add up to its checksum (finish)."""
+    a thread never waits for the interpreter mid-span. psum64 is an xor of weighted rows, so the pieces
+    of an object cut apart xor up to its checksum (finish)."""
     total = sum(r.size for r, _ in pairs)
     span = -(-total // threads // ROW_BYTES) * ROW_BYTES
     shares: list[list[tuple[int, int, int]]] = [[]]
@@ -246,10 +328,10 @@ def _copy_many_native(
     sums = [0] * len(pairs)
     for share, got in zip(shares, parts, strict=True):
         for (i, _c0, _c1), h in zip(share, got, strict=True):
-            sums[i] += h
+            sums[i] ^= h
     return [finish(h, r.size) for h, (r, _) in zip(sums, pairs, strict=True)]
 
 
 def finish(weighted: int, nbytes: int) -> int:
-    """psum64 from the sum of an object's weighted rows (pieces from psum_copy with row0s)."""
-    return ((weighted & _M64) ^ (nbytes * _GOLDEN)) & _M64
+    """psum64 from the xor of an object's weighted rows (pieces from psum_copy with row0s)."""
+    return (weighted & _M64) ^ _length_term(nbytes)
