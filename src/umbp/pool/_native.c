@@ -249,6 +249,38 @@ static uint64_t copy_weighted(unsigned char *dst, const unsigned char *src, size
     return h;
 }
 
+PyDoc_STRVAR(psum_rows_doc,
+"psum_rows(src, out)\n\n"
+"psum64's row value of each 4096-byte row of src (a whole number of rows) into out (a writable\n"
+"buffer of one uint64 per row), with the GIL released: what the SSD tier combines per record.");
+
+static PyObject *psum_rows(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    if (!PyArg_ParseTuple(args, "y*w*:psum_rows", &src, &out))
+        return NULL;
+    PyObject *res = NULL;
+    size_t rows = (size_t)src.len / ROW_BYTES;
+    if ((size_t)src.len % ROW_BYTES || (size_t)out.len != rows * 8) {
+        PyErr_Format(PyExc_ValueError, "psum_rows: %zd bytes of rows need %zu bytes of output, got %zd", src.len,
+                     rows * 8, out.len);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *p = src.buf;
+    unsigned char *o = out.buf;
+    for (size_t r = 0; r < rows; r++) {
+        uint64_t v = row_sum(p + r * ROW_BYTES, ROW_BYTES);
+        memcpy(o + 8 * r, &v, 8);
+    }
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return res;
+}
+
 PyDoc_STRVAR(psum_impl_doc,
 "psum_impl(name=None) -> str\n\n"
 "The row-value implementation in use ('portable', 'clmul' or 'vclmul'); with a name, switch to it\n"
@@ -789,6 +821,7 @@ done:
 static PyMethodDef methods[] = {
     {"psum_copy", (PyCFunction)(void (*)(void))psum_copy, METH_VARARGS | METH_KEYWORDS, psum_copy_doc},
     {"psum_impl", psum_impl, METH_VARARGS, psum_impl_doc},
+    {"psum_rows", psum_rows, METH_VARARGS, psum_rows_doc},
     {"read_frames", read_frames, METH_VARARGS, read_frames_doc},
     {"pack_headers", pack_headers, METH_VARARGS, pack_headers_doc},
     {NULL, NULL, 0, NULL},

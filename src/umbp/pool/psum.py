@@ -20,12 +20,14 @@ bits anywhere, any swap of two different words anywhere in the object, and a swa
 row values (below) differ. A zeroed block, a reordering of more rows, or other damage escapes only when
 the error polynomial is a multiple of P (about 2**-64 for damage unrelated to P).
 
-How it is computed cheaply everywhere: inside a row, each lane is a Horner chain over its 32 steps,
+How it is computed cheaply everywhere (the GPU kernel and the C extension's portable path): inside a row, each lane is a Horner chain over its 32 steps,
 acc = acc * x**64 + w, and multiplying by x**64 is a few shifts and xors because P is sparse (mulx64).
 Each lane's result is then multiplied once by K[16*r + l] = x**(2048*(16*r + l)) (a full field product,
 once per 32 words); the row's *value* rho_r is the XOR of its lanes times K[l], and D is the XOR of
 rho_r * K[16*r] (the row weight) over rows, plus the length term. Rows, and pieces of an object cut at
-row boundaries, combine by XOR, so threads, pieces and GPU programs add their parts with xor.
+row boundaries, combine by XOR, so threads, pieces and GPU programs add their parts with xor. With a
+carry-less multiply instruction (x86-64 PCLMULQDQ) the C extension instead multiplies every word by its
+power of x directly; this module looks each byte's term up in a table (8 MiB, built on first use).
 
 The fused copy works chunk by chunk (256 KiB, half of a core's L2) so the checksum reads data the copy
 has just brought into cache instead of reading DRAM a second time. Both directions sum the arena side,
@@ -139,14 +141,51 @@ def _row_weights(nrows: int) -> np.ndarray:
     return lane_table(LANES * nrows + 1)[: LANES * nrows : LANES]
 
 
+_byte_table: np.ndarray | None = None
+
+
+def _make_byte_table() -> np.ndarray:
+    """T[8*i + j, v] = (v * x**(8*j)) * x**(64*e(i)) mod P for word i of a row and byte value v: a row's
+    value is the xor of 4096 lookups, one per byte (8 MiB, built on first use by the numpy path)."""
+    gamma = np.zeros(ROW_WORDS, _U)
+    for lane in range(LANES):
+        g = int(lane_table(LANES)[lane])
+        for m in range(STEPS - 1, -1, -1):  # word 16*m + lane has exponent 32*lane + 31 - m
+            gamma[LANES * m + lane] = g
+            g = int(mulx64(_U(g)))
+    basis = np.zeros((ROW_WORDS, 64), _U)
+    a = gamma.copy()
+    for b in range(64):  # basis[i, b] = gamma[i] * x**b
+        basis[:, b] = a
+        a = (a << _U(1)) ^ ((a >> _U(63)) * _U(POLY_LOW))
+    per_byte = basis.reshape(ROW_WORDS * 8, 8)  # [8*i + j, t] = gamma[i] * x**(8*j + t)
+    table = np.zeros((ROW_WORDS * 8, 256), _U)
+    for t in range(8):
+        table[:, 1 << t : 2 << t] = table[:, : 1 << t] ^ per_byte[:, t : t + 1]
+    return table
+
+
+_BYTE_BASE = np.arange(ROW_BYTES, dtype=np.intp) * 256
+_ROWS_AT_ONCE = 64  # rows per lookup pass: bounds the index array (2 MiB)
+
+
 def row_values(rows_view: np.ndarray) -> np.ndarray:
-    """Each row's value (module docstring) from an as_rows view: 16 Horner chains of 32 steps per row,
-    then each lane times K[lane], xored."""
-    words = rows_view.reshape(-1, STEPS, LANES)
-    acc = words[:, 0, :].astype(_U)
-    for m in range(1, STEPS):
-        acc = mulx64(acc) ^ words[:, m, :]
-    return np.bitwise_xor.reduce(gf_mul(acc, lane_table(LANES)[:LANES]), axis=1)
+    """Each row's value (module docstring) from an as_rows view: the xor of one table lookup per byte
+    (or the C extension's loop)."""
+    global _byte_table
+    if native.lib is not None:
+        out = np.empty(rows_view.shape[0], _U)
+        native.lib.psum_rows(np.ascontiguousarray(rows_view), out)
+        return out
+    if _byte_table is None:
+        _byte_table = _make_byte_table()
+    flat = _byte_table.ravel()
+    data = np.ascontiguousarray(rows_view).view(np.uint8).reshape(-1, ROW_BYTES)
+    out = np.empty(data.shape[0], _U)
+    for r0 in range(0, data.shape[0], _ROWS_AT_ONCE):
+        part = data[r0 : r0 + _ROWS_AT_ONCE]
+        out[r0 : r0 + part.shape[0]] = np.bitwise_xor.reduce(flat[_BYTE_BASE + part], axis=1)
+    return out
 
 
 def _length_term(nbytes: int) -> int:
@@ -165,10 +204,15 @@ def _combine(rows: np.ndarray, region: np.ndarray, full: int) -> int:
     the length in keeps zero padding unambiguous; xor with a length constant cannot hide a difference."""
     nrows = rows.size
     weights = _row_weights(nrows + 1)
-    h = int(np.bitwise_xor.reduce(gf_mul(rows, weights[:nrows]))) if nrows else 0
+    if nrows > 8:
+        h = int(np.bitwise_xor.reduce(gf_mul(rows, weights[:nrows])))
+    else:  # a few rows: Python ints cost less than the array steps' fixed overhead
+        h = 0
+        for r in range(nrows):
+            h ^= gf_mul_int(int(rows[r]), int(weights[r]))
     nbytes = region.size
     if full < nbytes:
-        h ^= int(gf_mul(_U(_tail_value(region, full)), weights[nrows]))
+        h ^= gf_mul_int(_tail_value(region, full), int(weights[nrows]))
     return h ^ _length_term(nbytes)
 
 

@@ -1052,7 +1052,7 @@ def _verified(codec: PlainCodec | SealedCodec, header: bytes, key: str, dst: np.
 
 
 def _recv_with_checksum(wire: Wire, dst: np.ndarray, on_chunk: Callable[[memoryview], Any] | None = None) -> int:
-    """Receive into dst chunk by chunk and sum each chunk's psum64 rows while it is still in cache (the
+    """Receive into dst chunk by chunk and take each chunk's psum64 row values while it is still in cache (the
     same fused pass as psum.copy_with_checksum, with the socket as the source); equals checksum_u8(dst).
     `on_chunk` (a sealed value's tag) gets each chunk too, while it is in cache."""
     nbytes = dst.size
@@ -1071,7 +1071,7 @@ def _recv_with_checksum(wire: Wire, dst: np.ndarray, on_chunk: Callable[[memoryv
             on_chunk(memoryview(dst[c0:c1]))
         r0, r1 = c0 // psum.ROW_BYTES, min(c1, full) // psum.ROW_BYTES
         if r1 > r0:
-            np.add.reduce(words[r0:r1], axis=1, out=rows[r0:r1])
+            psum.row_sums_into(words[r0:r1], rows[r0:r1])
     return psum._combine(rows, dst, full)
 
 

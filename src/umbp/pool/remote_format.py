@@ -2,10 +2,10 @@
 
     offset size field
     0      4    magic b"UMBP"
-    4      2    format version (1), little-endian
+    4      2    format version (2), little-endian
     6      2    header size (32): a later version may grow the header and stay readable
     8      8    payload length in bytes
-    16     8    psum64 checksum of the payload (umbp.pool.psum)
+    16     8    psum64 checksum of the payload (umbp.pool.psum, its format 2)
     24     4    crc32 of the object key (utf-8): a value copied or renamed under another key is a miss
     28     4    reserved, zero
 
@@ -20,7 +20,9 @@ import struct
 import zlib
 
 MAGIC = b"UMBP"
-FORMAT_VERSION = 1
+# 2: the checksum is psum64 format 2 (umbp.pool.psum). A value of version 1 carries the additive format-1
+# digest, which this code cannot check: it is a miss (counted in version_mismatches), never verified.
+FORMAT_VERSION = 2
 HEADER = struct.Struct("<4sHHQQI4x")
 HEADER_SIZE = HEADER.size  # 32
 CHECKSUM_AT, CHECKSUM_SIZE = 16, 8  # the one field a reader cannot know in advance

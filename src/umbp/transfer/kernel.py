@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from umbp.pool import Arena
-from umbp.pool.psum import ROW_BYTES, _weights
+from umbp.pool.psum import LANES, ROW_BYTES, lane_table
 from umbp.transfer import batchcopy
 from umbp.transfer.api import Handle, Moves, TransferEngine, digest_mix, slot_reach
 from umbp.transfer.geometry import PIECE_BYTES
@@ -105,7 +105,8 @@ class KernelEngine(TransferEngine):
         self.arena_base = self.arena_tensor.data_ptr()
         self.align = {g: geom.alignment() for g, geom in self.groups.items()}
         rows = max((geom.object_bytes for geom in self.groups.values()), default=0) // ROW_BYTES + 2
-        self.wtab = torch.from_numpy(_weights(rows)[:rows].view(np.int64).copy()).to(self.device)
+        ktab = lane_table(LANES * rows)[: LANES * rows]  # psum64's lane weights for every row of an object
+        self.ktab = torch.from_numpy(ktab.view(np.int64).copy()).to(self.device)
         self.tmpl, self.toff = _templates(self.groups, self.device)
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
         # dma rounds: gathers (save) / verify + scatter (load) run on these, so round r's kernels overlap
@@ -475,7 +476,7 @@ class KernelEngine(TransferEngine):
         col = [plan.at(c) if c is not None else 0 for c in (src, dst)]
         self.kernel[(min(plan.n, self.ctas),)](
             plan.buf, plan.nseg, plan.n, self.tmpl, self.tmpl.shape[1], plan.ids_at, col[0], col[1],
-            plan.sums_at(), self.wtab, self._dummy if ok is None else ok, BLOCK=self.block, SRC_KV=src is None,
+            plan.sums_at(), self.ktab, self._dummy if ok is None else ok, BLOCK=self.block, SRC_KV=src is None,
             DST_KV=dst is None, CHECKSUM=checksum, GUARD=ok is not None, ALIGN16=align16, STORE=store,
             num_warps=self.num_warps,
         )
@@ -538,8 +539,8 @@ class KernelEngine(TransferEngine):
 
 
 class _Plan:
-    """A launch's plan on the device (layout: kernels.py). `sums()`: each object's pieces' weighted sums
-    added mod 2**64, i.e. its psum64 less the length term, which the host xors in (DeviceHandle,
+    """A launch's plan on the device (layout: kernels.py). `sums()`: each object's pieces' checksum
+    terms xored together, i.e. its psum64 less the length term, which the host xors in (DeviceHandle,
     _expected), so the device needs no extra op per group."""
 
     def __init__(self, buf: torch.Tensor, nseg: int, n: int, nobj: int, ncols: int, has_sums: bool):

@@ -4,8 +4,13 @@ Why a kernel instead of cudaMemcpy: the arena slots of a batch are scattered, an
 runs at ~2.4 GB/s on an H200 (launch-bound). Page-locked host memory is mapped into the device's address
 space (UVA), so SM loads/stores reach it directly over PCIe: one launch moves every page of a batch, in
 either direction, with no device staging and no host memcpy. The same pass computes the psum64 of each
-object (sum over 8-byte words of word * W[object row], see umbp.pool.psum) because the data is already in
-registers.
+object (umbp.pool.psum) because the data is already in registers: a checksumming launch walks each piece
+as tiles of CROWS rows x 16 lanes, and for each of a row's 32 steps loads, stores and folds one word per
+(row, lane) into that lane's Horner chain (acc * x**64 + w: six shifts and some xors, since the field's
+polynomial is sparse); after the 32 steps each chain is multiplied once by its weight K[16*row + lane]
+(64 shift-and-xor steps for 32 words) and the tile's results are xored into the object's digest word
+(atomic xor: pieces of one object run in different programs). Launches without a checksum keep the
+plain contiguous loop.
 
 The kernel also serves the DMA path (kernel.py): there it only moves pages between the KV tensors and a
 contiguous device staging buffer, at HBM speed, and the copy engines move staging <-> arena.
@@ -37,12 +42,56 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@triton.jit
+def mulx64(a):
+    """a * x**64 in GF(2)[x] / (x**64 + x**4 + x**3 + x + 1), a uint64 (umbp.pool.psum.mulx64)."""
+    o = (a >> 60) ^ (a >> 61) ^ (a >> 63)
+    return a ^ (a << 1) ^ (a << 3) ^ (a << 4) ^ o ^ (o << 1) ^ (o << 3) ^ (o << 4)
+
+
+@triton.jit
+def gf_mul(a, b):
+    """a * b in the same field (uint64 tensors): shift-and-xor over b's 64 bits, then one fold."""
+    lo = a ^ a
+    hi = a ^ a
+    for j in tl.static_range(64):
+        m = 0 - ((b >> j) & 1)
+        lo ^= (a << j) & m
+        if j > 0:
+            hi ^= (a >> (64 - j)) & m
+    return lo ^ mulx64(hi)
+
+
+@triton.jit
+def _piece_checksum(src, dst, objw, nw, ktab, STORE: tl.constexpr, CROWS: tl.constexpr):
+    """Copy (STORE) and checksum the piece's nw words, which are words [objw, objw + nw) of its object:
+    the xor of its words' terms of the object's psum64 (less the length term)."""
+    rows0 = tl.arange(0, CROWS)[:, None]
+    lanes = tl.arange(0, 16)[None, :]
+    part = tl.zeros([CROWS, 16], dtype=tl.uint64)
+    r_end = (objw + nw + 511) // 512
+    for rb in range(objw // 512, r_end, CROWS):
+        rows = rb + rows0
+        acc = tl.zeros([CROWS, 16], dtype=tl.uint64)
+        for m in tl.static_range(32):
+            i = rows * 512 + (m * 16) + lanes - objw  # the word's index inside the piece
+            msk = (i >= 0) & (i < nw)
+            x = tl.load(src + i, mask=msk, other=0)
+            if STORE:
+                tl.store(dst + i, x, mask=msk)
+            acc = mulx64(acc) ^ x.to(tl.uint64, bitcast=True)
+        k = tl.load(ktab + rows * 16 + lanes, mask=rows < r_end, other=0).to(tl.uint64, bitcast=True)
+        part ^= gf_mul(acc, k)
+    return tl.xor_sum(tl.xor_sum(part, axis=1), axis=0)
+
+
 @triton.jit(do_not_specialize=["nseg", "n", "ids_at", "src_at", "dst_at", "sums_at"])
-def copy_objects(plan, nseg, n, tmpl, ntmpl, ids_at, src_at, dst_at, sums_at, wtab, ok, BLOCK: tl.constexpr,
+def copy_objects(plan, nseg, n, tmpl, ntmpl, ids_at, src_at, dst_at, sums_at, ktab, ok, BLOCK: tl.constexpr,
                  SRC_KV: tl.constexpr, DST_KV: tl.constexpr, CHECKSUM: tl.constexpr, GUARD: tl.constexpr,
-                 ALIGN16: tl.constexpr, STORE: tl.constexpr = True):
+                 ALIGN16: tl.constexpr, STORE: tl.constexpr = True, CROWS: tl.constexpr = 16):
     """n pieces. `*_at`: word offsets in `plan` of the block ids, the source and destination rows (unused
-    on a KV side) and the checksums (added to atomically: several pieces make one object's sum)."""
+    on a KV side) and the checksums (xored into atomically: several pieces make one object's digest).
+    `ktab`: psum64's lane weights K (umbp.pool.psum.lane_table), enough for the largest object."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     for p in range(pid, n, tl.num_programs(0)):
@@ -73,19 +122,16 @@ def copy_objects(plan, nseg, n, tmpl, ntmpl, ids_at, src_at, dst_at, sums_at, wt
         dst = dst_a.to(tl.pointer_type(tl.int64))
         if GUARD:  # a piece of an object that failed verification moves nothing
             nw = tl.where(tl.load(ok + obj) != 0, nw, 0)
-        objw = at // 8
-        acc = tl.zeros([BLOCK], dtype=tl.int64)
-        for w in range(0, nw, BLOCK):
-            i = w + offs
-            m = i < nw
-            x = tl.load(src + i, mask=m, other=0)
-            if STORE:  # STORE=False: checksum only (verifying bytes a DMA copy brought in)
-                tl.store(dst + i, x, mask=m)
-            if CHECKSUM:
-                wt = tl.load(wtab + ((objw + i) >> 9), mask=m, other=0)
-                acc += x * wt
-        if CHECKSUM:
-            tl.atomic_add(plan + sums_at + obj, tl.sum(acc, axis=0), sem="relaxed")
+        if CHECKSUM:  # STORE=False: checksum only (verifying bytes a DMA copy brought in)
+            h = _piece_checksum(src, dst, at // 8, nw, ktab, STORE, CROWS)
+            tl.atomic_xor(plan + sums_at + obj, h.to(tl.int64, bitcast=True), sem="relaxed")
+        else:
+            for w in range(0, nw, BLOCK):
+                i = w + offs
+                m = i < nw
+                x = tl.load(src + i, mask=m, other=0)
+                if STORE:
+                    tl.store(dst + i, x, mask=m)
 
 
 @triton.jit(do_not_specialize=["n"])
