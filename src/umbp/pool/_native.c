@@ -10,8 +10,8 @@
  * extension is optional and umbp.pool.native falls back when it is missing or UMBP_NATIVE=0.
  *
  * psum64 format 2 (see psum.py): a CRC-64 (P = x^64 + x^4 + x^3 + x + 1) of the object's bits in a
- * fixed order: each 4 KiB row (the last zero-padded) is 16 Horner chains of 32 words, lane l times
- * x^(2048 l), row r times x^(32768 r), all xored, the length mixed in with xor (nbytes * GOLDEN).
+ * fixed order: each 4 KiB row (the last zero-padded) is 64 Horner chains of 8 words, lane l times
+ * x^(512 l), row r times x^(32768 r), all xored, the length mixed in with xor (nbytes * GOLDEN).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,7 +38,7 @@
 
 #define ROW_BYTES 4096
 #define ROW_WORDS (ROW_BYTES / 8)
-#define LANES 16
+#define LANES 64
 #define STEPS (ROW_WORDS / LANES)
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 
@@ -62,12 +62,12 @@ static uint64_t gf_mul_portable(uint64_t a, uint64_t b) {
     return lo ^ mulx64(hi);
 }
 
-static uint64_t lane_k[LANES];      /* x^(2048 l): lane l's multiplier inside a row */
+static uint64_t lane_k[LANES];      /* x^(64 STEPS l): lane l's multiplier inside a row */
 static uint64_t lane_lo[LANES][16], lane_hi[LANES][16]; /* lane_k[l] * v for v < 16, unreduced (128 bits) */
 static uint64_t gamma_k[ROW_WORDS]; /* x^(64 e(i)) for word i of a row: what the carry-less path multiplies by */
-static uint64_t row_step;           /* x^(2048 * 16): from one row's weight to the next */
+static uint64_t row_step;           /* x^(64 * 512): from one row's weight to the next */
 
-/* A row's value (psum.py): 16 Horner chains over the row's 32 steps, each times lane_k, xored. Partial
+/* A row's value (psum.py): 64 Horner chains over the row's 8 steps, each times lane_k, xored. Partial
  * rows (n < ROW_BYTES) are zero-padded. The loop over lanes is what the compiler vectorises. */
 HOT_LOOP
 static uint64_t row_value_portable(const unsigned char *p, size_t n) {
@@ -183,13 +183,13 @@ static void set_impl(int impl) {
 }
 
 static void psum_init(void) {
-    uint64_t x2048 = 2;
-    for (int t = 0; t < 11; t++)
-        x2048 = gf_mul_portable(x2048, x2048);
+    uint64_t xstep = 2; /* x^(64 STEPS): 64 STEPS is a power of two */
+    for (int t = 1; t < 64 * STEPS; t *= 2)
+        xstep = gf_mul_portable(xstep, xstep);
     lane_k[0] = 1;
     for (int l = 1; l < LANES; l++)
-        lane_k[l] = gf_mul_portable(lane_k[l - 1], x2048);
-    row_step = gf_mul_portable(lane_k[LANES - 1], x2048);
+        lane_k[l] = gf_mul_portable(lane_k[l - 1], xstep);
+    row_step = gf_mul_portable(lane_k[LANES - 1], xstep);
     for (int l = 0; l < LANES; l++)
         for (unsigned v = 0; v < 16; v++)
             for (int t = 0; t < 4; t++)
@@ -197,7 +197,7 @@ static void psum_init(void) {
                     lane_lo[l][v] ^= lane_k[l] << t;
                     lane_hi[l][v] ^= t ? lane_k[l] >> (64 - t) : 0;
                 }
-    for (int l = 0; l < LANES; l++) { /* word 16 m + l has x^(64 (32 l + 31 - m)) = lane_k[l] * x^(64 (31 - m)) */
+    for (int l = 0; l < LANES; l++) { /* word 64 m + l: x^(64 (8 l + 7 - m)) = lane_k[l] * x^(64 (7 - m)) */
         uint64_t g = lane_k[l];
         for (int m = STEPS - 1; m >= 0; m--) {
             gamma_k[LANES * m + l] = g;
@@ -218,7 +218,7 @@ static void psum_init(void) {
 /* A row's value: what the pool's readers (read_frames) and the copies below take per 4 KiB row. */
 static inline uint64_t row_sum(const unsigned char *p, size_t n) { return row_value_fn(p, n); }
 
-/* x^(2048 * 16 * r): row r's weight. */
+/* x^(64 * 512 * r): row r's weight. */
 static uint64_t row_weight(uint64_t r) {
     uint64_t w = 1, b = row_step;
     for (; r; r >>= 1) {

@@ -1,8 +1,8 @@
 """The per-object checksum ("psum64", format 2) and the fused copy + checksum used by the arena.
 
 Definition. An object of n bytes is zero-padded to whole 4 KiB rows of 512 little-endian uint64 words;
-word i = 16*m + l of row r (lane l < 16, step m < 32) is read as a polynomial over GF(2) of degree < 64
-and given the exponent e = 512*r + 32*l + (31 - m). The digest is
+word i = 64*m + l of row r (lane l < 64, step m < 8) is read as a polynomial over GF(2) of degree < 64
+and given the exponent e = 512*r + 8*l + (7 - m). The digest is
 
     D = ( XOR over all words of  w * x**(64*e)  mod P ) xor (n * GOLDEN mod 2**64)
 
@@ -20,11 +20,12 @@ bits anywhere, any swap of two different words anywhere in the object, and a swa
 row values (below) differ. A zeroed block, a reordering of more rows, or other damage escapes only when
 the error polynomial is a multiple of P (about 2**-64 for damage unrelated to P).
 
-How it is computed cheaply everywhere (the GPU kernel and the C extension's portable path): inside a row, each lane is a Horner chain over its 32 steps,
+How it is computed cheaply everywhere (the GPU kernel and the C extension's portable path): inside a row,
+each lane is a Horner chain over its 8 steps,
 acc = acc * x**64 + w, and multiplying by x**64 is a few shifts and xors because P is sparse (mulx64).
-Each lane's result is then multiplied once by K[16*r + l] = x**(2048*(16*r + l)) (a full field product,
-once per 32 words); the row's *value* rho_r is the XOR of its lanes times K[l], and D is the XOR of
-rho_r * K[16*r] (the row weight) over rows, plus the length term. Rows, and pieces of an object cut at
+Each lane's result is then multiplied once by K[64*r + l] = x**(512*(64*r + l)) (a full field product,
+once per 8 words); the row's *value* rho_r is the XOR of its lanes times K[l], and D is the XOR of
+rho_r * K[64*r] (the row weight) over rows, plus the length term. Rows, and pieces of an object cut at
 row boundaries, combine by XOR, so threads, pieces and GPU programs add their parts with xor. With a
 carry-less multiply instruction (x86-64 PCLMULQDQ) the C extension instead multiplies every word by its
 power of x directly; this module looks each byte's term up in a table (8 MiB, built on first use).
@@ -49,7 +50,7 @@ from umbp.pool.buffers import as_u8
 
 ROW_BYTES = 4096
 ROW_WORDS = ROW_BYTES // 8
-LANES = 16  # Horner chains per row (a row is LANES x STEPS words, lane = word index % LANES)
+LANES = 64  # Horner chains per row (a row is LANES x STEPS words, lane = word index % LANES)
 STEPS = ROW_WORDS // LANES
 CHUNK_BYTES = 256 * 1024  # a multiple of ROW_BYTES
 FORMAT = 2  # the digest's version: stored digests of format 1 (additive psum64) never verify here
@@ -112,10 +113,10 @@ def gf_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _make_lane_table(n: int) -> np.ndarray:
-    """K[j] = x**(2048*j) mod P for j < n (by doubling: K[s:2s] = K[:s] * x**(2048*s))."""
+    """K[j] = x**(64*STEPS*j) mod P for j < n (by doubling: K[s:2s] = K[:s] * x**(64*STEPS*s))."""
     k = np.ones(1, _U)
     step = 2  # x
-    for _ in range(11):  # x**(2**11) = x**2048
+    for _ in range((64 * STEPS).bit_length() - 1):  # x**(64*STEPS), a power of two
         step = gf_mul_int(step, step)
     while k.size < n:
         k = np.concatenate([k, gf_mul(k, _U(step))])
@@ -127,7 +128,7 @@ _lane_table = _make_lane_table(LANES * 1024)  # covers objects up to 4 MiB; grow
 
 
 def lane_table(n: int) -> np.ndarray:
-    """At least n entries of K (see the module docstring): K[16*r + l] weighs lane l of row r."""
+    """At least n entries of K (see the module docstring): K[64*r + l] weighs lane l of row r."""
     global _lane_table
     table = _lane_table
     if table.size < n:
@@ -137,7 +138,7 @@ def lane_table(n: int) -> np.ndarray:
 
 
 def _row_weights(nrows: int) -> np.ndarray:
-    """K[16*r] for r < nrows: what each row's value is multiplied by."""
+    """K[64*r] for r < nrows: what each row's value is multiplied by."""
     return lane_table(LANES * nrows + 1)[: LANES * nrows : LANES]
 
 
@@ -150,7 +151,7 @@ def _make_byte_table() -> np.ndarray:
     gamma = np.zeros(ROW_WORDS, _U)
     for lane in range(LANES):
         g = int(lane_table(LANES)[lane])
-        for m in range(STEPS - 1, -1, -1):  # word 16*m + lane has exponent 32*lane + 31 - m
+        for m in range(STEPS - 1, -1, -1):  # word 64*m + lane has exponent 8*lane + 7 - m
             gamma[LANES * m + lane] = g
             g = int(mulx64(_U(g)))
     basis = np.zeros((ROW_WORDS, 64), _U)

@@ -107,6 +107,12 @@ class KernelEngine(TransferEngine):
         rows = max((geom.object_bytes for geom in self.groups.values()), default=0) // ROW_BYTES + 2
         ktab = lane_table(LANES * rows)[: LANES * rows]  # psum64's lane weights for every row of an object
         self.ktab = torch.from_numpy(ktab.view(np.int64).copy()).to(self.device)
+        # rows of a checksum tile (kernels.py): enough for the longest piece wherever it starts, a power of
+        # two, at most 16. A tile is computed whole, so a taller one than needed wastes work on masked rows
+        longest = max((int(geom.template.nbytes.max()) for geom in self.groups.values() if geom.template.nbytes.size),
+                      default=ROW_BYTES)
+        span = (longest + ROW_BYTES - 8) // ROW_BYTES + 1
+        self.crows = min(16, 1 << (span - 1).bit_length())
         self.tmpl, self.toff = _templates(self.groups, self.device)
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
         # dma rounds: gathers (save) / verify + scatter (load) run on these, so round r's kernels overlap
@@ -477,7 +483,7 @@ class KernelEngine(TransferEngine):
         self.kernel[(min(plan.n, self.ctas),)](
             plan.buf, plan.nseg, plan.n, self.tmpl, self.tmpl.shape[1], plan.ids_at, col[0], col[1],
             plan.sums_at(), self.ktab, self._dummy if ok is None else ok, BLOCK=self.block, SRC_KV=src is None,
-            DST_KV=dst is None, CHECKSUM=checksum, GUARD=ok is not None, ALIGN16=align16, STORE=store,
+            DST_KV=dst is None, CHECKSUM=checksum, GUARD=ok is not None, ALIGN16=align16, STORE=store, CROWS=self.crows,
             num_warps=self.num_warps,
         )
 

@@ -5,10 +5,10 @@ runs at ~2.4 GB/s on an H200 (launch-bound). Page-locked host memory is mapped i
 space (UVA), so SM loads/stores reach it directly over PCIe: one launch moves every page of a batch, in
 either direction, with no device staging and no host memcpy. The same pass computes the psum64 of each
 object (umbp.pool.psum) because the data is already in registers: a checksumming launch walks each piece
-as tiles of CROWS rows x 16 lanes, and for each of a row's 32 steps loads, stores and folds one word per
+as tiles of CROWS rows x 64 lanes, and for each of a row's 8 steps loads, stores and folds one word per
 (row, lane) into that lane's Horner chain (acc * x**64 + w: six shifts and some xors, since the field's
-polynomial is sparse); after the 32 steps each chain is multiplied once by its weight K[16*row + lane]
-(64 shift-and-xor steps for 32 words) and the tile's results are xored into the object's digest word
+polynomial is sparse); after the 8 steps each chain is multiplied once by its weight K[64*row + lane]
+(64 shift-and-xor steps for 8 words) and the tile's results are xored into the object's digest word
 (atomic xor: pieces of one object run in different programs). Launches without a checksum keep the
 plain contiguous loop.
 
@@ -50,16 +50,36 @@ def mulx64(a):
 
 
 @triton.jit
+def _bmul32(x, y):
+    """Carry-less product of two values < 2**32 (uint64 tensors) by integer multiplies: each operand's
+    bits are split into 4 classes by position mod 4, so every partial product has its set bits 4 apart
+    and at most 8 terms meet at a position, whose carries stay inside the 3 bits of the other classes
+    that the final masks drop."""
+    m0 = 0x1111111111111111
+    m1 = 0x2222222222222222
+    m2 = 0x4444444444444444
+    m3 = 0x8888888888888888
+    x0, x1, x2, x3 = x & m0, x & m1, x & m2, x & m3
+    y0, y1, y2, y3 = y & m0, y & m1, y & m2, y & m3
+    z0 = (x0 * y0) ^ (x1 * y3) ^ (x2 * y2) ^ (x3 * y1)
+    z1 = (x0 * y1) ^ (x1 * y0) ^ (x2 * y3) ^ (x3 * y2)
+    z2 = (x0 * y2) ^ (x1 * y1) ^ (x2 * y0) ^ (x3 * y3)
+    z3 = (x0 * y3) ^ (x1 * y2) ^ (x2 * y1) ^ (x3 * y0)
+    return (z0 & m0) | (z1 & m1) | (z2 & m2) | (z3 & m3)
+
+
+@triton.jit
 def gf_mul(a, b):
-    """a * b in the same field (uint64 tensors): shift-and-xor over b's 64 bits, then one fold."""
-    lo = a ^ a
-    hi = a ^ a
-    for j in tl.static_range(64):
-        m = 0 - ((b >> j) & 1)
-        lo ^= (a << j) & m
-        if j > 0:
-            hi ^= (a >> (64 - j)) & m
-    return lo ^ mulx64(hi)
+    """a * b in the same field (uint64 tensors): a 64 x 64 carry-less product from three 32 x 32 ones
+    (Karatsuba), then one fold of the high half."""
+    a0 = a & 0xFFFFFFFF
+    a1 = a >> 32
+    b0 = b & 0xFFFFFFFF
+    b1 = b >> 32
+    lo = _bmul32(a0, b0)
+    hi = _bmul32(a1, b1)
+    mid = _bmul32(a0 ^ a1, b0 ^ b1) ^ lo ^ hi
+    return lo ^ (mid << 32) ^ mulx64(hi ^ (mid >> 32))
 
 
 @triton.jit
@@ -67,20 +87,21 @@ def _piece_checksum(src, dst, objw, nw, ktab, STORE: tl.constexpr, CROWS: tl.con
     """Copy (STORE) and checksum the piece's nw words, which are words [objw, objw + nw) of its object:
     the xor of its words' terms of the object's psum64 (less the length term)."""
     rows0 = tl.arange(0, CROWS)[:, None]
-    lanes = tl.arange(0, 16)[None, :]
-    part = tl.zeros([CROWS, 16], dtype=tl.uint64)
+    lanes = tl.arange(0, 64)[None, :]
+    part = tl.zeros([CROWS, 64], dtype=tl.uint64)
     r_end = (objw + nw + 511) // 512
     for rb in range(objw // 512, r_end, CROWS):
         rows = rb + rows0
-        acc = tl.zeros([CROWS, 16], dtype=tl.uint64)
-        for m in tl.static_range(32):
-            i = rows * 512 + (m * 16) + lanes - objw  # the word's index inside the piece
+        acc = tl.zeros([CROWS, 64], dtype=tl.uint64)
+        base = rows * 512 + lanes - objw
+        for m in tl.static_range(8):
+            i = base + m * 64  # the word's index inside the piece
             msk = (i >= 0) & (i < nw)
             x = tl.load(src + i, mask=msk, other=0)
             if STORE:
                 tl.store(dst + i, x, mask=msk)
             acc = mulx64(acc) ^ x.to(tl.uint64, bitcast=True)
-        k = tl.load(ktab + rows * 16 + lanes, mask=rows < r_end, other=0).to(tl.uint64, bitcast=True)
+        k = tl.load(ktab + rows * 64 + lanes, mask=rows < r_end, other=0).to(tl.uint64, bitcast=True)
         part ^= gf_mul(acc, k)
     return tl.xor_sum(tl.xor_sum(part, axis=1), axis=0)
 
