@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("redis")
 
+from umbp.pool import psum  # noqa: E402
 from umbp.pool.remote_format import (  # noqa: E402
     CHECKSUM_SIZE,
     HEADER_SIZE,
@@ -323,7 +324,7 @@ def _pair(timeout: float = 5.0) -> tuple[socket.socket, socket.socket, Wire]:
 
 @pytest.mark.parametrize("step, pause", [(1 << 20, 0.0), (1, 0.0), (4093, 0.0), (9000, 0.001), (60, 0.0)])
 def test_framed_payloads_reads_a_batch_however_it_arrives(impl, step, pause):
-    """Every value, checksum field and row sum, whatever the receive boundaries; the buffer drained."""
+    """Every value, checksum field and psum64 row value, whatever the receive boundaries; the buffer drained."""
     keys = list(BATCH)
     a, b, w = _pair()
     sender = _feed(b, BATCH_STREAM, step, pause)
@@ -333,7 +334,7 @@ def test_framed_payloads_reads_a_batch_however_it_arrives(impl, step, pause):
         for i, key in enumerate(keys):
             assert dsts[i].tobytes() == BATCH[key]
             assert fields[i * 8 : i * 8 + 8] == i.to_bytes(8, "little")
-            assert rows[i].tolist() == dsts[i].view("<u8").reshape(-1, 512).sum(axis=1, dtype=np.uint64).tolist()
+            assert rows[i].tolist() == psum.row_values(psum.as_rows(dsts[i])).tolist()
     finally:
         sender.join()
         a.close()
