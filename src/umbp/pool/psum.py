@@ -69,15 +69,17 @@ _U = np.uint64
 
 
 def gf_mul_int(a: int, b: int) -> int:
-    """a * b in GF(2)[x]/P for Python ints (the plain definition; tests and table seeds use it)."""
+    """a * b in GF(2)[x]/P for Python ints: a carry-less product 4 bits of b at a time, then two folds of
+    the bits at x**64 and above (x**64 = x**4 + x**3 + x + 1 mod P)."""
+    t = [0] * 16  # t[v] = a * v: v's lowest set bit's shift of a, xor the rest of v's entry
+    for v in range(1, 16):
+        t[v] = t[v & (v - 1)] ^ (a << ((v & -v).bit_length() - 1))
     r = 0
-    while b:
-        if b & 1:
-            r ^= a
-        b >>= 1
-        a <<= 1
-        if a >> 64:
-            a = (a & _M64) ^ POLY_LOW
+    for j in range(0, 64, 4):
+        r ^= t[(b >> j) & 15] << j
+    for _ in range(2):
+        hi = r >> 64
+        r = (r & _M64) ^ hi ^ (hi << 1) ^ (hi << 3) ^ (hi << 4)
     return r
 
 

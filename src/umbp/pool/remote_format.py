@@ -2,7 +2,7 @@
 
     offset size field
     0      4    magic b"UMBP"
-    4      2    format version (2), little-endian
+    4      2    format version (3), little-endian
     6      2    header size (32): a later version may grow the header and stay readable
     8      8    payload length in bytes
     16     8    psum64 checksum of the payload (umbp.pool.psum, its format 2)
@@ -20,9 +20,10 @@ import struct
 import zlib
 
 MAGIC = b"UMBP"
-# 2: the checksum is psum64 format 2 (umbp.pool.psum). A value of version 1 carries the additive format-1
+# 3: the checksum is psum64 format 2 (umbp.pool.psum). A value of version 1 carries the additive format-1
 # digest, which this code cannot check: it is a miss (counted in version_mismatches), never verified.
-FORMAT_VERSION = 2
+# (2 is the sealed layout's version, umbp.pool.remote_auth: skipped here so the two never collide.)
+FORMAT_VERSION = 3
 HEADER = struct.Struct("<4sHHQQI4x")
 HEADER_SIZE = HEADER.size  # 32
 CHECKSUM_AT, CHECKSUM_SIZE = 16, 8  # the one field a reader cannot know in advance
