@@ -168,6 +168,13 @@ def _make_byte_table() -> np.ndarray:
     return table
 
 
+def _table() -> np.ndarray:
+    global _byte_table
+    if _byte_table is None:
+        _byte_table = _make_byte_table()
+    return _byte_table
+
+
 _BYTE_BASE = np.arange(ROW_BYTES, dtype=np.intp) * 256
 _ROWS_AT_ONCE = 64  # rows per lookup pass: bounds the index array (2 MiB)
 
@@ -175,14 +182,11 @@ _ROWS_AT_ONCE = 64  # rows per lookup pass: bounds the index array (2 MiB)
 def row_values(rows_view: np.ndarray) -> np.ndarray:
     """Each row's value (module docstring) from an as_rows view: the xor of one table lookup per byte
     (or the C extension's loop)."""
-    global _byte_table
     if native.lib is not None:
         out = np.empty(rows_view.shape[0], _U)
         native.lib.psum_rows(np.ascontiguousarray(rows_view), out)
         return out
-    if _byte_table is None:
-        _byte_table = _make_byte_table()
-    flat = _byte_table.ravel()
+    flat = _table().ravel()
     data = np.ascontiguousarray(rows_view).view(np.uint8).reshape(-1, ROW_BYTES)
     out = np.empty(data.shape[0], _U)
     for r0 in range(0, data.shape[0], _ROWS_AT_ONCE):
@@ -196,10 +200,15 @@ def _length_term(nbytes: int) -> int:
 
 
 def _tail_value(region: np.ndarray, start: int) -> int:
-    """The value of the bytes after the last full row, zero-padded to a row."""
-    row = np.zeros(ROW_BYTES, np.uint8)
-    row[: region.size - start] = region[start:]
-    return int(row_values(as_rows(row))[0])
+    """The value of the bytes after the last full row, zero-padded to a row: one lookup per byte present
+    (the padding's bytes look up zeros)."""
+    tail = region[start:]
+    if native.lib is not None:
+        row = np.zeros(ROW_BYTES, np.uint8)
+        row[: tail.size] = tail
+        return int(row_values(as_rows(row))[0])
+    flat = _table().ravel()
+    return int(np.bitwise_xor.reduce(flat[_BYTE_BASE[: tail.size] + tail]))
 
 
 def _combine(rows: np.ndarray, region: np.ndarray, full: int) -> int:
