@@ -481,26 +481,42 @@ def test_dram_evictions_demote_to_the_shared_tier_through_its_queue(tier):
         assert pool.get_into([k], [out]) == [True] and np.array_equal(out, v), k
 
 
+def _wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll `condition` until true; a generous bound, since a loaded CI machine may not schedule the
+    writer for seconds, and the bound only matters when something is broken."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting until {what}"
+        time.sleep(0.005)
+
+
 def test_put_async_reuses_its_queue_memory_without_mixing_objects(server):
     """put_async copies into one reused arena: pages go back only once their object was sent, so with a
     queue far smaller than the data, objects copied into recycled pages while the writer is still sending
-    older ones all arrive intact (or are refused, counted), and the arena ends up whole again."""
-    t = RedisTier(RemoteConfig.from_options({"url": server.url, "write_queue_bytes": 1 << 20, "timeout_s": 5}))
+    older ones all arrive intact (or are refused, counted), and the arena ends up whole again. Before each
+    batch the writer is let drain down to one object (which it may still be sending): that makes room
+    for the batch's first object whatever the machine's load (at most two free runs, one of 91+ pages,
+    for objects of at most 74), so more than the arena's size always goes through it, without a sleep."""
+    arena = 1 << 20
+    t = RedisTier(RemoteConfig.from_options({"url": server.url, "write_queue_bytes": arena, "timeout_s": 5}))
     rng = np.random.default_rng(7)
     sent: dict[str, np.ndarray] = {}
     refused = []
     for r in range(12):
+        _wait_until(lambda: len(t._writer._queued) <= 1, "the writer holds at most one object")
         batch = {f"arena{r}-{i}": blob(int(rng.integers(1, 300_000)), 1000 * r + i) for i in range(6)}
         for k, ok in zip(batch, t.put_async(list(batch), list(batch.values())), strict=True):
             (sent.__setitem__(k, batch[k]) if ok else refused.append(k))
-    assert t.flush(10)
-    assert len(sent) > 12 and t.stats()["puts_dropped_queue_full"] == len(refused)
+    assert t.flush(60)
+    assert all(f"arena{r}-0" in sent for r in range(12))  # the room made before each batch took its first
+    assert sum(v.size for v in sent.values()) > arena  # so pages were given back and reused
+    assert t.stats()["puts_dropped_queue_full"] == len(refused)
     for k, v in sent.items():
         out = np.empty(v.size, np.uint8)
         assert t.get_into([k], [out]) == [True] and np.array_equal(out, v), k
     assert t.exists(refused) == [False] * len(refused)
     pages = t._writer._pages
-    assert pages.free_pages == pages.npages == (1 << 20) // 4096  # every page given back
+    assert pages.free_pages == pages.npages == arena // 4096  # every page given back
     t.clear()
     t.close()
 
