@@ -50,6 +50,20 @@ def tier(server):
     t.close()
 
 
+class MovedClock:
+    """Stands in for the tier's clock (retry interval, quarantine): it stands still until the test moves
+    it, so an interval neither ends early on a slow machine nor needs a sleep to end."""
+
+    def __init__(self, monkeypatch) -> None:
+        import umbp.pool.remote as remote_mod
+
+        self.now = time.monotonic()
+        monkeypatch.setattr(remote_mod, "_now", lambda: self.now)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.fixture
 def raw(server):
     c = server.client()
@@ -121,7 +135,8 @@ def test_duplicate_put_is_a_no_op(tier, raw):
     assert s["puts"] == 1 and s["put_duplicates"] == 1
 
 
-def test_absent_load_is_quarantined_then_retried(tier):
+def test_absent_load_is_quarantined_then_retried(tier, monkeypatch):
+    clock = MovedClock(monkeypatch)  # quarantine_s=0.3 lasts until the test moves the clock
     k = okey(5)
     assert tier.get_into([k], [bytearray(4)]) == [False]
     s = tier.stats()
@@ -132,7 +147,7 @@ def test_absent_load_is_quarantined_then_retried(tier):
     assert tier.exists([k]) == [False]  # still quarantined here
     assert tier.get_into([k], [bytearray(4)]) == [False]
     assert tier.stats()["quarantine_skips"] >= 2
-    time.sleep(0.35)
+    clock.advance(0.35)
     out = bytearray(4)
     assert tier.exists([k]) == [True] and tier.get_into([k], [out]) == [True] and out == b"abcd"
 
@@ -297,11 +312,13 @@ def test_a_batch_of_misses_is_repaired_in_one_round_trip(tier, raw, monkeypatch)
 
 
 def test_ttl(server, raw):
-    t = RedisTier(RemoteConfig.from_options({"url": server.url, "ttl_s": 0.3}))
+    """Value and marker carry the TTL and expire. The TTL (the server's clock) is long enough that a
+    stalled test still reads it before expiry; the expiry is then waited for, not slept past."""
+    t = RedisTier(RemoteConfig.from_options({"url": server.url, "ttl_s": 1.5}))
     assert t.put(["k"], [b"v"]) == [True]
-    assert 0 < raw.pttl("umbp:d:k") <= 300 and 0 < raw.pttl("umbp:m:k") <= 300
-    time.sleep(0.45)
-    assert t.exists(["k"]) == [False]
+    assert 0 < raw.pttl("umbp:d:k") <= 1500 and 0 < raw.pttl("umbp:m:k") <= 1500
+    _wait_until(lambda: t.exists(["k"]) == [False], "the object expired", timeout=30)
+    assert raw.exists("umbp:d:k", "umbp:m:k") == 0
     t.close()
 
 

@@ -83,6 +83,12 @@ _COUNTERS = (
 )
 
 
+def _now() -> float:
+    """The clock of the retry interval and the quarantine: time.monotonic, looked up at each call so a
+    test can move it instead of sleeping past an interval (a sleep's outcome depends on the machine's load)."""
+    return time.monotonic()
+
+
 @dataclass
 class _Item:
     """One object to send: header and payload kept apart so the payload is never concatenated. A
@@ -151,7 +157,7 @@ class _Quarantine:
     def add(self, keys: Sequence[str]) -> int:
         if self.seconds <= 0 or not keys:
             return 0
-        until = time.monotonic() + self.seconds
+        until = _now() + self.seconds
         with self._lock:
             for k in keys:
                 self._until.pop(k, None)
@@ -171,7 +177,7 @@ class _Quarantine:
 
     def held(self, keys: Sequence[str]) -> list[int]:
         """Indices of keys still quarantined (expired entries are dropped on the way)."""
-        now = time.monotonic()
+        now = _now()
         out: list[int] = []
         with self._lock:
             until = self._until
@@ -386,7 +392,7 @@ class RedisTier(Pool):
         with self._lock:
             self._counters[kind] += 1
             self._last_error = msg
-            self._down_until[node] = time.monotonic() + self.config.retry_interval_s
+            self._down_until[node] = _now() + self.config.retry_interval_s
         log.warning("umbp: remote tier %s; treating it as down for %.1fs", msg, self.config.retry_interval_s)
         if node == self._backend.name and isinstance(self._backend, Cluster):
             return  # the cluster as a whole is unreachable: nothing to disconnect or refresh
@@ -405,7 +411,7 @@ class RedisTier(Pool):
 
     def _is_down(self, node: str) -> bool:
         until = self._down_until.get(node)
-        return until is not None and until > time.monotonic()
+        return until is not None and until > _now()
 
     def _groups(self, keys: list[str]) -> dict[str, list[Group]] | None:
         """Keys per server, or None when the whole backend is unreachable (cluster not yet connected)."""
@@ -1049,7 +1055,7 @@ class RedisTier(Pool):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
-            now = time.monotonic()
+            now = _now()
             out["servers_down"] = sorted(n for n, t in self._down_until.items() if t > now)
             out["last_error"] = self._last_error
         loads = out["hits"] + out["misses"]
