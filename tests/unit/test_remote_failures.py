@@ -22,12 +22,27 @@ def blob(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
+class MovedClock:
+    """Stands in for the tier's clock (retry interval, quarantine): it stands still until the test moves
+    it, so a retry interval neither ends early on a slow machine nor needs a sleep to end."""
+
+    def __init__(self, monkeypatch) -> None:
+        import umbp.pool.remote as remote_mod
+
+        self.now = time.monotonic()
+        monkeypatch.setattr(remote_mod, "_now", lambda: self.now)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def make_tier(url: str, **opts) -> RedisTier:
     base = {"url": url, "retry_interval_s": 0.2, "timeout_s": 0.3, "connect_timeout_s": 0.3, "quarantine_s": 0}
     return RedisTier(RemoteConfig.from_options({**base, **opts}))
 
 
-def test_server_down_from_the_start_then_up(tmp_path):
+def test_server_down_from_the_start_then_up(tmp_path, monkeypatch):
+    clock = MovedClock(monkeypatch)  # the 0.2 s retry interval lasts until the clock is moved
     server = RedisServer(tmp_path)  # a free port, nothing listening yet
     tier = make_tier(server.url)
     data = blob(1000, 1)
@@ -42,7 +57,7 @@ def test_server_down_from_the_start_then_up(tmp_path):
     assert s["load_errors"] == 1 and s["servers_down"] == [f"127.0.0.1:{server.port}"]
     server.start()
     try:
-        time.sleep(0.25)  # the retry interval passes; the next call reconnects by itself
+        clock.advance(0.25)  # the retry interval passes; the next call reconnects by itself
         assert tier.put(["k"], [data]) == [True]
         out = np.empty(1000, np.uint8)
         assert tier.get_into(["k"], [out]) == [True] and np.array_equal(out, data)
@@ -92,7 +107,8 @@ def test_kill_mid_run_then_restart(tmp_path):
         server.stop()
 
 
-def test_slow_server_times_out_into_misses(tmp_path):
+def test_slow_server_times_out_into_misses(tmp_path, monkeypatch):
+    clock = MovedClock(monkeypatch)  # the 0.5 s retry interval lasts until the clock is moved
     server = start_server(tmp_path)
     tier = make_tier(server.url, timeout_s=0.2, retry_interval_s=0.5)
     try:
@@ -103,7 +119,10 @@ def test_slow_server_times_out_into_misses(tmp_path):
         assert tier.get_into(["k"], [bytearray(5)]) == [False]  # inside the retry interval: no wait at all
         assert time.monotonic() - t0 < 1.0  # bounded by timeout_s, not by the 2 s stall
         assert tier.stats()["timeouts"] == 1
-        time.sleep(2.0)  # the pause and the retry interval are over
+        raw = server.client()
+        assert raw.ping()  # answered once the pause is over
+        raw.close()
+        clock.advance(0.6)  # and the retry interval
         out = bytearray(5)
         assert tier.exists(["k"]) == [True] and tier.get_into(["k"], [out]) == [True] and out == b"value"
     finally:

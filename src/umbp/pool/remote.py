@@ -77,10 +77,16 @@ _COUNTERS = (
     "size_mismatches", "version_mismatches", "key_mismatches", "bytes_read",
     "puts", "put_duplicates", "puts_dropped", "puts_dropped_queue_full", "puts_dropped_unavailable",
     "puts_dropped_checksum", "bytes_written", "async_accepted", "auth_failures", "unauthenticated_values", "unsupported_values",
-    "old_key_hits",
+    "old_key_hits", "write_queue_hits",
     "connection_errors", "timeouts", "protocol_errors", "unexpected_replies", "reply_errors", "pool_exhausted", "redirects", "quarantined", "stale_markers_removed",
     "corrupt_removed",
 )
+
+
+def _now() -> float:
+    """The clock of the retry interval and the quarantine: time.monotonic, looked up at each call so a
+    test can move it instead of sleeping past an interval (a sleep's outcome depends on the machine's load)."""
+    return time.monotonic()
 
 
 @dataclass
@@ -151,7 +157,7 @@ class _Quarantine:
     def add(self, keys: Sequence[str]) -> int:
         if self.seconds <= 0 or not keys:
             return 0
-        until = time.monotonic() + self.seconds
+        until = _now() + self.seconds
         with self._lock:
             for k in keys:
                 self._until.pop(k, None)
@@ -171,7 +177,7 @@ class _Quarantine:
 
     def held(self, keys: Sequence[str]) -> list[int]:
         """Indices of keys still quarantined (expired entries are dropped on the way)."""
-        now = time.monotonic()
+        now = _now()
         out: list[int] = []
         with self._lock:
             until = self._until
@@ -198,7 +204,9 @@ class _Writer:
         self._arena = aligned_buffer(max_bytes, populate=False)
         self._pages = PageAllocator(max_bytes // _PAGE)
         self._queue: deque[_Item] = deque()
-        self._queued: set[str] = set()
+        # every reservation until its pages are given back: None while being copied, then its _Item (queued
+        # or being sent); reads are served from it (see copy_out)
+        self._queued: dict[str, _Item | None] = {}
         self._bytes = 0
         self._busy = False
         self._stop = False
@@ -216,12 +224,13 @@ class _Writer:
             if start is None:
                 return "full", None, None
             self._bytes += nbytes
-            self._queued.add(key)
+            self._queued[key] = None
             return "ok", self._arena[start * _PAGE : start * _PAGE + nbytes], (start, npages)
 
     def push(self, item: _Item) -> None:
         with self._cv:
             self._queue.append(item)
+            self._queued[item.key] = item
             if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
                 self._thread = threading.Thread(target=self._run, name="umbp-remote-writer", daemon=True)
                 self._thread.start()
@@ -234,8 +243,28 @@ class _Writer:
     def _give_back(self, key: str, nbytes: int, pages: tuple[int, int]) -> None:
         """A reservation ends (its object sent, dropped, or never queued); the caller holds _cv."""
         self._bytes -= nbytes
-        self._queued.discard(key)
+        self._queued.pop(key, None)
         self._pages.free(*pages)
+
+    def holding(self, keys: Sequence[str]) -> list[int]:
+        """Indices of keys whose copy is queued or being sent. Checked before the server is asked: a copy
+        is given back only after its write finished, so a key not held here then is on the server by the
+        time the server is asked, or was never (or not successfully) written."""
+        if not self._queued:  # a dict's truth test needs no lock; a miss here is re-checked by the server
+            return []
+        with self._cv:
+            return [i for i, k in enumerate(keys) if self._queued.get(k) is not None]
+
+    def copy_out(self, key: str, dst: np.ndarray) -> bytes | None:
+        """Copy a queued (or being sent) object of dst's size into dst and return its header; None when
+        none is held. Under the lock, so its pages cannot be reused meanwhile."""
+        with self._cv:
+            item = self._queued.get(key)
+            if item is None or item.payload.size != dst.size:
+                return None
+            np.copyto(dst, item.payload)
+            assert item.header is not None  # put_async items are sealed before they are pushed
+            return item.header
 
     def _take(self) -> list[_Item] | None:
         with self._cv:
@@ -363,7 +392,7 @@ class RedisTier(Pool):
         with self._lock:
             self._counters[kind] += 1
             self._last_error = msg
-            self._down_until[node] = time.monotonic() + self.config.retry_interval_s
+            self._down_until[node] = _now() + self.config.retry_interval_s
         log.warning("umbp: remote tier %s; treating it as down for %.1fs", msg, self.config.retry_interval_s)
         if node == self._backend.name and isinstance(self._backend, Cluster):
             return  # the cluster as a whole is unreachable: nothing to disconnect or refresh
@@ -382,7 +411,7 @@ class RedisTier(Pool):
 
     def _is_down(self, node: str) -> bool:
         until = self._down_until.get(node)
-        return until is not None and until > time.monotonic()
+        return until is not None and until > _now()
 
     def _groups(self, keys: list[str]) -> dict[str, list[Group]] | None:
         """Keys per server, or None when the whole backend is unreachable (cluster not yet connected)."""
@@ -453,6 +482,7 @@ class RedisTier(Pool):
         keys = list(keys)
         check_keys("exists", keys)
         res = np.full(len(keys), _UNANSWERED, np.int8)
+        queued = self._writer.holding(keys)  # before the server: see _Writer.holding
         groups = self._groups(keys) if keys else {}
         if groups is None:
             groups = {}
@@ -461,6 +491,7 @@ class RedisTier(Pool):
             self._exists_slow(keys, res)
         if self._old and (res == _ABSENT).any():
             self._exists_old(keys, res)
+        res[queued] = _HIT  # saved by put_async and not yet written: present (its load is served locally)
         return self._finish_exists(keys, res)
 
     def _exists_job(self, node: str, groups: list[Group], keys: list[str], res: np.ndarray) -> _Job:
@@ -520,6 +551,7 @@ class RedisTier(Pool):
         live = [i for i in range(len(keys)) if i not in held]
         for i in held:
             res[i] = "quarantine_skips"
+        live = self._from_queue(keys, dsts, live, res)
         groups = self._groups([keys[i] for i in live]) if live else {}
         jobs = [self._get_job(node, gs, keys, dsts, live, res) for node, gs in (groups or {}).items()]
         self._run(jobs)
@@ -528,6 +560,25 @@ class RedisTier(Pool):
         if self._old and "misses_absent" in res:
             self._get_old(keys, dsts, res)
         return self._finish_get(keys, dsts, res)
+
+    def _from_queue(self, keys: list[str], dsts: list[np.ndarray], live: list[int], res: list[Any]) -> list[int]:
+        """Serve keys whose put_async copy is still queued (or being sent) from that copy, verified like a
+        value read from the server; the rest of `live` is returned. Without this, an object demoted from
+        DRAM is in neither place until the writer has sent it, and a lookup in between misses it."""
+        held = set(self._writer.holding([keys[i] for i in live]))
+        if not held:
+            return live
+        rest: list[int] = []
+        for j, i in enumerate(live):
+            header = self._writer.copy_out(keys[i], dsts[i]) if j in held else None
+            # the server decides when there is no copy of this size (sent and given back since holding():
+            # the server has it), or the copy does not verify (never a reason to delete the server's value)
+            if header is not None and _verified(self._codec, header, keys[i], dsts[i], checksum_u8(dsts[i])) is True:
+                res[i] = True
+                self._count(write_queue_hits=1)
+            else:
+                rest.append(i)
+        return rest
 
     def _get_job(self, node: str, groups: list[Group], keys: list[str], dsts: list[np.ndarray],
                  live: list[int], res: list[Any]) -> _Job:
@@ -1004,7 +1055,7 @@ class RedisTier(Pool):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
-            now = time.monotonic()
+            now = _now()
             out["servers_down"] = sorted(n for n, t in self._down_until.items() if t > now)
             out["last_error"] = self._last_error
         loads = out["hits"] + out["misses"]
