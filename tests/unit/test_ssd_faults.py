@@ -386,7 +386,20 @@ def test_direct_writes_refused_mid_run_fall_back_to_buffered(tmp_path, monkeypat
     blobs = {f"k{i}": _blob(60 * KiB, i) for i in range(20)}
     with _tier(tmp_path / "d", direct_io="auto", max_io_bytes=64 * KiB, segment_bytes=256 * KiB) as tier:
         holder["tier"] = tier
+        # Two writes are in flight only if the writer finds a second group queued behind its first; a put
+        # slower than the writer (the numpy checksum path, a loaded host) would hand it one record at a
+        # time. So the writer's first batch waits until the whole put is queued.
+        staged, real_write_batch, first = threading.Event(), tier._write_batch, []
+
+        def write_batch(shard, batch):
+            if not first:
+                first.append(True)
+                staged.wait(30)
+            return real_write_batch(shard, batch)
+
+        monkeypatch.setattr(tier, "_write_batch", write_batch)
         assert all(tier.put(list(blobs), list(blobs.values())))
+        staged.set()
         assert tier.flush(timeout=30)
         s = tier.stats()
         assert s["direct_io"] == [False] and s["write_errors"] == 0 and s["dropped_write_error"] == 0

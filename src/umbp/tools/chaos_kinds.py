@@ -29,14 +29,12 @@ from umbp.tools.chaos_faults import (
     ssd_record,
 )
 
-# Kinds today's checks do not catch: psum64 misses a swap of two words within a 4 KiB row, and the shared
-# tier has no keyed MAC, so a relabelled value verifies. Wrong tokens from these are the expected finding;
-# each fix (a position-dependent check, a keyed MAC) removes its kinds from this set, and the campaign's
-# test then asserts 0 wrong tokens for them too.
-UNDEFENDED = frozenset({"dram_reordered", "ssd_reordered", "redis_reordered", "redis_forged"})
-# With a tenant secret (auth_key_env) every shared-tier value carries a MAC over its key and bytes: a relabelled
-# value and a swap of words in one both fail it.
-DEFENDED_BY_SECRET = frozenset({"redis_forged", "redis_reordered"})
+# Kinds no check can catch: without a tenant secret the shared tier has no keyed MAC, so a value forged by
+# anyone who can write to the server (header and checksum recomputed) verifies. psum64's format 2 catches
+# every swap of two words (DRAM, SSD and the shared tier alike), so the reordered kinds are defended.
+UNDEFENDED = frozenset({"redis_forged"})
+# With a tenant secret (auth_key_env) every shared-tier value carries a MAC over its key and bytes.
+DEFENDED_BY_SECRET = frozenset({"redis_forged"})
 
 
 def undefended(secret: bool) -> frozenset[str]:
