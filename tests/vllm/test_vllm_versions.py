@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from sched_harness import GroupDef, build  # noqa: E402
 from test_connector_scheduler import FA_MAMBA_400, PROMPT, compute_then_drop, restore  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 from umbp.hybrid import FullAttention, RecurrentState, SlidingWindow, longest_hit  # noqa: E402
@@ -203,11 +204,7 @@ def test_recomputed_block_hashes_never_reuse_stale_keys(tmp_path):
 
 
 # ------------------------------------------------------------------ may_load_async
-@pytest.mark.skipif(
-    not hasattr(__import__("umbp.vllm.connector").vllm.connector.UMBPConnector, "may_load_async")
-    or not OPTS_IN,
-    reason="vLLM has no may_load_async hook before 0.34",
-)
+@pytest.mark.skipif(not hasattr(KVConnectorBase_V1, "may_load_async"), reason="no may_load_async before 0.34")
 def test_may_load_async_routes_stored_prompts_to_the_async_queue(tmp_path):
     h = build(tmp_path, FA_MAMBA_400, unit=16)
     compute_then_drop(h, "A", PROMPT)
