@@ -278,5 +278,6 @@ def test_no_umbp_class_or_metric_reads_like_the_in_tree_connector():
         if isinstance(obj, type) and obj.__module__.startswith("umbp.")
     }
     assert "UMBPConnector" in ours and not ours & theirs_classes, ours & theirs_classes
-    our_metrics = {f"vllm:umbp_{name}" for name in stats.BASE_COUNTERS}
+    families = [*stats.COUNTERS, *(f"tier_{n}" for n in stats.TIER_COUNTERS)]
+    our_metrics = {f"vllm:umbp_{name}" for name in [*families, *(f"group_{n}" for n in stats.GROUP_COUNTERS)]}
     assert not {m.removesuffix("_total") for m in theirs_metrics} & our_metrics
