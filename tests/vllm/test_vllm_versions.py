@@ -162,6 +162,20 @@ def test_eagle_restore_equals_vllms_local_hit(tmp_path, name, lookahead):
     assert h.leaks()["index_pinned"] == 0
 
 
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "plain"])
+def test_eagle_under_dcp_restore_equals_vllms_local_hit(tmp_path, lookahead):
+    from test_connector_dcp import CASES
+
+    dcp, groups, unit, interleave = CASES["dcp2"]
+    h = build(
+        tmp_path, groups, unit=unit, tp=dcp, dcp=dcp, interleave=interleave, eagle=True, lookahead=lookahead
+    )
+    prompt = PROMPT[:300]
+    local = compute_then_drop(h, "A", prompt)
+    assert local > 0
+    assert restore(h, "B", prompt) == (local, [])
+
+
 @pytest.mark.skipif(not OPTS_IN, reason="this vLLM does not offer connectors lookahead hashes (0.32, 0.33)")
 def test_lookahead_hits_a_block_past_the_eagle_drop(tmp_path):
     """840-token prompt, 400-token blocks, u=16: the drop stops at 816; lookahead hashes reach 832, the
