@@ -1,4 +1,4 @@
-"""vLLM 0.32's real KV-cache coordinator as an oracle for ``umbp.hybrid.longest_hit``.
+"""vLLM's real KV-cache coordinator (0.32, 0.33, 0.34) as an oracle for ``umbp.hybrid.longest_hit``.
 
 The coordinator is built exactly as the engine builds it (``get_kv_cache_coordinator``), over a
 ``KVCacheConfig`` whose groups mirror the umbp groups. Its block pool's prefix-cache map is filled with one
@@ -9,6 +9,7 @@ sets. Nothing is allocated and no model, tokenizer or VllmConfig is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Iterable, Sequence
 
@@ -30,6 +31,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from umbp.hybrid import CacheGroup, FullAttention, RecurrentState, SlidingWindow
+from umbp.vllm.compat import block_hash_map, coordinator_kwargs
 
 _END = 10**9  # block id = group * _END + token end (ids > 0: 0 is vLLM's null block)
 
@@ -75,17 +77,21 @@ def vllm_longest_hit(
     flagged: Iterable[int] = (),
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
+    lookahead: int = 0,
+    draft: Iterable[int] = (),
 ) -> tuple[int, tuple[tuple[int, ...], ...], int]:
     """``(hit tokens, per-group load ends, hit alignment)`` from vLLM's coordinator.
 
-    ``use_eagle``: the scheduler's ``use_eagle_block_drop``; ``flagged``: groups annotated
+    ``use_eagle``: EAGLE is on (``use_eagle_block_drop`` before lookahead); ``flagged``: groups annotated
     ``is_eagle_group`` (vLLM flags all when EAGLE is on and none is annotated). Group block sizes are per
     rank; the scheduler block size is the lcm of the DCP-resolved sizes, as ``resolve_kv_cache_block_sizes``
     computes it. Whatever vLLM refuses (an assertion in the coordinator or a manager) propagates.
+    ``lookahead``: the coordinator's ``num_hash_lookahead_tokens``, which turns the drop off as vLLM's
+    scheduler does; ``draft``: groups whose spec is a draft model's (``is_draft``, where vLLM has it).
     """
-    flagged = set(flagged)
+    flagged, draft = set(flagged), set(draft)
     kv_groups = [
-        KVCacheGroupSpec([f"layer{g}"], vllm_spec(spec), is_eagle_group=g in flagged)
+        KVCacheGroupSpec([f"layer{g}"], _as_draft(vllm_spec(spec), g in draft), is_eagle_group=g in flagged)
         for g, spec in enumerate(groups)
     ]
     config = KVCacheConfig(
@@ -96,21 +102,26 @@ def vllm_longest_hit(
         config,
         max_model_len=1 << 20,
         max_in_flight_tokens=1 << 12,
-        use_eagle=use_eagle,
+        use_eagle=use_eagle and not lookahead,
         enable_caching=True,
         enable_kv_cache_events=False,
         dcp_world_size=dcp_world_size,
         pcp_world_size=pcp_world_size,
         scheduler_block_size=math.lcm(*sizes) if len(sizes) > 1 else sizes[0],
         hash_block_size=unit,
+        **coordinator_kwargs(lookahead),
     )
     hashes = [BlockHash(t.to_bytes(8, "big")) for t in range(unit, hashed_tokens + 1, unit)]
-    cache = coordinator.block_pool.cached_block_hash_to_block
+    # the fake blocks live in a dict: where the map stores block ids, it resolves them through it
+    fake_blocks: dict[int, KVCacheBlock] = {}
+    cache = block_hash_map(blocks=fake_blocks)
+    coordinator.block_pool.cached_block_hash_to_block = cache
     for g, ends in enumerate(present):
         for t in ends:
             if t <= hashed_tokens:
                 key = make_block_hash_with_group_id(hashes[t // unit - 1], g)
-                cache.insert(key, KVCacheBlock(block_id=g * _END + t))
+                block = fake_blocks[g * _END + t] = KVCacheBlock(block_id=g * _END + t)
+                cache.insert(key, block)
     blocks, tokens, _ = coordinator.find_longest_cache_hit(hashes, max_tokens)
     loads = []
     for g, group_blocks in enumerate(blocks):
@@ -119,3 +130,12 @@ def vllm_longest_hit(
         loads.append(tuple(i % _END for i in ends))
     alignment = getattr(coordinator, "_cache_hit_alignment_tokens", coordinator.scheduler_block_size)
     return tokens, tuple(loads), alignment
+
+
+def _as_draft(spec: KVCacheSpec, draft: bool) -> KVCacheSpec:
+    """``spec`` marked as a draft model's, where vLLM's specs carry ``is_draft``."""
+    if not draft:
+        return spec
+    if "is_draft" not in {f.name for f in dataclasses.fields(spec)}:
+        raise ValueError("this vLLM's KV-cache specs have no is_draft field")
+    return dataclasses.replace(spec, is_draft=True)

@@ -42,6 +42,7 @@ from vllm.v1.request import Request
 
 from umbp.identity import ParallelSizes, RankCoord, dcp_rank
 from umbp.replay.engine import make_scheduler
+from umbp.vllm.compat import runner_output, speculative_lookahead_kwargs
 from umbp.vllm.connector import UMBPConnector
 
 HEADS, HEAD = 2, 8
@@ -156,8 +157,7 @@ class Harness:
             worker.clear_connector_metadata()
             sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens
                        else [] for r in ids]
-            outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                             sampled_token_ids=sampled, kv_connector_output=kv_out))
+            outputs.append(runner_output(ids, sampled, kv_out))
         return self.aggregator.aggregate(outputs)
 
     # ---------------------------------------------------------------- probes
@@ -284,10 +284,11 @@ def shard_slot(p: int, block_size: int, dcp: int, dcp_rank: int, interleave: int
 def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool = False, tp: int = 1,
           num_blocks: int = 64, extra: dict | None = None, retention: int | None = 0,
           max_num_batched_tokens: int = 1024, max_model_len: int = 4096, dcp: int = 1,
-          interleave: int = 1, eagle_groups: frozenset[int] = frozenset()) -> Harness:
+          interleave: int = 1, eagle_groups: frozenset[int] = frozenset(), lookahead: bool = True) -> Harness:
     """``dcp > 1``: vLLM's decode context parallelism over the ``tp`` ranks (tp >= dcp); block sizes in
     ``groups`` are per rank, as in vLLM's specs. ``eagle_groups``: groups annotated ``is_eagle_group``
-    (DSpark confines the drop to its MLA group this way; none annotated: vLLM drops on every group)."""
+    (DSpark confines the drop to its MLA group this way; none annotated: vLLM drops on every group).
+    ``lookahead=False``: EAGLE with vLLM's plain block hashes where it has lookahead ones (0.34)."""
     heads = {"heads": 8, "kv_heads": 1} if dcp > 1 else {}
     model = ModelConfig(model=str(fake_model_dir(tmp_path, **heads)), skip_tokenizer_init=True, dtype="float32",
                         max_model_len=max_model_len)
@@ -304,7 +305,7 @@ def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool
         target = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp) if dcp > 1 else ParallelConfig()
         spec = SpeculativeConfig(method="eagle", model=str(fake_model_dir(tmp_path, eagle=True, **heads)),
                                  num_speculative_tokens=1, target_model_config=model,
-                                 target_parallel_config=target)
+                                 target_parallel_config=target, **speculative_lookahead_kwargs(lookahead))
     vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched_cfg,
                              kv_transfer_config=transfer, speculative_config=spec,
                              parallel_config=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,

@@ -76,7 +76,7 @@ def test_eagle_dspark_keying_under_dcp(tmp_path, name, flagged):
     """EAGLE/DSpark's drop: the state is keyed at b, the attention page one unit past it (b + u), which is
     where vLLM's DCP-aware lookup probes; the restore reaches vLLM's local hit. DSpark: only the attention
     group is annotated ``is_eagle_group`` (vLLM 0.32 does so for Kimi-K3's MLA spec)."""
-    h = make(tmp_path, name, eagle=True, eagle_groups=flagged)
+    h = make(tmp_path, name, eagle=True, eagle_groups=flagged, lookahead=False)  # the drop: plain hashes
     assert h.umbp.layout.eagle_groups == (flagged or frozenset({0, 1}))
     prompt = PROMPT[:300]
     b = 300 // 16 * 16 - 16

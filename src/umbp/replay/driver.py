@@ -30,6 +30,7 @@ from umbp.replay.engine import Engine, build_engine
 from umbp.replay.layouts import ReplayLayout
 from umbp.replay.simworker import SimWorkers
 from umbp.replay.trace import Segment, TokenCache, Turn, sessions
+from umbp.vllm.compat import hash_lookahead_tokens, runner_output
 
 ADMITTED = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS)
 STALL_STEPS = 10_000  # empty steps in a row without the clock moving: the replay is stuck
@@ -142,7 +143,7 @@ class Replay:
         self.ever = oracle.install(self.engine.sched.kv_cache_manager.block_pool)
         self.workers = SimWorkers(self.layout.timing, frozenset(self.engine.umbp.rank_tags))
         self.tokens = TokenCache()
-        self.hashes = PrefixHashes(self.layout.unit)
+        self.hashes = PrefixHashes(self.layout.unit, hash_lookahead_tokens(self.engine.vllm_config))
         self.sessions = [_Session(s) for s in sessions(self.turns)]
         self.waiting_sessions = list(range(len(self.sessions)))[::-1]  # pop() gives the next one
         self.ready: list[tuple[float, int, int]] = []  # (time, seq, session index)
@@ -305,21 +306,22 @@ class Replay:
         requests = self.engine.sched.requests
         ids = list(so.num_scheduled_tokens)
         sampled = [[1] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in ids]
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled, kv_connector_output=self.workers.collect(self.now))
+        return runner_output(ids, sampled, self.workers.collect(self.now))
 
 
 class PrefixHashes:
     """vLLM's chained block hashes, reused for the prefix a prompt shares with the session's previous turn
     (or with any prompt that starts with the same first segment, e.g. a system prompt).
 
-    Hash ``i`` covers tokens ``[0, (i + 1) * unit)`` and nothing else, so reusing it for an identical
-    token prefix gives exactly the list vLLM's hasher would compute; only the time differs (at u=16 the
-    hashing is most of the replay's cost otherwise).
+    Hash ``i`` covers tokens ``[0, (i + 1) * unit + lookahead)`` and nothing else (``lookahead``: vLLM's
+    ``num_hash_lookahead_tokens``, 0 without lookahead hashes), so reusing it for an identical token
+    prefix that long gives exactly the list vLLM's hasher would compute; only the time differs (at u=16
+    the hashing is most of the replay's cost otherwise).
     """
 
-    def __init__(self, unit: int) -> None:
+    def __init__(self, unit: int, lookahead: int = 0) -> None:
         self.unit = unit
+        self.lookahead = lookahead
         self.by_session: dict[str, tuple[tuple[Segment, ...], list]] = {}
         self.by_first_segment: dict[str, tuple[int, list]] = {}
 
@@ -331,21 +333,25 @@ class PrefixHashes:
         self.by_session[turn.session] = (turn.segments, request.block_hashes)
         first = turn.segments[0]
         if first.tokens is None and first.id not in self.by_first_segment:
-            n = first.length // self.unit
+            n = self._count(first.length)
             self.by_first_segment[first.id] = (first.length, list(request.block_hashes[:n]))
 
     def _reusable(self, turn: Turn) -> list:
         best: list = []
         prev = self.by_session.get(turn.session)
         if prev is not None:
-            best = prev[1][: common_tokens(prev[0], turn.segments) // self.unit]
+            best = prev[1][: self._count(common_tokens(prev[0], turn.segments))]
         first = turn.segments[0]
         cached = self.by_first_segment.get(first.id) if first.tokens is None else None
         if cached is not None:
-            n = min(cached[0], first.length) // self.unit
+            n = self._count(min(cached[0], first.length))
             if n > len(best):
                 best = cached[1][:n]
         return list(best)
+
+    def _count(self, shared_tokens: int) -> int:
+        """Hashes that depend only on the first ``shared_tokens`` tokens."""
+        return max(0, shared_tokens - self.lookahead) // self.unit
 
     def forget(self, session: str) -> None:
         self.by_session.pop(session, None)

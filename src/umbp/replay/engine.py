@@ -28,7 +28,6 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    get_request_block_hasher,
     init_none_hash,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
@@ -46,6 +45,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from umbp.replay.connector import ReplayConnector  # noqa: E402
 from umbp.replay.layouts import GroupConfig, ReplayLayout  # noqa: E402
+from umbp.vllm.compat import hash_lookahead_tokens, request_block_hasher  # noqa: E402
 
 BF16 = 2
 
@@ -127,7 +127,7 @@ def make_scheduler(vllm_config: VllmConfig, kv_config: KVCacheConfig) -> tuple[S
                           block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
         fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(fn)
-        return sched, get_request_block_hasher(hash_bs, fn)
+        return sched, request_block_hasher(hash_bs, fn, hash_lookahead_tokens(vllm_config))
 
 
 def build_engine(layout: ReplayLayout, *, boundary_page: bool, retention: int, workdir: Path,

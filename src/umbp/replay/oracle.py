@@ -18,15 +18,24 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from umbp.hybrid import longest_hit
+from umbp.vllm.compat import block_hash_map, block_map_keys
 
 
 class EverCachedMap(BlockHashToBlockMap):
-    """vLLM's hash -> block map that also remembers every key a lookup could ever have seen."""
+    """vLLM's hash -> block map that also remembers every key a lookup could ever have seen.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ever: set[bytes] = set()  # survived a schedule() call
-        self.fresh: set[bytes] = set()  # inserted during the current schedule() call and still present
+    Made by :func:`install`, which adopts the pool's own map's state whatever its representation
+    (blocks, or block ids into the pool's block list: vLLM 0.34), or by :meth:`empty`."""
+
+    ever: set[bytes]  # survived a schedule() call
+    fresh: set[bytes]  # inserted during the current schedule() call and still present
+
+    @classmethod
+    def empty(cls, blocks=None) -> EverCachedMap:
+        """An empty recording map; ``blocks``: what block ids index, where vLLM's map stores ids."""
+        recording = block_hash_map(cls, blocks)
+        recording.ever, recording.fresh = set(), set()
+        return recording
 
     def insert(self, key, block) -> None:
         if key not in self.ever:
@@ -48,11 +57,13 @@ class EverCachedMap(BlockHashToBlockMap):
 
 
 def install(block_pool) -> EverCachedMap:
-    """Swap the pool's (still empty) map for a recording one."""
-    recording = EverCachedMap()
-    for key, blocks in block_pool.cached_block_hash_to_block._cache.items():
-        recording.ever.add(key)
-        recording._cache[key] = blocks
+    """Swap the pool's map for a recording one holding the same entries (the map's constructor differs
+    between vLLM releases; its state is plain attributes in all of them, so they are taken over as is)."""
+    current = block_pool.cached_block_hash_to_block
+    recording = EverCachedMap.__new__(EverCachedMap)
+    recording.__dict__.update(vars(current))
+    recording.ever = set(block_map_keys(current))
+    recording.fresh = set()
     block_pool.cached_block_hash_to_block = recording
     return recording
 

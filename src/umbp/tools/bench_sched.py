@@ -88,7 +88,7 @@ class _Side:
         """(seconds in the scheduler's schedule() + update_from_output(), seconds inside umbp's hooks,
         requests scheduled). The simulated workers and the fake model output are not timed: in vLLM they
         are other processes' work."""
-        from vllm.v1.outputs import ModelRunnerOutput
+        from umbp.vllm.compat import runner_output
 
         before = self.clock.spent if self.clock else 0.0
         t0 = time.perf_counter()
@@ -101,8 +101,7 @@ class _Side:
             out = self.workers.collect(self.now)
         ids, reqs = list(so.num_scheduled_tokens), self.sched.requests
         sampled = [[1] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
-        output = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                   sampled_token_ids=sampled, kv_connector_output=out)
+        output = runner_output(ids, sampled, out)
         t0 = time.perf_counter()
         self.sched.update_from_output(so, output)
         spent += time.perf_counter() - t0

@@ -51,7 +51,8 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = WorkerSide(self.cfg, self.layout, kv_cache_config)
         logger.info(
-            "umbp: %s connector, namespace %s, unit %d, groups %s, eagle groups %s; pool paths: %s",
+            "umbp: %s connector (the umbp package, not vLLM's in-tree UMBPStoreConnector), namespace %s, "
+            "unit %d, groups %s, eagle groups %s; pool paths: %s",
             role.name.lower(), self.layout.namespace, self.layout.unit,
             [type(g).__name__ for g in self.layout.groups], sorted(self.layout.eagle_groups), native.describe(),
         )
@@ -74,6 +75,13 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False
 
+    # vLLM 0.34 asks before it turns on lookahead block hashes under EAGLE. umbp keys objects by vLLM's
+    # block hashes and reads its EAGLE rule from vLLM's own config (umbp.vllm.compat.eagle_block_drop),
+    # so it follows either hashing; with lookahead hashes nothing is dropped and hits reach a block further.
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config) -> bool:
+        return True
+
     # ============================================================ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         if self._sched is not None:
@@ -84,6 +92,11 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.lookup(request, num_computed_tokens)
+
+    def may_load_async(self, request) -> bool:
+        """vLLM 0.34, with --max-num-inflight-kv-loads: a request umbp will likely load starts its load
+        while the running batch is full. A cheap guess (local tiers only), see SchedulerSide.may_load."""
+        return self._sched is not None and self._sched.may_load(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._sched.on_alloc(request, blocks.get_block_ids(), num_external_tokens)
@@ -126,6 +139,16 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register(kv_caches)
+
+    # Sleep mode and weight updates (vLLM 0.33+): the KV cache's memory is released, then mapped again at
+    # the same addresses with undefined contents. Copies in flight finish first; none start meanwhile.
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.resume()
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -17,6 +17,7 @@ from vllm.v1.kv_cache_interface import (
 
 from umbp.hybrid import FullAttention, RecurrentState, SlidingWindow, check_context_parallel, resolve_groups
 from umbp.identity import GroupLayout, ModelIdentity, ParallelSizes, RankCoord, all_ranks
+from umbp.vllm.compat import eagle_block_drop, group_tag
 
 
 class UnsupportedLayout(ValueError):
@@ -44,7 +45,7 @@ class Layout:
 def umbp_group(spec) -> object:
     """The umbp.hybrid group for a vLLM spec; `tag` keeps groups vLLM looks up separately apart (vLLM
     merges only groups whose specs are equal)."""
-    tag = repr(spec)
+    tag = group_tag(spec)
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindow(block_size=spec.block_size, window=spec.sliding_window, tag=tag,
                              dcp_sharded=spec.dcp_sharded)
@@ -64,9 +65,9 @@ def umbp_group(spec) -> object:
 
 
 def eagle_groups_of(vllm_config, kv_cache_config: KVCacheConfig) -> frozenset[int]:
-    """vLLM 0.32: the drop applies to annotated groups, or to every group when none is annotated."""
-    spec = vllm_config.speculative_config
-    if spec is None or not spec.use_eagle_block_drop():
+    """The drop applies to annotated groups, or to every group when none is annotated; with lookahead block
+    hashes (vLLM 0.34 under a connector that opts in) vLLM drops nothing, and neither may umbp."""
+    if not eagle_block_drop(vllm_config):
         return frozenset()
     flagged = {i for i, g in enumerate(kv_cache_config.kv_cache_groups) if g.is_eagle_group}
     return frozenset(flagged or range(len(kv_cache_config.kv_cache_groups)))

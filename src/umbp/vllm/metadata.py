@@ -42,12 +42,18 @@ class LoadJob:
 
 
 @dataclass
-class UMBPConnectorMetadata(KVConnectorMetadata):
+class UMBPOffloadMetadata(KVConnectorMetadata):
+    """One step's save and load jobs, scheduler -> workers. Not named UMBPConnectorMetadata: that is the
+    class of vLLM's in-tree UMBPStoreConnector (0.33+), a different project (docs/vllm.md)."""
+
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not self.saves and not self.loads
+
+
+UMBPConnectorMetadata = UMBPOffloadMetadata  # the former name, for code that imports it
 
 
 @dataclass

@@ -141,7 +141,7 @@ class SchedulerSide:
 
     # ---------------------------------------------------------------- lookup
     def boundary_keys(self, request) -> list[list[str]]:
-        """Logical keys of every unit boundary, per group; cached per request (hashes only grow)."""
+        """Logical keys of every unit boundary, per group; cached per request (see _hexes)."""
         tracked = self.track(request)
         hexes = self._hexes(tracked)
         if not tracked.keys:
@@ -229,7 +229,16 @@ class SchedulerSide:
         return end
 
     def _hexes(self, tracked: TrackedRequest) -> list[str]:
+        """Hex of each block hash, cached per request. vLLM can cut a request's hashes and hash new tokens
+        in their place (a streaming session's next chunk, a connector's truncate_block_hashes, lookahead
+        hashes recomputed on readmission): the hashes are chained, so any change shows in the last one
+        both lists still share, and a change drops everything derived from the old ones."""
         hashes, hexes = tracked.request.block_hashes, tracked.hexes
+        shared = min(len(hexes), len(hashes))
+        if len(hexes) > len(hashes) or (shared and hexes[shared - 1] != bytes(hashes[shared - 1]).hex()):
+            tracked.forget_hashes()
+            self.count("hash_rewrites")
+            hexes = tracked.hexes
         hexes.extend(bytes(h).hex() for h in hashes[len(hexes):])
         return hexes
 
@@ -260,6 +269,22 @@ class SchedulerSide:
             return 0, False
         self.count("lookup_hit_requests")
         return hit.tokens - num_computed_tokens, True
+
+    def may_load(self, request) -> bool:
+        """Whether a lookup will likely find a load for ``request``: every full-attention group holds its
+        first block in a local tier (a hit needs all of them from the start). Cheap, as vLLM asks on
+        every entry into its waiting queues; the shared tier is not asked (a round trip), and a layout
+        without full attention answers False: both only keep vLLM's ordinary admission order."""
+        if not self._full_blocks:
+            return False
+        hexes = self._hexes(self.track(request))
+        for g, size in self._full_blocks.items():
+            if size > len(hexes) * self.layout.unit:
+                return False
+            key = self._logical_heads[g] + hexes[size // self.layout.unit - 1]
+            if not (self.index.lookup([key])[0] or key in self.ssd_keys):
+                return False
+        return True
 
     def explain(self, request) -> str:
         hashed = len(request.block_hashes) * self.layout.unit

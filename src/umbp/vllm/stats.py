@@ -44,6 +44,7 @@ COUNTERS: dict[str, str] = {
     "demotion_errors": "demotions that failed",
     "promotions": "objects read from the SSD or shared tier into DRAM for a load",
     "promotions_failed": "promotions that failed (missing, corrupt or unreachable: counted as misses)",
+    "hash_rewrites": "lookups that found a request's block hashes recomputed by vLLM (its cached keys dropped)",
 }
 
 # name -> help for per-tier counters: `vllm:umbp_tier_<name>_total{tier=...}`.

@@ -121,6 +121,8 @@ class WorkerSide:
         self.pending_saves: list[PendingSave] = []  # copies started, not yet finished
         self.pending_loads: list[PendingLoad] = []  # reads or copies in flight, not yet reported
         self.polls = 0  # steps seen (take_worker_meta calls): bounds how late a confirmation may be
+        self.suspended = False  # the KV cache's memory is released (sleep mode): no copy may touch it
+        self.deferred_loads: list[LoadJob] = []  # asked for while suspended: started by resume()
         self.io: ThreadPoolExecutor | None = None  # tier reads of loads
         self.feeder: ThreadPoolExecutor | None = None  # hands saved objects to the SSD / shared tiers
         self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
@@ -201,6 +203,9 @@ class WorkerSide:
         time on CUDA whatever its size (docs/vllm.md), and a step can carry a dozen jobs."""
         ready: dict[bool, list[tuple[SaveJob, Moves]]] = {True: [], False: []}
         for job in meta.saves:
+            if self.suspended:  # the pages are not there: never store what the released memory holds
+                self._refuse_save(job)
+                continue
             try:
                 moves = self._start_save(job)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never a crash
@@ -316,12 +321,15 @@ class WorkerSide:
     def _confirm(self, job: SaveJob) -> None:
         self.saved.setdefault(job.job_id, set()).add(self.rank.tag())
 
-    def _save_failed(self, job: SaveJob) -> None:
-        logger.exception("umbp: save job %d failed on rank %s", job.job_id, self.rank.tag())
+    def _refuse_save(self, job: SaveJob) -> None:
         for move in job.moves:
             self.slots.pop(move.offset, None)
         self.failed.setdefault(job.job_id, set()).add(self.rank.tag())
         self.count("save_failures", len(job.moves))
+
+    def _save_failed(self, job: SaveJob) -> None:
+        logger.exception("umbp: save job %d failed on rank %s", job.job_id, self.rank.tag())
+        self._refuse_save(job)
 
     def _record_save(self, job: SaveJob, digests: list[int]) -> tuple[list[str], list]:
         nbytes = self.groups[job.group].object_bytes
@@ -345,6 +353,9 @@ class WorkerSide:
         """Start every load; each is reported finished (or failed) by `take_transfer_results` once its
         tier reads (on I/O threads) and device copies are done. vLLM keeps the request waiting meanwhile
         and never frees its blocks before the report."""
+        if self.suspended:  # nothing to write into yet: vLLM keeps the request waiting meanwhile
+            self.deferred_loads += meta.loads
+            return
         ready = []  # loads of DRAM objects only: their copies start now, in one engine call
         for job in meta.loads:
             task = PendingLoad(job)
@@ -529,6 +540,28 @@ class WorkerSide:
         meta = UMBPWorkerMetadata(self.saved, self.failed, self.ssd_saved, evicted, self.load_failed)
         self.saved, self.failed, self.ssd_saved, self.load_failed = {}, {}, {}, set()
         return None if meta.is_empty() else meta
+
+    def suspend(self) -> None:
+        """The KV cache's memory is about to be released (vLLM's sleep mode, a weight update): finish every
+        copy in flight while the mapping is valid; until :meth:`resume`, refuse saves (a counted failure,
+        so a future miss: the pages are gone) and hold loads back. Idempotent."""
+        for pending in self.pending_saves:
+            self._advance_save(pending, wait=True)
+        self.pending_saves = [p for p in self.pending_saves if not p.finished]
+        self.poll_loads(wait=True)
+        if not self.suspended:
+            logger.info("umbp: rank %s KV cache released; transfers paused", self.rank.tag())
+        self.suspended = True
+
+    def resume(self) -> None:
+        """The KV cache is mapped again at the same addresses (vLLM keeps them across sleep): the
+        registered views stay valid; only what vLLM recomputes or umbp restores will be in them."""
+        if self.suspended:
+            logger.info("umbp: rank %s KV cache restored; transfers resumed", self.rank.tag())
+        self.suspended = False
+        deferred, self.deferred_loads = self.deferred_loads, []
+        if deferred:
+            self.load(UMBPConnectorMetadata(loads=deferred))
 
     def close(self) -> None:
         """Finish the saves in flight (so their tier writes are queued), wait for the loads in flight and
