@@ -466,7 +466,7 @@ def print_report(result: Result) -> None:
         print(f"{name:20} {KINDS[name].reads:6} {t.injected:>8} {t.miss:>16} {t.restored_ok:>11} "
               f"{t.wrong_tokens:>12} {t.crashes:>7}{mark}")
     secret = "with a tenant secret (values MACed)" if result.secret else "without a tenant secret"
-    print(f"(* not defended yet: {', '.join(result.undefended)}; shared tier {secret})")
+    print(f"(* not defended yet: {', '.join(result.undefended) or 'none'}; shared tier {secret})")
     print(f"arm turns {result.arm_turns}, wrong tokens {result.arm_wrong_tokens}; max |dlogprob| of right "
           f"tokens {result.max_abs_dlogprob:.1e}; defended kinds: wrong tokens {result.defended_wrong_tokens()}")
     print(result.tally_line(), flush=True)
