@@ -18,7 +18,9 @@ from umbp.hybrid.tail import extend_hit, tail_page_end, tail_probe_ends, tail_sp
 LLAMA = [FullAttention(block_size=128)]
 
 
-def run_prompt(planner: RequestStorePlanner, prompt: int, chunk: int = 512, unit: int = 128) -> list[StorePlan]:
+def run_prompt(
+    planner: RequestStorePlanner, prompt: int, chunk: int = 512, unit: int = 128
+) -> list[StorePlan]:
     """Chunked prefill of ``prompt`` tokens on one attention group (block ids 1, 2, ...), then finish."""
     plans: list[StorePlan] = []
     computed = 0
@@ -29,7 +31,9 @@ def run_prompt(planner: RequestStorePlanner, prompt: int, chunk: int = 512, unit
         if not planner.idle(computed, hashed):
             plans += planner.step(computed_tokens=computed, hashed_tokens=hashed, block_ids=table)
     table = ([*range(1, -(-prompt // 128) + 1)],)
-    plans += planner.step(computed_tokens=prompt, hashed_tokens=prompt // unit * unit, block_ids=table, finished=True)
+    plans += planner.step(
+        computed_tokens=prompt, hashed_tokens=prompt // unit * unit, block_ids=table, finished=True
+    )
     return plans
 
 
@@ -42,8 +46,9 @@ def restore(groups, plans: list[StorePlan], max_tokens: int, tail_unit: int = 16
     if span is None:
         return hit
     base = max(hit.tokens, local)
-    return extend_hit(hit, base, span, tail_unit, max_tokens, max_tokens + 1,
-                      lambda e: all(e in ends for ends in present))
+    return extend_hit(
+        hit, base, span, tail_unit, max_tokens, max_tokens + 1, lambda e: all(e in ends for ends in present)
+    )
 
 
 def test_planner_stores_the_prompt_tail_page_of_an_attention_only_model():
@@ -74,7 +79,9 @@ def test_a_longer_prompt_resumes_in_the_tail_and_a_full_block_serves_a_repeat():
     # a second turn extends the prompt: the tail page at 832 still matches its first 832 tokens
     assert restore(LLAMA, plans, max_tokens=1999).tokens == 832
     # a prompt of exactly 7 blocks: no tail page is stored, but the last full block serves 895 of 896
-    full = run_prompt(RequestStorePlanner(LLAMA, unit=128, tail_unit=16, prompt_tokens=896, store_limit=896), 896)
+    full = run_prompt(
+        RequestStorePlanner(LLAMA, unit=128, tail_unit=16, prompt_tokens=896, store_limit=896), 896
+    )
     assert not [p for p in full if p.reason == PROMPT_TAIL]
     hit = restore(LLAMA, full, max_tokens=895)
     assert (hit.tokens, hit.loads[0][-1]) == (895, 896)
@@ -100,8 +107,9 @@ def test_the_local_gpu_hit_is_the_base_of_the_tail():
 )
 def test_layouts_outside_the_tail_rule_keep_the_old_behaviour(groups, dcp, eagle):
     assert tail_span(groups, 16, dcp, eagle) is None
-    planner = RequestStorePlanner(groups, unit=16, tail_unit=16, prompt_tokens=840, dcp_world_size=dcp,
-                                  eagle_groups=frozenset(eagle))
+    planner = RequestStorePlanner(
+        groups, unit=16, tail_unit=16, prompt_tokens=840, dcp_world_size=dcp, eagle_groups=frozenset(eagle)
+    )
     table = tuple([*range(1, 60)] for _ in groups)
     plans = planner.step(computed_tokens=840, hashed_tokens=832, block_ids=table, finished=True)
     assert not [p for p in plans if p.reason == PROMPT_TAIL]
@@ -115,7 +123,10 @@ def test_two_attention_groups_of_one_span_both_store_and_both_must_hold_the_page
     plans = planner.step(computed_tokens=840, hashed_tokens=768, block_ids=table, finished=True)
     assert {(p.group, p.block_id) for p in plans if p.reason == PROMPT_TAIL} == {(0, 7), (1, 17)}
     assert restore(groups, plans, 839).tokens == 832
-    assert restore(groups, [p for p in plans if not (p.group == 1 and p.reason == PROMPT_TAIL)], 839).tokens == 768
+    assert (
+        restore(groups, [p for p in plans if not (p.group == 1 and p.reason == PROMPT_TAIL)], 839).tokens
+        == 768
+    )
 
 
 def test_the_tail_waits_for_its_tokens_and_a_failed_save_is_planned_again():
@@ -147,7 +158,9 @@ def test_a_tail_restore_never_passes_the_tokens_the_stored_page_holds(prompt, se
     """A second prompt shares ``min(prompt, second)`` tokens with the first (pages keyed by prefix: a key
     the second prompt computes matches only if the tokens below it are shared). The restore may reach no
     further than that shared part, its own ``max_tokens``, and the first prompt's stored pages."""
-    planner = RequestStorePlanner(LLAMA, unit=128, tail_unit=tail_unit, prompt_tokens=prompt, store_limit=prompt)
+    planner = RequestStorePlanner(
+        LLAMA, unit=128, tail_unit=tail_unit, prompt_tokens=prompt, store_limit=prompt
+    )
     shared = min(prompt, second)
     plans = [p for p in run_prompt(planner, prompt) if p.key_end <= shared]
     hit = restore(LLAMA, plans, second - 1, tail_unit)

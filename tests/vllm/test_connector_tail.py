@@ -16,8 +16,14 @@ pytestmark = pytest.mark.vllm
 if os.environ.get("UMBP_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # redis_servers
 from sched_harness import GroupDef, build  # noqa: E402
 from test_connector_scheduler import PROMPT, compute_then_drop, restore  # noqa: E402
+
+from redis_servers import require_redis, start_server  # noqa: E402
 
 LLAMA_128 = [GroupDef("fa", 128)]
 NO_LEAKS = {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0}
@@ -86,3 +92,30 @@ def test_dcp_keeps_the_block_aligned_restore(tmp_path):
     assert compute_then_drop(h, "A", PROMPT) == 768
     assert restore(h, "B", PROMPT) == (768, [])
     assert h.leaks() == NO_LEAKS
+
+
+def test_a_fresh_instance_restores_the_tail_from_ssd_and_from_the_shared_tier(tmp_path):
+    """The tail key travels like any other: written through to the SSD tier and to Redis by the workers,
+    found again by a fresh instance (empty DRAM) through each tier."""
+    require_redis()
+    srv = start_server(tmp_path / "redis")
+    try:
+        tiers = {
+            "ssd": {"ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25},
+            "remote": {"remote": {"url": srv.url, "timeout_s": 0.5}},
+        }
+        for name, tier in tiers.items():
+            extra = {"dram_bytes": 64 << 20, **tier}
+            h1 = build(tmp_path, LLAMA_128, unit=128, extra=extra)
+            compute_then_drop(h1, "A", PROMPT)
+            for w in h1.workers:
+                w.shutdown()  # flushes the asynchronous write-through
+            h2 = build(tmp_path, LLAMA_128, unit=128, extra=extra)
+            assert h2.umbp.index.stats()["objects"] == 0
+            assert restore(h2, "B", PROMPT) == (832, []), name
+            assert h2.workers[0]._worker.totals[f"{name}_loaded_bytes"] > 0, name
+            assert h2.leaks() == NO_LEAKS
+            for w in h2.workers:
+                w.shutdown()
+    finally:
+        srv.stop()
