@@ -119,3 +119,12 @@ def test_a_fresh_instance_restores_the_tail_from_ssd_and_from_the_shared_tier(tm
                 w.shutdown()
     finally:
         srv.stop()
+
+
+def test_a_prompt_inside_the_first_block_restores_its_tail(tmp_path):
+    """No full block at all: the tail page of block 0 (keyed without a parent hash) is the whole restore."""
+    h = build(tmp_path, LLAMA_128, unit=128)
+    assert compute_then_drop(h, "A", PROMPT[:100]) == 0
+    assert restore(h, "B", PROMPT[:100]) == (96, [])
+    assert restore(h, "C", PROMPT[:90] + [5] * 10) == (0, [])  # differs inside [80, 96): no key matches
+    assert h.leaks() == NO_LEAKS
