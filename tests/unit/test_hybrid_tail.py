@@ -47,7 +47,7 @@ def restore(groups, plans: list[StorePlan], max_tokens: int, tail_unit: int = 16
         return hit
     base = max(hit.tokens, local)
     return extend_hit(
-        hit, base, span, tail_unit, max_tokens, max_tokens + 1, lambda e: all(e in ends for ends in present)
+        groups, hit, base, tail_unit, max_tokens, max_tokens + 1, lambda e: all(e in ends for ends in present)
     )
 
 
@@ -98,7 +98,6 @@ def test_the_local_gpu_hit_is_the_base_of_the_tail():
     "groups, dcp, eagle",
     [
         ([FullAttention(128), RecurrentState(128)], 1, ()),  # hybrid: boundary rule
-        ([FullAttention(128), SlidingWindow(128, window=256)], 1, ()),  # window: blocks dropped below it
         ([FullAttention(128), FullAttention(64, tag="x")], 1, ()),  # unequal spans
         (LLAMA, 2, ()),  # DCP: sharded blocks keep the old behaviour
         (LLAMA, 1, (0,)),  # EAGLE: its drop is not modelled here
@@ -127,6 +126,23 @@ def test_two_attention_groups_of_one_span_both_store_and_both_must_hold_the_page
         restore(groups, [p for p in plans if not (p.group == 1 and p.reason == PROMPT_TAIL)], 839).tokens
         == 768
     )
+
+
+def test_a_sliding_window_stores_its_tail_and_loads_only_its_window_at_the_new_point():
+    groups = [FullAttention(128), SlidingWindow(128, window=150)]
+    assert tail_span(groups, 16) == 128
+    planner = RequestStorePlanner(groups, unit=128, tail_unit=16, prompt_tokens=840, store_limit=840)
+    table = ([*range(1, 8)], [0, 0, 0, 0, 5, 6, 7])  # vLLM nulls the window's blocks below it
+    plans = planner.step(computed_tokens=840, hashed_tokens=768, block_ids=table, finished=True)
+    assert {(p.group, p.block_id, p.key_end) for p in plans if p.reason == PROMPT_TAIL} == {
+        (0, 7, 832),
+        (1, 7, 832),
+    }
+    hit = restore(groups, plans, 839)
+    assert hit.tokens == 832
+    # at 768 the window [619, 768) needs blocks 4 and 5; at 832 it is [683, 832): block 4 is null in vLLM
+    assert hit.loads[1] == (768, 832)
+    assert hit.loads[0] == (128, 256, 384, 512, 640, 768, 832)
 
 
 def test_the_tail_waits_for_its_tokens_and_a_failed_save_is_planned_again():

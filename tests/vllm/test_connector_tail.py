@@ -128,3 +128,43 @@ def test_a_prompt_inside_the_first_block_restores_its_tail(tmp_path):
     assert restore(h, "B", PROMPT[:100]) == (96, [])
     assert restore(h, "C", PROMPT[:90] + [5] * 10) == (0, [])  # differs inside [80, 96): no key matches
     assert h.leaks() == NO_LEAKS
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        [GroupDef("swa", 128, window=150)],  # one sliding-window group (every layer windowed)
+        [GroupDef("fa", 128), GroupDef("swa", 128, window=150)],  # vLLM's hybrid coordinator, no state
+    ],
+    ids=["swa", "fa+swa"],
+)
+def test_sliding_window_layouts_restore_into_the_tail(tmp_path, groups):
+    """The window at 832 ([683, 832)) no longer covers block 4, which vLLM nulls: it is not loaded; the
+    window's tokens and the tail are checked byte for byte."""
+    h = build(tmp_path, groups, unit=128)
+    assert compute_then_drop(h, "A", PROMPT) == 768
+    assert restore(h, "B", PROMPT) == (832, [])
+    assert h.leaks() == NO_LEAKS
+
+
+def test_an_external_count_cut_back_to_the_block_loads_the_block_aligned_hit(tmp_path):
+    """vLLM cuts an external hit back to a block boundary for bounded-replay sliding windows; when it
+    allocates for 768 of the 832 offered, umbp loads the block-aligned hit instead of failing the load."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    h = build(tmp_path, LLAMA_128, unit=128)
+    compute_then_drop(h, "A", PROMPT)
+    req = Request(
+        request_id="B",
+        prompt_token_ids=list(PROMPT),
+        pooling_params=None,
+        block_hasher=h.hasher,
+        sampling_params=SamplingParams(max_tokens=1),
+    )
+    assert h.umbp.lookup(req, 0) == (832, True)
+    h.umbp.on_alloc(req, [list(range(1, 8))], 768)
+    load = h.umbp.loads.pop("B")
+    assert not load.job.poisoned and load.tokens == 768
+    assert sorted(m.block_id for m in load.job.moves[0]) == [1, 2, 3, 4, 5, 6]
+    h.umbp.index.unpin(load.keys)

@@ -12,17 +12,18 @@ umbp therefore stores that page under a key of its own, the prefix ``[0, e)`` wi
 whole ``tail_unit``, and its lookup, after the block-aligned hit ``h``, probes the page ends inside block
 ``h // B`` from the top down. A hit at ``e`` resumes at ``min(e, max_tokens)``.
 
-Only layouts of full-attention groups with one common block span qualify (:func:`tail_span`): a recurrent
-state must sit exactly at the boundary (hybrids keep vLLM's boundary rule), a sliding window drops blocks
-below its window at the new resume point, EAGLE needs a drop this path does not model, and under DCP a
-block is sharded over ranks (the old, block-aligned behaviour stays there). Pure Python (layer 1).
+Only layouts of full-attention and sliding-window groups with one common block span qualify
+(:func:`tail_span`): a recurrent state must sit exactly at the boundary (hybrids keep vLLM's boundary
+rule), EAGLE needs a drop this path does not model, and under DCP a block is sharded over ranks (the old,
+block-aligned behaviour stays there). A sliding window's page is append-only like full attention's; its
+window at the later resume point needs a subset of the blocks the block-aligned hit loads. Pure Python (layer 1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from umbp.hybrid.groups import CacheGroup, FullAttention
+from umbp.hybrid.groups import CacheGroup, FullAttention, SlidingWindow
 from umbp.hybrid.lookup import Hit
 
 
@@ -32,11 +33,12 @@ def tail_span(
     """The block span ``B`` when prompt-tail restores apply to this layout, else ``None``.
 
     They apply when ``tail_unit`` is set and splits a block (``0 < tail_unit < B``, ``B % tail_unit == 0``),
-    every group is full attention with the same block size, no group takes EAGLE's drop, and DCP is off.
+    every group is full attention or a sliding window with the same block size, no group takes EAGLE's
+    drop, and DCP is off.
     """
     if tail_unit <= 0 or dcp_world_size != 1 or frozenset(eagle_groups) or not groups:
         return None
-    if not all(isinstance(g, FullAttention) for g in groups):
+    if not all(isinstance(g, FullAttention | SlidingWindow) for g in groups):
         return None
     spans = {g.block_size for g in groups}
     if len(spans) != 1:
@@ -70,9 +72,9 @@ def tail_probe_ends(base: int, span: int, tail_unit: int, max_tokens: int, known
 
 
 def extend_hit(
+    groups: Sequence[CacheGroup],
     hit: Hit,
     base: int,
-    span: int,
     tail_unit: int,
     max_tokens: int,
     known_tokens: int,
@@ -81,10 +83,23 @@ def extend_hit(
     """``hit`` extended into block ``base // B`` when every group holds a page there (``has_page(e)``).
 
     ``base`` is where the block-aligned restore ends: the larger of ``hit.tokens`` and the local GPU hit
-    (blocks below it are not loaded). Returns ``hit`` unchanged when no page is found.
+    (blocks below it are not loaded). ``groups`` as accepted by :func:`tail_span`. A sliding window needs
+    fewer blocks at the later resume point ``t`` (its window ``[t - window + 1, t)`` starts later) and
+    vLLM nulls the blocks wholly below it, so those are not loaded. Returns ``hit`` unchanged when no page
+    is found.
     """
+    span = groups[0].block_size
     for end in tail_probe_ends(base, span, tail_unit, max_tokens, known_tokens):
         if has_page(end):
-            loads = tuple(tuple(ends) + (end,) for ends in hit.loads)
-            return Hit(min(end, max_tokens), loads, hit.alignment)
+            tokens = min(end, max_tokens)
+            loads = tuple(_kept(g, ends, tokens) + (end,) for g, ends in zip(groups, hit.loads))
+            return Hit(tokens, loads, hit.alignment)
     return hit
+
+
+def _kept(group: CacheGroup, ends: Sequence[int], tokens: int) -> tuple[int, ...]:
+    """The objects of ``group`` a resume at ``tokens`` still uses (vLLM ``get_num_skipped_tokens``)."""
+    if not isinstance(group, SlidingWindow):
+        return tuple(ends)
+    first = max(0, tokens - group.window + 1) // group.block_size  # blocks below are null in vLLM's table
+    return tuple(e for e in ends if (e - 1) // group.block_size >= first)

@@ -71,6 +71,7 @@ class TrackedRequest:
     planner: RequestStorePlanner
     hit: object | None = None  # last lookup result (umbp.hybrid Hit), consumed at allocation
     hit_local: int = 0
+    block_hit: object | None = None  # the lookup's hit before the prompt-tail extension (umbp.hybrid.tail)
     keys: list[list[str]] = field(default_factory=list)  # per group: logical key of each unit boundary
     hexes: list[str] = field(default_factory=list)  # hex of each unit boundary's prefix hash
     remote: dict = field(default_factory=dict)  # (group, token end) -> (time asked, every rank holds it)
@@ -283,6 +284,7 @@ class SchedulerSide:
             hashed_tokens=hashed,
             dcp_world_size=self.layout.dcp,  # PCP: vLLM's Scheduler builds its coordinator with pcp 1
         )
+        tracked.block_hit = hit
         if self._tail_span is not None:
             hit = self._extend_into_tail(tracked, request, hit, num_computed_tokens, max_tokens)
         tracked.hit, tracked.hit_local = hit, num_computed_tokens
@@ -314,7 +316,7 @@ class SchedulerSide:
         base = max(hit.tokens, local)
         ends = [e for e in range(base + tail_unit, base + span + 1, tail_unit) if e <= request.num_tokens]
         held = self._held_everywhere(tracked, request, ends) if ends and base % span == 0 else set()
-        return extend_hit(hit, base, span, tail_unit, max_tokens, request.num_tokens, held.__contains__)
+        return extend_hit(self.spans, hit, base, tail_unit, max_tokens, request.num_tokens, held.__contains__)
 
     def _held_everywhere(self, tracked: TrackedRequest, request, ends: list[int]) -> set[int]:
         """The ends whose object every group holds in some tier (every rank, for the shared tier) and
@@ -351,7 +353,12 @@ class SchedulerSide:
         if num_external_tokens == 0 or request.request_id in self.loads:
             return
         hit, local = tracked.hit, tracked.hit_local
-        tracked.hit = None
+        if hit is not None and hit.tokens != local + num_external_tokens and tracked.block_hit is not None:
+            # vLLM may cut an external hit back to a block boundary (a bounded-replay sliding window):
+            # then the block-aligned hit found before the tail extension is the one to load
+            if tracked.block_hit.tokens == local + num_external_tokens:
+                hit = tracked.block_hit
+        tracked.hit = tracked.block_hit = None
         load = PendingLoad(request.request_id, 0, num_external_tokens, [], LoadJob(request.request_id, {}))
         self.loads[request.request_id] = load
         if hit is None or hit.tokens != local + num_external_tokens:
