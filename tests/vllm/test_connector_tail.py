@@ -168,3 +168,12 @@ def test_an_external_count_cut_back_to_the_block_loads_the_block_aligned_hit(tmp
     assert not load.job.poisoned and load.tokens == 768
     assert sorted(m.block_id for m in load.job.moves[0]) == [1, 2, 3, 4, 5, 6]
     h.umbp.index.unpin(load.keys)
+
+
+def test_speculative_decoding_keeps_the_block_aligned_restore(tmp_path):
+    """With a drafter the tail path is off (its KV at e - 1 depends on tokens past a tail key's prefix)."""
+    h = build(tmp_path, LLAMA_128, unit=128, eagle=True)
+    compute_then_drop(h, "A", PROMPT)
+    assert h.umbp.totals["stored_objects"] == 6
+    hit, mism = restore(h, "B", PROMPT)
+    assert hit % 128 == 0 and mism == []

@@ -110,8 +110,11 @@ class SchedulerSide:
         self._full_blocks = {g: spec.block_size for g, spec in enumerate(self.spans) if isinstance(spec, FullAttention)}
         self._max_block = max((spec.block_size for spec in self.spans), default=0)
         # attention-only layouts also restore into the prompt's last block (umbp.hybrid.tail); None: off
-        self._tail_span = tail_span(layout.groups, cfg.tail_unit if cfg.boundary_page else 0, layout.dcp,
-                                    layout.eagle_groups)
+        # (off with speculative decoding: a tail key covers [0, e) only, not the tokens past e that a
+        # drafter's KV at e - 1 was computed from, which vLLM's lookahead block hashes cover)
+        spec = layout.identity.speculative_method
+        self._tail_unit = cfg.tail_unit if cfg.boundary_page and not spec else 0
+        self._tail_span = tail_span(layout.groups, self._tail_unit, layout.dcp, layout.eagle_groups)
         self._rank_heads = [[key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))]
                             for r in layout.ranks]
         if cfg.ssd_dirs:
@@ -137,7 +140,7 @@ class SchedulerSide:
                 boundary_page=self.cfg.boundary_page,
                 store_limit=None if self.cfg.decode_saves else request.num_prompt_tokens,
                 dcp_world_size=self.layout.dcp,
-                tail_unit=self.cfg.tail_unit,
+                tail_unit=self._tail_unit,
                 prompt_tokens=request.num_prompt_tokens,
             )
             tracked = TrackedRequest(request, planner)
@@ -312,7 +315,7 @@ class SchedulerSide:
     def _extend_into_tail(self, tracked: TrackedRequest, request, hit, local: int, max_tokens: int):
         """Past the block-aligned hit (or the local GPU hit, if longer), the page ends inside the next block
         that every group holds: one batch of index/SSD checks and at most one shared-tier round trip."""
-        span, tail_unit = self._tail_span, self.cfg.tail_unit
+        span, tail_unit = self._tail_span, self._tail_unit
         base = max(hit.tokens, local)
         ends = [e for e in range(base + tail_unit, base + span + 1, tail_unit) if e <= request.num_tokens]
         held = self._held_everywhere(tracked, request, ends) if ends and base % span == 0 else set()
