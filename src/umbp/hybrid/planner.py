@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from umbp.hybrid.groups import CacheGroup, RecurrentState, Space, resolve_groups
 from umbp.hybrid.lookup import hit_alignment, resolve_eagle_ids
+from umbp.hybrid.tail import tail_page_end, tail_span
 
 NULL_BLOCK = 0  # vLLM's null block: a freed/skipped position, never holds data worth saving
 
@@ -25,6 +26,7 @@ FULL_BLOCK = "full_block"
 BOUNDARY_PAGE = "boundary_page"
 BOUNDARY_STATE = "boundary_state"
 FINISHED_TAIL = "finished_tail"
+PROMPT_TAIL = "prompt_tail"  # attention-only: the prompt's partly filled last block (umbp.hybrid.tail)
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class StorePlan:
     block_id: int
     key_end: int  # key = engine hash of prefix [0, key_end) (vLLM: block_hashes[key_end // unit - 1])
     valid: tuple[int, int]  # token range of the page that is valid
-    reason: str  # FULL_BLOCK | BOUNDARY_PAGE | BOUNDARY_STATE | FINISHED_TAIL
+    reason: str  # FULL_BLOCK | BOUNDARY_PAGE | BOUNDARY_STATE | FINISHED_TAIL | PROMPT_TAIL
 
 
 def resolve_eagle_groups(num_groups: int, eagle: bool, flagged: Iterable[int] = ()) -> frozenset[int]:
@@ -74,7 +76,10 @@ class RequestStorePlanner:
     DCP-aware lookup probes it.
 
     State kept between steps: what was planned, per-group cursors over complete blocks, and boundary
-    pages waiting for their tokens. Block ids are never cached: every attention plan names a block from
+    pages waiting for their tokens. With ``tail_unit`` and ``prompt_tokens`` on a layout that
+    :func:`umbp.hybrid.tail.tail_span` accepts, the prompt's partly filled last block is planned once the
+    whole prompt is computed, keyed at the prompt's last whole ``tail_unit`` (``key_end`` then need not be
+    a multiple of ``unit``: the caller keys it itself). Block ids are never cached: every attention plan names a block from
     the table passed in that step (a state plan, the hand-off's block), so preemption (new tables) needs
     only :meth:`reset` and no per-block bookkeeping.
     """
@@ -87,6 +92,8 @@ class RequestStorePlanner:
         boundary_page: bool = True,
         store_limit: int | None = None,
         dcp_world_size: int = 1,
+        tail_unit: int = 0,
+        prompt_tokens: int | None = None,
     ) -> None:
         if unit <= 0:
             raise ValueError(f"unit must be positive, got {unit}")
@@ -110,7 +117,8 @@ class RequestStorePlanner:
         self._next_block = [0] * len(groups)  # per group: lowest block index that may still need a plan
         self.finished = False
         self._wake_at: int | None = None  # see idle()
-        reasons = (FULL_BLOCK, BOUNDARY_PAGE, BOUNDARY_STATE, FINISHED_TAIL)
+        self._tail = self._prompt_tail(groups, tail_unit, prompt_tokens, dcp_world_size)
+        reasons = (FULL_BLOCK, BOUNDARY_PAGE, BOUNDARY_STATE, FINISHED_TAIL, PROMPT_TAIL)
         self.counters = dict.fromkeys((*reasons, "dropped_pages", "dropped_states", "ignored_offloads"), 0)
 
     # ------------------------------------------------------------------ public API
@@ -134,6 +142,7 @@ class RequestStorePlanner:
         plans += self._states(offloads, hashed_tokens)
         if self.boundary_page:
             plans += self._pages(limit, block_ids, finished)
+            plans += self._tail_page(computed_tokens, block_ids)
         self.finished = finished
         if finished:
             self._pending_pages.clear()
@@ -153,7 +162,7 @@ class RequestStorePlanner:
         limit = min(computed_tokens, hashed_tokens)  # _key_limit, inlined: once per request and step
         if self.store_limit is not None:
             limit = min(limit, self.store_limit)
-        return self.finished or limit < self._wake_at
+        return self.finished or (limit < self._wake_at and not self._tail_due(computed_tokens))
 
     def mark_failed(self, plans: Iterable[StorePlan]) -> None:
         """Saves that failed: make them plannable again (pages and blocks while the block is still owned;
@@ -164,6 +173,8 @@ class RequestStorePlanner:
             if plan.reason == FULL_BLOCK:
                 index = plan.key_end // self.groups[plan.group].block_size - 1
                 self._next_block[plan.group] = min(self._next_block[plan.group], index)
+            elif plan.reason == PROMPT_TAIL:
+                pass  # released above: planned again while the request still owns its block
             elif plan.reason in (BOUNDARY_PAGE, FINISHED_TAIL) and not self.finished:
                 self._pending_pages.add((plan.group, plan.key_end))
 
@@ -242,6 +253,44 @@ class RequestStorePlanner:
                 self.counters["dropped_pages"] += 1
             elif self._claim(g, end):
                 plans.append(StorePlan(g, block, end, (end // size * size, end), reason))
+        return plans
+
+    def _prompt_tail(
+        self, groups: Sequence[CacheGroup], tail_unit: int, prompt_tokens: int | None, dcp_world_size: int
+    ) -> tuple[int, int] | None:
+        """(key end, block index) of the prompt's tail page, when this layout restores prompt tails."""
+        span = tail_span(groups, tail_unit, dcp_world_size, self.eagle_groups)
+        if span is None or prompt_tokens is None or not self.boundary_page:
+            return None
+        end = tail_page_end(prompt_tokens, span, tail_unit)
+        if end is None or (self.store_limit is not None and end > self.store_limit):
+            return None
+        return end, end // span
+
+    def _tail_due(self, computed_tokens: int) -> bool:
+        """The tail page is computed (the whole prompt is: the page then holds ``[k*B, prompt)``) and some
+        attention group has not planned it yet."""
+        if self._tail is None or computed_tokens < self._tail[0]:
+            return False
+        return any((g, self._tail[0]) not in self._planned for g in self._attention)
+
+    def _tail_page(self, computed_tokens: int, block_ids: Sequence[Sequence[int]]) -> list[StorePlan]:
+        """The prompt's tail page of every attention group, once its tokens are computed. Keyed at the
+        last whole tail unit ``e``; valid ``[k*B, e)`` (the page holds the rest of the prompt too)."""
+        if not self._tail_due(computed_tokens):
+            return []
+        end, index = self._tail
+        start = index * self.groups[self._attention[0]].block_size
+        plans = []
+        for g in self._attention:
+            if (g, end) in self._planned:
+                continue
+            block = _block_at(block_ids, g, index)
+            self._claim(g, end)  # a page the request no longer owns is not asked for again
+            if block == NULL_BLOCK:
+                self.counters["dropped_pages"] += 1
+            else:
+                plans.append(StorePlan(g, block, end, (start, end), PROMPT_TAIL))
         return plans
 
     def _claim(self, group: int, key_end: int) -> bool:

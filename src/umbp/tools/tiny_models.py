@@ -20,6 +20,7 @@ nemotron_h     NemotronHForCausalLM                             Mamba2, attentio
 falcon_h1      FalconH1ForCausalLM                              4 x (attention || Mamba2) (f32)
 zamba2         Zamba2ForCausalLM                                Mamba2, hybrid (shared attn) + Mamba2, Mamba2,
                                                                 Mamba2 (f32)
+llama          LlamaForCausalLM                                 4 x attention (f32; not a hybrid)
 qwen3_next     Qwen3NextForCausalLM                             GDN, GDN, GDN, attention; MoE MLPs (bf16;
                                                                 GDN head dim 128: the CPU GDN kernel rejects
                                                                 32; vLLM's class needs >= 1 MoE layer)
@@ -151,6 +152,19 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
             adapter_rank=8,
             use_mem_rope=True,
             tie_word_embeddings=True,  # vLLM's Zamba2 ties lm_head to the embedding
+        ),
+        "float32",
+    ),
+    # Attention only (one KV-cache group): vLLM's own hits are block-granular; umbp's prompt-tail restore
+    # (umbp.hybrid.tail) resumes inside the block.
+    "llama": (
+        "LlamaConfig",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
         ),
         "float32",
     ),

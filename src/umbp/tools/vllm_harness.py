@@ -135,6 +135,8 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     # GDN: bf16 only on CPU; explicit block 640 (vLLM would raise 128 to 640 anyway; explicit avoids the
     # stale scheduler block size in multiprocess mode).
     "qwen3_next": dict(dtype="bfloat16", block_size=640),
+    # Attention only: one KV-cache group, so vLLM hashes per block and refuses a finer prefix_match_unit.
+    "llama": dict(dtype="float32", block_size=128, prefix_match_unit=None),
 }
 
 

@@ -89,6 +89,13 @@ class UMBPConfig(Options):
         help="store the attention page at each hybrid boundary, so a restore reaches the boundary a "
         "local prefix hit would; `false` stores whole pages only, for experiments",
     )
+    tail_unit: int = option(
+        16,
+        help="attention-only models: also store the prompt's partly filled last block, keyed at the prompt's "
+        "last whole `tail_unit` tokens, so a repeat resumes there instead of at the block start; 0 = off",
+        minimum=0,
+        maximum=1 << 20,
+    )
     decode_saves: bool = option(
         False,
         help="also store blocks completed during decode (prompt blocks and boundary states are always "

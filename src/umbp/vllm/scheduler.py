@@ -23,20 +23,22 @@ import numpy as np
 
 from umbp.hybrid import RequestStorePlanner, StorePlan, explain, longest_hit
 from umbp.hybrid.groups import FullAttention
-from umbp.hybrid.planner import BOUNDARY_PAGE, BOUNDARY_STATE
+from umbp.hybrid.planner import BOUNDARY_PAGE, BOUNDARY_STATE, PROMPT_TAIL
+from umbp.hybrid.tail import extend_hit, tail_span
 from umbp.identity import object_key
 from umbp.pool import DramIndex
 from umbp.vllm.config import ARENA_PAGE, UMBPConfig
 from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.stats import UMBPStats
+from umbp.vllm.tail_hashes import tail_prefix_hash
 from umbp.vllm.tiers import logical_key, scan_ssd
 
 logger = logging.getLogger("umbp.vllm")
 
 SAVE_CONFIRM_STEPS = 64
 REMOTE_REUSE_S = 0.5  # a request's shared-tier answers are reused this long (see _add_remote)
-MUTABLE = (BOUNDARY_PAGE, BOUNDARY_STATE)  # plans whose pages a running request's next forward may rewrite  # steps after which an unconfirmed save is given up (its keys never become visible)
+MUTABLE = (BOUNDARY_PAGE, BOUNDARY_STATE, PROMPT_TAIL)  # plans whose pages a running request's next forward may rewrite  # steps after which an unconfirmed save is given up (its keys never become visible)
 
 
 @dataclass
@@ -69,13 +71,15 @@ class TrackedRequest:
     planner: RequestStorePlanner
     hit: object | None = None  # last lookup result (umbp.hybrid Hit), consumed at allocation
     hit_local: int = 0
+    block_hit: object | None = None  # the lookup's hit before the prompt-tail extension (umbp.hybrid.tail)
     keys: list[list[str]] = field(default_factory=list)  # per group: logical key of each unit boundary
     hexes: list[str] = field(default_factory=list)  # hex of each unit boundary's prefix hash
     remote: dict = field(default_factory=dict)  # (group, token end) -> (time asked, every rank holds it)
+    tail_hashes: dict = field(default_factory=dict)  # key end inside a unit -> its prefix hash (tail_hashes)
 
     def forget_hashes(self) -> None:
         """A resumed request may carry different hashes: nothing derived from the old ones stays."""
-        self.keys, self.hexes, self.remote = [], [], {}
+        self.keys, self.hexes, self.remote, self.tail_hashes = [], [], {}, {}
 
 
 class SchedulerSide:
@@ -105,6 +109,12 @@ class SchedulerSide:
         # full-attention groups (MLA included) -> span: every hit needs all their whole blocks (_add_remote)
         self._full_blocks = {g: spec.block_size for g, spec in enumerate(self.spans) if isinstance(spec, FullAttention)}
         self._max_block = max((spec.block_size for spec in self.spans), default=0)
+        # attention-only layouts also restore into the prompt's last block (umbp.hybrid.tail); None: off
+        # (off with speculative decoding: a tail key covers [0, e) only, not the tokens past e that a
+        # drafter's KV at e - 1 was computed from, which vLLM's lookahead block hashes cover)
+        spec = layout.identity.speculative_method
+        self._tail_unit = cfg.tail_unit if cfg.boundary_page and not spec else 0
+        self._tail_span = tail_span(layout.groups, self._tail_unit, layout.dcp, layout.eagle_groups)
         self._rank_heads = [[key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))]
                             for r in layout.ranks]
         if cfg.ssd_dirs:
@@ -130,14 +140,27 @@ class SchedulerSide:
                 boundary_page=self.cfg.boundary_page,
                 store_limit=None if self.cfg.decode_saves else request.num_prompt_tokens,
                 dcp_world_size=self.layout.dcp,
+                tail_unit=self._tail_unit,
+                prompt_tokens=request.num_prompt_tokens,
             )
             tracked = TrackedRequest(request, planner)
             self.requests[request.request_id] = tracked
         return tracked
 
     def key(self, group: int, request, token_end: int) -> str:
-        prefix_hash = request.block_hashes[token_end // self.layout.unit - 1]
-        return logical_key(self.layout.namespace, group, prefix_hash)
+        return logical_key(self.layout.namespace, group, self.prefix_hash(request, token_end))
+
+    def prefix_hash(self, request, token_end: int) -> bytes:
+        """The hash a key of the prefix ``[0, token_end)`` is built from: vLLM's at unit boundaries, umbp's
+        own for a prompt-tail page that ends inside a unit (umbp.vllm.tail_hashes)."""
+        unit = self.layout.unit
+        if token_end % unit == 0:
+            return request.block_hashes[token_end // unit - 1]
+        tracked = self.requests.get(request.request_id)  # a finished request is no longer tracked
+        cache = tracked.tail_hashes if tracked is not None else {}
+        if token_end not in cache:
+            cache[token_end] = tail_prefix_hash(request, unit, token_end)
+        return cache[token_end]
 
     # ---------------------------------------------------------------- lookup
     def boundary_keys(self, request) -> list[list[str]]:
@@ -264,6 +287,9 @@ class SchedulerSide:
             hashed_tokens=hashed,
             dcp_world_size=self.layout.dcp,  # PCP: vLLM's Scheduler builds its coordinator with pcp 1
         )
+        tracked.block_hit = hit
+        if self._tail_span is not None:
+            hit = self._extend_into_tail(tracked, request, hit, num_computed_tokens, max_tokens)
         tracked.hit, tracked.hit_local = hit, num_computed_tokens
         if hit.tokens <= num_computed_tokens:
             return 0, False
@@ -286,6 +312,32 @@ class SchedulerSide:
                 return False
         return True
 
+    def _extend_into_tail(self, tracked: TrackedRequest, request, hit, local: int, max_tokens: int):
+        """Past the block-aligned hit (or the local GPU hit, if longer), the page ends inside the next block
+        that every group holds: one batch of index/SSD checks and at most one shared-tier round trip."""
+        span, tail_unit = self._tail_span, self._tail_unit
+        base = max(hit.tokens, local)
+        ends = [e for e in range(base + tail_unit, base + span + 1, tail_unit) if e <= request.num_tokens]
+        held = self._held_everywhere(tracked, request, ends) if ends and base % span == 0 else set()
+        return extend_hit(self.spans, hit, base, tail_unit, max_tokens, request.num_tokens, held.__contains__)
+
+    def _held_everywhere(self, tracked: TrackedRequest, request, ends: list[int]) -> set[int]:
+        """The ends whose object every group holds in some tier (every rank, for the shared tier) and
+        that are not quarantined."""
+        groups = range(len(self.layout.groups))
+        keys = {(g, e): self.key(g, request, e) for g in groups for e in ends}
+        held = {ge for ge, key, ok in zip(keys, keys.values(), self.index.lookup(list(keys.values()))) if ok}
+        held |= {ge for ge, key in keys.items() if key in self.ssd_keys}
+        asks = [ge for ge in keys if ge not in held]
+        if self.remote is not None and asks:
+            hexes = [bytes(self.prefix_hash(request, e)).hex() for _, e in asks]
+            rank_keys = [heads[g] + hx for heads in self._rank_heads for (g, _), hx in zip(asks, hexes)]
+            found = np.asarray(self.remote.exists(rank_keys), dtype=bool).reshape(len(self._rank_heads), len(asks))
+            held |= {ge for ge, ok in zip(asks, found.all(axis=0).tolist()) if ok}
+        now = time.monotonic()
+        held -= {ge for ge, key in keys.items() if self.quarantine.get(key, 0) > now}
+        return {e for e in ends if all((g, e) in held for g in groups)}
+
     def explain(self, request) -> str:
         hashed = len(request.block_hashes) * self.layout.unit
         return explain(
@@ -304,7 +356,12 @@ class SchedulerSide:
         if num_external_tokens == 0 or request.request_id in self.loads:
             return
         hit, local = tracked.hit, tracked.hit_local
-        tracked.hit = None
+        if hit is not None and hit.tokens != local + num_external_tokens and tracked.block_hit is not None:
+            # vLLM may cut an external hit back to a block boundary (a bounded-replay sliding window):
+            # then the block-aligned hit found before the tail extension is the one to load
+            if tracked.block_hit.tokens == local + num_external_tokens:
+                hit = tracked.block_hit
+        tracked.hit = tracked.block_hit = None
         load = PendingLoad(request.request_id, 0, num_external_tokens, [], LoadJob(request.request_id, {}))
         self.loads[request.request_id] = load
         if hit is None or hit.tokens != local + num_external_tokens:
@@ -333,8 +390,7 @@ class SchedulerSide:
                 table = block_ids[g]
                 if idx >= len(table) or table[idx] == 0:
                     return None
-                prefix_hash = request.block_hashes[end // self.layout.unit - 1]
-                move = PageMove(table[idx], -1, self.layout.object_bytes[g], prefix_hash)
+                move = PageMove(table[idx], -1, self.layout.object_bytes[g], self.prefix_hash(request, end))
                 moves.append((g, move, self.key(g, request, end)))
         return moves
 
@@ -414,9 +470,8 @@ class SchedulerSide:
                     self.count("saves_dropped_no_space")
                     continue
                 self.in_flight_keys.add(key)
-                prefix_hash = request.block_hashes[plan.key_end // self.layout.unit - 1]
                 moves, keys = by_job.setdefault((group, mutable), ([], []))
-                moves.append(PageMove(plan.block_id, slot.offset, nbytes, prefix_hash))
+                moves.append(PageMove(plan.block_id, slot.offset, nbytes, self.prefix_hash(request, plan.key_end)))
                 keys.append(key)
         self._count_evictions()
         for (group, mutable), (moves, keys) in sorted(by_job.items()):
