@@ -18,7 +18,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "sched"): ("umbp.tools.bench_sched", "what umbp's connector adds to vLLM's scheduler step (real Scheduler, no model)"),
     ("bench", "ssd"): ("umbp.tools.bench_ssd", "SSD tier write/read throughput vs the disk's sequential bandwidth"),
     ("chaos",): ("umbp.tools.chaos", "a fault campaign through real vLLM: every tier damaged, every output checked"),
-    ("demo",): ("umbp.tools.demo", "the seed's hybrid restore on real vLLM (tiny random-weight model)"),
+    ("demo",): ("umbp.tools.demo", "the hybrid restore at a boundary inside an attention block, on real vLLM (tiny random-weight model)"),
     ("explain",): ("umbp.tools.explain", "why did a hybrid restore stop at T?"),
     ("replay",): ("umbp.tools.replay", "agentic traces on vLLM's real scheduler with umbp vs an oracle (no model)"),
     ("stats",): ("umbp.tools.stats", "what umbp's SSD and shared tiers hold; a running vLLM's umbp counters"),

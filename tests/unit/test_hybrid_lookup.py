@@ -1,4 +1,4 @@
-"""umbp.hybrid lookup: the seed scenario, the per-manager boundaries of vLLM 0.32 (notes §3.3, B=64, u=16),
+"""umbp.hybrid lookup: the Granite example (840-token prompt, tail at 832), the per-manager boundaries of vLLM 0.32 (notes §3.3, B=64, u=16),
 EAGLE, joint lookups, validation and explanations. Pure and fast; tests/vllm/test_hybrid_differential.py
 checks the same function against vLLM's real coordinator."""
 

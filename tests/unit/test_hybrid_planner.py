@@ -46,7 +46,7 @@ def seed_steps(planner: RequestStorePlanner, handoff: int = 832, prompt: int = 8
     return plans
 
 
-# ---------------------------------------------------------------------------------------- the seed
+# ---------------------------------------------------------------------------------------- the Granite example
 
 
 def test_seed_boundary_page_restores_832():
@@ -637,7 +637,7 @@ def test_round_trip_reaches_last_storable_handoff(scenario):
 @pytest.mark.parametrize("eagle", [False, True])
 @pytest.mark.parametrize("abort", [False, True])
 def test_seed_history_from_simulator(eagle: bool, abort: bool):
-    """The seed through the simulator: N=840 (EAGLE: 850 so the tail is 832), u=16, B=400."""
+    """The Granite example through the simulator: N=840 (EAGLE: 850 so the tail is 832), u=16, B=400."""
     prompt = 850 if eagle else 840
     hist = simulate_request(SEED_GROUPS, 16, prompt, [400], eagle=eagle, abort_at_tail=abort, decode=4)
     assert hist.handoffs == [832]

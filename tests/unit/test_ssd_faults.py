@@ -450,7 +450,7 @@ def test_a_group_head_cut_short_is_discarded(tmp_path):
         assert _check(tier, first) == list(first)
 
 
-# ---- directories written in format 1 (a 4 KiB header block per record, before session 15's group heads) ----
+# ---- directories written in format 1 (a 4 KiB header block per record, before format 2's group heads) ----
 # are still served after an upgrade: sealed segments through their format-1 summary, unsealed ones walked
 # record by record, torn ones cut where they tear; new writes go into format-2 segments beside them.
 

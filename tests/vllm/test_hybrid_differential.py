@@ -248,7 +248,7 @@ def cp_cases(draw):
     flagged = frozenset(draw(st.sets(st.integers(0, n - 1), min_size=1))) if eagle_mode == "some" else frozenset()
     eagle_ids = flagged or (frozenset(range(n)) if eagle_mode == "all" else frozenset())
     # a plain Random seeded by hypothesis: st.randoms() routes every call through hypothesis, which cost
-    # more than vLLM's coordinator itself (the cases stay deterministic, shrinking only sees the seed)
+    # more than vLLM's coordinator itself (the cases stay deterministic, shrinking only sees the random seed)
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     if rng.random() < 0.7:
         present = _stored(rng, groups, unit, hashed, eagle_ids, dcp)

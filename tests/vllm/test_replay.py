@@ -10,7 +10,7 @@ Hand computation for A's second turn (prompt 260, vLLM looks up at most 259 toke
   - page on: umbp holds the same, restores 176 (all of it, nothing local survived).
   - page off: attention reaches only 128; with the CoW path the state at 128 exists: restore 128.
     With an internal prefill checkpoint (Mamba2 / fused KDA) the chunk is not split, no state at 128
-    exists, and the old behaviour restores 0 (the seed's case).
+    exists, and the old behaviour restores 0 (the README demo's case).
 * EAGLE-style drop on the attention group: b = floor(190 / 16) * 16 - 16 = 160 and the attention page is
   keyed one unit past it, at 176; the block-aligned stop backs off one block, to 64: oracle = 160,
   page on 160, page off 64 (attention without the page reaches 128, drops to 112; the newest state at or

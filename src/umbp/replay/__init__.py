@@ -1,7 +1,7 @@
 """`umbp replay`: agentic multi-turn traces through vLLM 0.32's real Scheduler, with umbp's scheduler-side
 connector and simulated workers (no model, CPU only), measured against an oracle.
 
-Why a simulation: the seed's "Kimi K3 1P1D at concurrency 70" claim needs a GPU cluster to measure for
+Why a simulation: the deployment's "Kimi K3 1P1D at concurrency 70" figure needs a GPU cluster to measure for
 real; what umbp controls (which boundaries it can restore, how many bytes that costs) depends only on the
 scheduler's decisions, which run unchanged here. See docs/replay.md.
 

