@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from umbp.pool import native
+from umbp.vllm.compose import apply_load_failure_policy, register_with_vllm
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.layout import describe
 from umbp.vllm.logs import attach_to_vllm_logging
@@ -30,6 +31,7 @@ from umbp.vllm.stats import UMBPPromMetrics, UMBPStats
 from umbp.vllm.worker import WorkerSide
 
 logger = logging.getLogger("umbp.vllm")
+register_with_vllm()  # a MultiConnector rebuilds its children's stats by registered name (umbp.vllm.compose)
 
 
 class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
@@ -42,7 +44,8 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         self.cfg = UMBPConfig.from_extra_config(transfer.kv_connector_extra_config)
         # A hybrid model cannot report block-level load errors, only failed requests; with vLLM's default
         # "fail" policy a missing page would fail the request. umbp's contract is "a miss is a recompute".
-        transfer.kv_load_failure_policy = self.cfg.load_failure_policy
+        # Inside a MultiConnector vLLM reads the policy from the outer config (umbp.vllm.compose).
+        apply_load_failure_policy(transfer, self.cfg.load_failure_policy)
         self.layout = describe(vllm_config, kv_cache_config, tenant=self.cfg.tenant)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
