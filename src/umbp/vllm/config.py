@@ -134,6 +134,20 @@ class UMBPConfig(Options):
         minimum=0,
         maximum=86400,
     )
+    handoff_timeout_s: float = option(
+        10.0,
+        help="store-mediated P/D, on P (`kv_role` `kv_producer`): the longest a hand-off may take to be "
+        "visible on the shared tier; then it is released and counted (`handoff_timeouts`)",
+        above=0,
+        maximum=3600,
+    )
+    handoff_wait_s: float = option(
+        5.0,
+        help="store-mediated P/D, on D (`kv_role` `kv_consumer`): the longest a request waits for P's "
+        "hand-off before its missing part is recomputed (`handoff_misses`)",
+        above=0,
+        maximum=3600,
+    )
 
     def check(self) -> None:
         if self.low_watermark > self.high_watermark:
