@@ -39,11 +39,12 @@ def nixl_or_skip() -> None:
     pytest.skip(msg)
 
 
-@pytest.mark.parametrize("arch, logprob_tol", [("granite", 1e-5), ("qwen3_next", 0.1)])
+@pytest.mark.parametrize("arch, logprob_tol", [("granite", 5e-5), ("qwen3_next", 0.1)])
 def test_nixl_1p1d_with_umbp_on_prefill(tiny_model_dir, arch, logprob_tol):
-    """logprob_tol: Qwen3-Next (bf16 GDN) differs from the single instance by up to 0.092 in both turns,
-    umbp or not: D loads the state after 839 tokens and runs the last prompt token through the decode
-    kernel, where one instance runs it inside the chunked prefill. Turn 2 (umbp on P) must equal turn 1."""
+    """logprob_tol, against D computing alone, for the P/D split itself, umbp or not (turn 1 shows the same):
+    D loads the state after 839 tokens and runs the last prompt token as a decode step, where one instance
+    runs it inside the chunked prefill. Measured: granite (f32) 3.8e-6 to 9.8e-6 by prompt, Qwen3-Next
+    (bf16 GDN) 0.086 to 0.092. Turn 2 (umbp restored P) must equal turn 1 (no umbp) exactly."""
     nixl_or_skip()
     pair = pd.Pair.start(arch, str(tiny_model_dir(arch)), pd.nixl_configs({"dram_gb": 0.0625}), pd.node_env())
     try:

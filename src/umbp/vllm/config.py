@@ -97,7 +97,7 @@ class UMBPConfig(Options):
     load_failure_policy: Literal["recompute", "fail"] = option(
         "recompute",
         help="a failed load makes vLLM recompute the request; `fail` fails it instead. umbp sets "
-        "vLLM's `kv_load_failure_policy` to this value",
+        "vLLM's `kv_load_failure_policy` to this value (inside a MultiConnector, on the outer config vLLM reads)",
     )
     pinned: str = option(
         "auto",
