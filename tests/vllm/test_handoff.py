@@ -116,11 +116,56 @@ def test_producer_gives_up_after_its_timeout(tmp_path, server):
     assert h.leaks() == LEAK_FREE
 
 
+def test_aborted_request_is_not_handed_off(tmp_path, server):
+    from vllm.v1.request import RequestStatus
+
+    h = producer(tmp_path, server.url, 1)
+    add(h, "A", TO_DECODE, max_tokens=4)
+    h.step()
+    h.sched.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+    h.run()
+    assert h.umbp.totals["handoffs_started"] == 0 and not h.umbp.producer.busy()
+    assert h.leaks() == LEAK_FREE
+
+
 def test_request_without_do_remote_decode_is_not_a_handoff(tmp_path, server):
     h = producer(tmp_path, server.url, 1)
     add(h, "A", None)
     assert "umbp_handoff" not in (finished_params(h, "A") or {})
     assert h.umbp.totals["handoffs_started"] == 0
+
+
+def test_lost_state_object_is_a_shorter_restore_never_a_wrong_value(tmp_path, server):
+    """P's hand-off was complete, then the tier lost one rank's recurrent state at 832: D waits, counts the
+    miss and restores only a boundary it fully holds, every value equal to a recompute."""
+    from umbp.identity import RankCoord, object_key
+
+    h = producer(tmp_path, server.url, 2)
+    add(h, "A", TO_DECODE)
+    finished_params(h, "A")
+    h.run()
+    assert h.umbp.totals["handoffs_delivered"] == 1
+    probe = Request(
+        request_id="probe",
+        prompt_token_ids=list(PROMPT),
+        pooling_params=None,
+        block_hasher=h.hasher,
+        sampling_params=SamplingParams(max_tokens=1),
+    )
+    lost = object_key(h.umbp.layout.namespace, RankCoord(tp=1), 1, probe.block_hashes[832 // 16 - 1])
+    assert h.umbp.remote.remove([lost]) == 1
+    for w in h.workers:
+        w.shutdown()
+    d = build(tmp_path, GROUPS, unit=16, tp=2, extra=extra(server.url))
+    d.umbp.consumer = Consumer(d.umbp, 0.3)
+    add(d, "B", {"do_remote_prefill": True, "umbp_handoff": {"tokens": 832}}, max_tokens=2)
+    d.admit("B")
+    hit = d.umbp.restored.get("B", 0)
+    assert hit < 832
+    for rank in range(2) if hit else ():
+        assert d.held_values("B", hit, rank=rank) == []
+    d.run()
+    assert d.umbp.totals["handoff_misses"] == 1
 
 
 def test_consumer_waits_then_recomputes_what_is_missing(tmp_path, server):

@@ -28,6 +28,7 @@ from umbp.hybrid import longest_hit
 
 logger = logging.getLogger("umbp.vllm")
 
+COMPLETED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # aborted, errored, ...: nothing to hand off
 POLL_INTERVAL_S = 0.002  # the fastest D re-asks the shared tier while it waits (vLLM re-asks every step)
 PARAMS_KEY = "umbp_handoff"
 
@@ -89,11 +90,12 @@ class Producer:
 
     def begin(self, request, hexes: list[str]) -> tuple[bool, dict[str, Any] | None]:
         """At request_finished: the params D needs, and whether the workers will report it later."""
-        if not wants_decode_elsewhere(request):
+        if not wants_decode_elsewhere(request) or getattr(request.status, "name", "") not in COMPLETED:
             return False, None
         hit = full_hit(self.side, request)
-        params = {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: {"tokens": hit.tokens}}
-        if hit.tokens == 0:
+        tokens = hit.tokens if request.num_computed_tokens >= hit.tokens else 0
+        params = {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: {"tokens": tokens}}
+        if tokens == 0:
             return False, params  # nothing to hand off: D computes the prompt
         unit = self.side.layout.unit
         keys = [
