@@ -161,8 +161,9 @@ class Consumer:
     wait_s: float
     waits: dict[str, Wait] = field(default_factory=dict)
 
-    def hold(self, request, tracked, hit_tokens: int) -> bool:
-        """True: the hand-off is not complete yet, ask again later (vLLM skips the request this step)."""
+    def hold(self, request, tracked, hit_tokens: int, local_tokens: int = 0) -> bool:
+        """True: the hand-off is not complete yet, ask again later (vLLM skips the request this step).
+        ``local_tokens``: the local prefix hit vLLM passed; a boundary it already reaches needs no wait."""
         wanted = handoff_tokens(request)
         req_id = request.request_id
         if not wanted:
@@ -173,7 +174,7 @@ class Consumer:
             wait = self.waits[req_id] = Wait(now + self.wait_s, now)
         if wait.decided:
             return False
-        if hit_tokens >= wanted:
+        if max(hit_tokens, local_tokens) >= wanted:
             self._end(req_id, wait, "handoffs_received", now)
             return False
         if now >= wait.deadline:

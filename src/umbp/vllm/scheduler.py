@@ -272,7 +272,7 @@ class SchedulerSide:
             dcp_world_size=self.layout.dcp,  # PCP: vLLM's Scheduler builds its coordinator with pcp 1
         )
         tracked.hit, tracked.hit_local = hit, num_computed_tokens
-        if self.consumer is not None and self.consumer.hold(request, tracked, hit.tokens):
+        if self.consumer is not None and self.consumer.hold(request, tracked, hit.tokens, num_computed_tokens):
             return None, False  # P's hand-off is not visible yet: vLLM asks again next step
         if hit.tokens <= num_computed_tokens:
             return 0, False
