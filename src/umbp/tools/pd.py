@@ -206,6 +206,10 @@ def free_port() -> int:
 
 def node_env(extra_path: str | None = None) -> dict[str, str]:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    # vLLM's CPU platform writes the Mamba conv-state layout into os.environ of a process that started an
+    # engine ("SD" without NIXL); inherited, it would stop a NIXL instance, which needs "DS" and picks it
+    # itself when the variable is unset. Each instance chooses its own.
+    env.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
