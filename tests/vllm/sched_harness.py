@@ -150,6 +150,7 @@ class Harness:
             worker.wait_for_save()
             res = worker.get_transfer_results(so.finished_req_ids)
             kv_out = KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
                 finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
                 kv_connector_stats=worker.get_kv_connector_stats(),

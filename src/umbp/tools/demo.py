@@ -5,7 +5,8 @@ runs: turn 1 computes an 840-token prompt (umbp stores it); vLLM's local prefix 
 resends the prompt (only umbp can supply a prefix now); turn 3 resends it once more with the local cache
 warm (the reference: a plain local GPU prefix hit). The table compares the three.
 
-`--restart ssd|redis` runs the cross-process version instead (umbp.tools.demo_restart).
+`--restart ssd|redis` runs the cross-process version instead (umbp.tools.demo_restart); `--pd` a 1P1D
+with a prefill and a decode instance (umbp.tools.pd).
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: engine 1 (a process) computes the prompt and exits, engine 2 (a new "
                              "process, empty DRAM) restores it from the SSD tier or a shared Redis tier")
     parser.add_argument("--redis-url", default=None,
-                        help="with --restart redis: this server (default: start redis-server on 127.0.0.1)")
+                        help="with --restart redis or --pd store: this server (default: start redis-server on "
+                             "127.0.0.1)")
+    parser.add_argument("--pd", nargs="?", const="auto", choices=["auto", "nixl", "store"],
+                        help="instead: a 1P1D (prefill and decode instance, a proxy) on this machine: 'nixl' "
+                             "(MultiConnector[NIXL, umbp] on P), 'store' (through umbp's shared tier); "
+                             "default nixl when importable")
 
 
 def run_setting(arch: str, model_dir: Path, prompt: list[int], args, boundary_page: bool) -> dict:
@@ -85,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = build_tiny_model(args.arch, workdir / args.arch)
     if args.restart:
         return _run_restart(args, model_dir, t0)
+    if args.pd:
+        return _run_pd(args, model_dir, t0)
     prompt = H.random_prompt(args.prompt_tokens, seed=0)
     rows = []
     settings = [("old (no boundary page)", False), ("umbp", True)]
@@ -117,6 +125,17 @@ def _run_restart(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     out = write_json(args.out, result)
     demo_restart.print_table(result)
+    print(f"\n(wall time {result['wall_s']} s; JSON in {out})")
+    return 0 if ok else 1
+
+
+def _run_pd(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
+    from umbp.tools import pd
+
+    result, ok = pd.run_demo(args, model_dir)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    out = write_json(args.out, result)
+    pd.print_demo(result)
     print(f"\n(wall time {result['wall_s']} s; JSON in {out})")
     return 0 if ok else 1
 

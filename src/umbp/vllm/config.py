@@ -104,7 +104,7 @@ class UMBPConfig(Options):
     load_failure_policy: Literal["recompute", "fail"] = option(
         "recompute",
         help="a failed load makes vLLM recompute the request; `fail` fails it instead. umbp sets "
-        "vLLM's `kv_load_failure_policy` to this value",
+        "vLLM's `kv_load_failure_policy` to this value (inside a MultiConnector, on the outer config vLLM reads)",
     )
     pinned: str = option(
         "auto",
@@ -140,6 +140,20 @@ class UMBPConfig(Options):
         "re-saved); 0 = off",
         minimum=0,
         maximum=86400,
+    )
+    handoff_timeout_s: float = option(
+        10.0,
+        help="store-mediated P/D, on P (`kv_role` `kv_producer`): the longest a hand-off may take to be "
+        "visible on the shared tier; then it is released and counted (`handoff_timeouts`)",
+        above=0,
+        maximum=3600,
+    )
+    handoff_wait_s: float = option(
+        5.0,
+        help="store-mediated P/D, on D (`kv_role` `kv_consumer`): the longest a request waits for P's "
+        "hand-off before its missing part is recomputed (`handoff_misses`)",
+        above=0,
+        maximum=3600,
     )
 
     def check(self) -> None:

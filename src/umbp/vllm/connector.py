@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from umbp.pool import native
+from umbp.vllm.compose import apply_load_failure_policy, register_with_vllm
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.layout import describe
 from umbp.vllm.logs import attach_to_vllm_logging
@@ -30,6 +31,7 @@ from umbp.vllm.stats import UMBPPromMetrics, UMBPStats
 from umbp.vllm.worker import WorkerSide
 
 logger = logging.getLogger("umbp.vllm")
+register_with_vllm()  # a MultiConnector rebuilds its children's stats by registered name (umbp.vllm.compose)
 
 
 class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
@@ -42,12 +44,13 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         self.cfg = UMBPConfig.from_extra_config(transfer.kv_connector_extra_config)
         # A hybrid model cannot report block-level load errors, only failed requests; with vLLM's default
         # "fail" policy a missing page would fail the request. umbp's contract is "a miss is a recompute".
-        transfer.kv_load_failure_policy = self.cfg.load_failure_policy
+        # Inside a MultiConnector vLLM reads the policy from the outer config (umbp.vllm.compose).
+        apply_load_failure_policy(transfer, self.cfg.load_failure_policy)
         self.layout = describe(vllm_config, kv_cache_config, tenant=self.cfg.tenant)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.cfg, self.layout)
+            self._sched = SchedulerSide(self.cfg, self.layout, role=transfer.kv_role)
         else:
             self._worker = WorkerSide(self.cfg, self.layout, kv_cache_config)
         logger.info(
@@ -112,8 +115,8 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # the blocks it saves are pinned by the connector itself
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        self._sched.on_finished(request, block_ids)
-        return False, None
+        # (True, params) only for a store-mediated hand-off (kv_producer): see umbp.vllm.handoff
+        return self._sched.on_finished(request, block_ids)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -154,6 +157,8 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             self._worker.before_forward()  # vLLM binds before the forward; start_load_kv may come after it
+            if isinstance(connector_metadata, UMBPConnectorMetadata) and connector_metadata.handoffs_done:
+                self._worker.delivered.update(connector_metadata.handoffs_done)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -175,7 +180,8 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         finished, failed = self._worker.take_transfer_results()
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        sent, self._worker.delivered = self._worker.delivered, set()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=finished, failed_recving=failed)
 
     def build_connector_worker_meta(self):
         return self._worker.take_worker_meta() if self._worker is not None else None

@@ -48,9 +48,10 @@ class UMBPOffloadMetadata(KVConnectorMetadata):
 
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
+    handoffs_done: list[str] = field(default_factory=list)  # store-mediated P/D: report these finished_sending
 
     def is_empty(self) -> bool:
-        return not self.saves and not self.loads
+        return not self.saves and not self.loads and not self.handoffs_done
 
 
 UMBPConnectorMetadata = UMBPOffloadMetadata  # the former name, for code that imports it

@@ -34,7 +34,11 @@ def validate_transfer_config(kv_transfer_config: Any, connector_cls: type) -> No
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: make vLLM's connector lookup validate umbp's options."""
+    """The `vllm.general_plugins` entry point: make vLLM's connector lookup validate umbp's options, and
+    register umbp's connector by name (umbp.vllm.compose: MultiConnector rebuilds stats by name)."""
+    from umbp.vllm.compose import register_with_vllm
+
+    register_with_vllm()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # a vLLM without this factory: the connector still validates when it is built

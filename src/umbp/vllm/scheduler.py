@@ -27,7 +27,8 @@ from umbp.hybrid.planner import BOUNDARY_PAGE, BOUNDARY_STATE, PROMPT_TAIL
 from umbp.hybrid.tail import extend_hit, tail_span
 from umbp.identity import object_key
 from umbp.pool import DramIndex
-from umbp.vllm.config import ARENA_PAGE, UMBPConfig
+from umbp.vllm.config import ARENA_PAGE, ConfigError, UMBPConfig
+from umbp.vllm.handoff import Consumer, Producer
 from umbp.vllm.layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.stats import UMBPStats
@@ -83,7 +84,7 @@ class TrackedRequest:
 
 
 class SchedulerSide:
-    def __init__(self, cfg: UMBPConfig, layout: Layout, block_pool=None):
+    def __init__(self, cfg: UMBPConfig, layout: Layout, block_pool=None, role: str = "kv_both"):
         self.cfg = cfg
         self.layout = layout
         self.block_pool = block_pool
@@ -120,6 +121,12 @@ class SchedulerSide:
         if cfg.ssd_dirs:
             self.ssd_keys = scan_ssd(cfg.ssd_dirs, layout.namespace, layout.ranks)
             logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
+        # store-mediated P/D (umbp.vllm.handoff): a producer confirms hand-offs, a consumer waits for them
+        if role in ("kv_producer", "kv_consumer") and self.remote is None:
+            raise ConfigError(f"umbp: kv_role {role!r} is store-mediated P/D and needs the shared tier "
+                              "('remote' in kv_connector_extra_config); beside a P/D connector use 'kv_both'")
+        self.producer = Producer(self, cfg.handoff_timeout_s) if role == "kv_producer" else None
+        self.consumer = Consumer(self, cfg.handoff_wait_s) if role == "kv_consumer" else None
         self.job_ids = itertools.count(1)
         self.step = 0
         self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
@@ -272,7 +279,7 @@ class SchedulerSide:
         for g, ends in enumerate(present):
             ends -= {t for t in ends if all_keys[g][t // unit - 1] in self.quarantine}
 
-    def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def lookup(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self.track(request)
         self.count("lookups")
         max_tokens = request.num_tokens - 1
@@ -291,6 +298,8 @@ class SchedulerSide:
         if self._tail_span is not None:
             hit = self._extend_into_tail(tracked, request, hit, num_computed_tokens, max_tokens)
         tracked.hit, tracked.hit_local = hit, num_computed_tokens
+        if self.consumer is not None and self.consumer.hold(request, tracked, hit.tokens, num_computed_tokens):
+            return None, False  # P's hand-off is not visible yet: vLLM asks again next step
         if hit.tokens <= num_computed_tokens:
             return 0, False
         self.count("lookup_hit_requests")
@@ -500,6 +509,9 @@ class SchedulerSide:
         self._expire_unconfirmed_saves()
         self.plan_saves(scheduler_output)
         meta = UMBPConnectorMetadata()
+        if self.producer is not None:
+            self.producer.poll()
+            meta.handoffs_done = self.producer.take_done()
         for job_id in self.unsent_saves:
             meta.saves.append(self.saves[job_id].job)
             self.saves[job_id].sent_step = self.step
@@ -605,11 +617,15 @@ class SchedulerSide:
         )
         self.queue_saves(request, plans)
 
-    def on_finished(self, request, block_ids) -> None:
+    def on_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        """Queue the finish-time saves; for a store-mediated hand-off, whether vLLM must wait for it (the
+        workers report it finished_sending once visible) and the kv_transfer_params for D."""
         self.restored.pop(request.request_id, None)
+        if self.consumer is not None:
+            self.consumer.forget(request.request_id)
         tracked = self.requests.pop(request.request_id, None)
         if tracked is None or request.request_id in self.loads:
-            return
+            return False, None
         plans = tracked.planner.step(
             computed_tokens=request.num_computed_tokens,
             hashed_tokens=len(request.block_hashes) * self.layout.unit,
@@ -617,10 +633,14 @@ class SchedulerSide:
             finished=True,
         )
         self.queue_saves(request, plans)
+        if self.producer is None:
+            return False, None
+        return self.producer.begin(request, self._hexes(tracked))
 
     def has_pending_work(self) -> bool:
-        """Keep vLLM stepping until every queued save was sent and confirmed by all ranks."""
-        return bool(self.unsent_saves or self.saves)
+        """Keep vLLM stepping until every queued save was sent and confirmed by all ranks, and every
+        hand-off was confirmed (or given up)."""
+        return bool(self.unsent_saves or self.saves) or (self.producer is not None and self.producer.busy())
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_external=True)``: this engine offers nothing it stored before.

@@ -45,6 +45,13 @@ COUNTERS: dict[str, str] = {
     "promotions": "objects read from the SSD or shared tier into DRAM for a load",
     "promotions_failed": "promotions that failed (missing, corrupt or unreachable: counted as misses)",
     "hash_rewrites": "lookups that found a request's block hashes recomputed by vLLM (its cached keys dropped)",
+    "handoffs_started": "store-mediated P/D, P: hand-offs begun (requests finished with do_remote_decode)",
+    "handoffs_delivered": "store-mediated P/D, P: hand-offs whose objects were all visible on the shared tier",
+    "handoff_timeouts": "store-mediated P/D, P: hand-offs released after handoff_timeout_s, not all visible",
+    "handoff_delivery_us": "store-mediated P/D, P: microseconds from finish to visible, summed over hand-offs",
+    "handoffs_received": "store-mediated P/D, D: hand-offs whose named boundary the lookup reached",
+    "handoff_misses": "store-mediated P/D, D: hand-offs incomplete after handoff_wait_s (rest recomputed)",
+    "handoff_wait_us": "store-mediated P/D, D: microseconds requests waited for hand-offs, summed",
 }
 
 # name -> help for per-tier counters: `vllm:umbp_tier_<name>_total{tier=...}`.

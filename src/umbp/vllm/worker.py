@@ -116,6 +116,7 @@ class WorkerSide:
         self.saved: dict[int, set[str]] = {}
         self.failed: dict[int, set[str]] = {}
         self.finished_loads: set[str] = set()
+        self.delivered: set[str] = set()  # store-mediated hand-offs the scheduler confirmed: finished_sending
         self.failed_loads: set[str] = set()
         self.load_failed: set[str] = set()  # logical keys of failed loads, for the next worker metadata
         self.pending_saves: list[PendingSave] = []  # copies started, not yet finished
