@@ -6,6 +6,7 @@ workers' namespace agree without any handshake.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import (
@@ -121,12 +122,64 @@ def dcp_interleave(vllm_config, kv_cache_config: KVCacheConfig) -> int:
     return interleave
 
 
+def memory_layouts(vllm_config) -> tuple[str | None, str | None]:
+    """How vLLM lays out pages in memory beyond their shapes: the attention KV-cache layout a connector
+    requires (NIXL asks for LBHNC, a P/D hand-off layout) and the Mamba conv-state layout
+    (``VLLM_SSM_CONV_STATE_LAYOUT``: SD by default, DS beside NIXL). The same page size and dtype can
+    then hold other bytes, so a non-default layout is part of the namespace: an instance beside NIXL and
+    one without must never restore each other's pages. Defaults give None, so the namespaces of existing
+    deployments do not change."""
+    kv_layout = None
+    for config in _configs_that_choose_the_layout(vllm_config):
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+            kv_layout = get_kv_connector_cache_layout(config)
+        except Exception:  # a vLLM without that hook, or a connector class that cannot be resolved here
+            kv_layout = None
+        if kv_layout is not None:
+            break
+    conv = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT") or "SD"  # vLLM's get_conv_state_layout(), uncached
+    return (str(kv_layout) if kv_layout is not None else None), (conv if conv != "SD" else None)
+
+
+def _configs_that_choose_the_layout(vllm_config) -> list:
+    """Inside a MultiConnector umbp is built with a child config naming only itself, but vLLM picks the
+    KV-cache layout from the outer one (NIXL beside umbp asks for LBHNC): look at the config vLLM has
+    current and at every enclosing MultiConnector's (umbp.vllm.compose) as well."""
+    import copy
+
+    from umbp.vllm.compose import enclosing_transfer_configs
+
+    configs = [vllm_config]
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+    except Exception:  # noqa: BLE001 - a vLLM without it
+        current = None
+    if current is not None and current is not vllm_config:
+        configs.append(current)
+    for outer in enclosing_transfer_configs(getattr(vllm_config, "kv_transfer_config", None)):
+        config = copy.copy(vllm_config)
+        object.__setattr__(config, "kv_transfer_config", outer)
+        configs.append(config)
+    return configs
+
+
+def _layout_extra(kind: str, kv_layout: str | None, conv_layout: str | None) -> tuple[tuple[str, str], ...]:
+    if kind == "RecurrentState":
+        return (("conv_state_layout", conv_layout),) if conv_layout else ()
+    return (("kv_layout", kv_layout),) if kv_layout else ()
+
+
 def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> Layout:
     sizes = parallel_sizes(vllm_config)
     kv_groups = kv_cache_config.kv_cache_groups
     groups = tuple(umbp_group(g.kv_cache_spec) for g in kv_groups)
     check_parallel(sizes, groups)
     interleave = dcp_interleave(vllm_config, kv_cache_config) if sizes.dcp > 1 else None
+    kv_layout, conv_layout = memory_layouts(vllm_config)
     unit = kv_cache_config.hash_block_size or vllm_config.cache_config.hash_block_size
     if not unit:
         unit = vllm_config.cache_config.block_size
@@ -137,7 +190,8 @@ def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> L
             layer_names=tuple(g.layer_names),
             page_shapes=((g.kv_cache_spec.page_size_bytes,),),
             dtypes=(str(getattr(g.kv_cache_spec, "dtype", getattr(g.kv_cache_spec, "dtypes", ""))),),
-            extra=(("dcp_interleave", str(interleave)),) if interleave and groups[i].dcp_sharded else (),
+            extra=((("dcp_interleave", str(interleave)),) if interleave and groups[i].dcp_sharded else ())
+            + _layout_extra(type(groups[i]).__name__, kv_layout, conv_layout),
         )
         for i, g in enumerate(kv_groups)
     )
