@@ -124,6 +124,7 @@ class DramIndex:
         track_evicted: bool = True,
         keep_keys: bool = True,
         use_native: bool | None = None,
+        max_evict_objects: int | None = None,
     ) -> None:
         check_capacity(capacity_bytes, alignment)
         check_watermarks(high_watermark, low_watermark)
@@ -144,6 +145,10 @@ class DramIndex:
         # pages one watermark eviction frees at most (None: down to the low watermark); TieredPool sets it
         # to what the next tier can take in one call, so a burst of victims does not overflow it
         self.max_evict_pages: int | None = None
+        # objects one watermark eviction takes at most (None: no limit): bounds the pause of the one
+        # reservation that crosses the high watermark (at 30 M objects, 10% of them is ~1 s of evictions);
+        # the rest go on later reservations, each still evicting whatever it needs to fit
+        self.max_evict_objects: int | None = max_evict_objects
         self._track_evicted = track_evicted
         self._evicted: list[Any] = []
         self.evictions = 0
@@ -220,17 +225,19 @@ class DramIndex:
 
     def _make_room(self, npages: int) -> None:
         """Past the high watermark, evict least-recently-used objects down to the low one (at most
-        max_evict_pages of them per call, at least one object)."""
+        max_evict_pages of them and max_evict_objects objects per call, at least one object)."""
         used = self.npages - self._alloc.free_pages
         if used + npages > self._high_pages:
             target = max(self._low_pages - npages, 0)
             budget = self.npages if self.max_evict_pages is None else self.max_evict_pages
+            victims = self.max_evict_objects or -1
             freed = 0
-            while self.npages - self._alloc.free_pages > target and freed < budget:
+            while self.npages - self._alloc.free_pages > target and freed < budget and victims:
                 got = self._evict_one()
                 if got is None:
                     break
                 freed += got
+                victims -= 1
 
     def _allocate(self, npages: int) -> int | None:
         self._make_room(npages)
