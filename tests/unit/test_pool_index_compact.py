@@ -133,3 +133,19 @@ def test_no_python_object_per_stored_object():
     gc.collect()
     assert len(gc.get_objects()) - before < 100
     assert index.stats()["index_table_bytes"] < 128 * 2 * n  # rows grow by doubling
+
+
+def test_max_evict_objects_bounds_one_watermark_eviction():
+    """Crossing the high watermark evicts at most max_evict_objects objects per reservation (the pause
+    it bounds; without it the first crossing would evict down to the low watermark, 40 objects here),
+    while a reservation that needs more room still gets it."""
+    index = DramIndex(100 * ALIGN, 0.9, 0.5, alignment=ALIGN, max_evict_objects=3)
+    for i in range(200):
+        before = index.evictions
+        assert index.reserve(f"k{i}", ALIGN) is not None and index.commit(f"k{i}")
+        assert index.evictions - before <= 3
+        assert index.stats()["used_bytes"] <= 90 * ALIGN
+    assert index.evictions >= 110
+    before = index.evictions
+    assert index.reserve("big", 20 * ALIGN) is not None  # needs more than 3 victims: it gets them
+    assert index.evictions - before > 3

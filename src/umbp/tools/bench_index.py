@@ -28,7 +28,7 @@ from umbp.tools.benchutil import write_json
 TARGET_BYTES, TARGET_US, TARGET_PAUSE_MS = 128, 2.0, 5.0
 ALIGN = 4096
 BATCH = 1 << 16  # keys are built a batch at a time: 30 M key strings would cost more than the index
-EVICT_CAP = 8192  # max_evict_objects, as the vLLM scheduler sets it
+EVICT_CAP = 1024  # max_evict_objects, as the vLLM scheduler sets it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
