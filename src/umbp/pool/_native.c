@@ -819,7 +819,7 @@ done:
     return out;
 }
 
-/* ==== IndexTable: the compact core of the scheduler's DRAM index (umbp.pool.compact_index) ============
+/* ==== IndexTable: the compact core of the scheduler's DRAM index (umbp.pool.index) ============
  *
  * Why: a dict of per-object Python objects costs ~470 B and a gen-2 GC traversal per object; at the 10-30 M
  * objects of a 1.8 TB DRAM tier that is GBs of heap and collections of a second or more in vLLM's step
@@ -1499,7 +1499,7 @@ static PyTypeObject IndexTableType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "umbp.pool._native.IndexTable",
     .tp_basicsize = sizeof(IndexTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Compact key -> slot table of the DRAM index (see umbp.pool.compact_index).",
+    .tp_doc = "Compact key -> slot table of the DRAM index (see umbp.pool.index).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)IndexTable_init,
     .tp_dealloc = (destructor)IndexTable_dealloc,
