@@ -15,6 +15,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "transfer"): ("umbp.tools.bench_transfer", "GPU pages <-> page-locked arena vs a 1 GiB pinned copy (CUDA)"),
     ("bench", "restore"): ("umbp.tools.bench_restore", "prefill vs restore of N tokens, Granite-4.0-H-350M (CUDA)"),
     ("bench", "remote"): ("umbp.tools.bench_remote", "shared Redis tier: 8,192-key lookup, put/get vs redis-benchmark"),
+    ("bench", "index"): ("umbp.tools.bench_index", "the scheduler's DRAM index at 1-30 M objects: us/op, bytes/object, pauses"),
     ("bench", "sched"): ("umbp.tools.bench_sched", "what umbp's connector adds to vLLM's scheduler step (real Scheduler, no model)"),
     ("bench", "ssd"): ("umbp.tools.bench_ssd", "SSD tier write/read throughput vs the disk's sequential bandwidth"),
     ("chaos",): ("umbp.tools.chaos", "a fault campaign through real vLLM: every tier damaged, every output checked"),

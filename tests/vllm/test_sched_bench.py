@@ -18,10 +18,14 @@ def test_bench_sched_quick_writes_json(tmp_path, capsys):
             p = r[phase]
             assert p["plain_step_ms"] > 0 and p["umbp_step_ms"] > 0
             assert 0 < p["hooks_ms"] < p["umbp_step_ms"] and 0 < p["hooks_share"] < 1
+        assert r["lookup_first"]["calls"] >= r["requests"] and r["lookup_first"]["max_ms"] > 0
+        stored = r["lookup_stored"]  # prompts it stored, asked again: a hit over most of the prompt
+        assert stored["calls"] == r["requests"] and stored["median_matched_tokens"] >= 400
     shares = [r["decode"]["hooks_share"] for r in report["rows"]]
     assert report["all_targets_met"] == (max(shares) <= report["target_decode_hooks_share"])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[-1].split()[:2] == ["8", "decode"] and printed[-1].split()[-1] in ("PASS", "MISS")
+    assert printed[-1].startswith("lookup, 8 requests of 500 tokens") and printed[-1].endswith("info")
+    assert printed[-3].split()[:2] == ["8", "decode"] and printed[-3].split()[-1] in ("PASS", "MISS")
 
 
 def test_bench_sched_rejects_bad_input(capsys):

@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <errno.h>
 #include <poll.h>
@@ -818,6 +819,697 @@ done:
     return out;
 }
 
+/* ==== IndexTable: the compact core of the scheduler's DRAM index (umbp.pool.index) ============
+ *
+ * Why: a dict of per-object Python objects costs ~470 B and a gen-2 GC traversal per object; at the 10-30 M
+ * objects of a 1.8 TB DRAM tier that is GBs of heap and collections of a second or more in vLLM's step
+ * loop. Here an object is a row of plain arrays indexed by a uint32 handle (no Python object per row):
+ * a 128-bit keyed SipHash digest of the key, its first page, pages, bytes, checksum, pins, state and its
+ * LRU links (an array-based doubly linked list: O(1) touch, pin, evict). A key -> handle table uses open
+ * addressing with linear probing over uint32 cells (backward-shift deletion, no tombstones). The page
+ * allocator stays in Python (it holds one entry per free run, not per object). Optionally the key str
+ * itself is kept (keep_keys) for callers that must hand victims' keys on (tier demotion).
+ *
+ * Digest collisions: the table compares the full 128-bit digest of a secret-keyed PRF (SipHash-2-4-128,
+ * key from os.urandom per index), so two distinct keys alias with probability ~n^2/2^129 (~1e-24 at 30 M),
+ * and nobody without the key can search for a collision.
+ */
+
+#define IT_NIL 0xFFFFFFFFu
+enum { IT_FREE = 0, IT_PENDING = 1, IT_COMMITTED = 2, IT_PENDING_DOOMED = 3, IT_DOOMED = 4 };
+#define IT_HAS_CK 0x80
+
+#define ROTL64(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                                        \
+    do {                                                                                                \
+        v0 += v1; v1 = ROTL64(v1, 13); v1 ^= v0; v0 = ROTL64(v0, 32);                                    \
+        v2 += v3; v3 = ROTL64(v3, 16); v3 ^= v2;                                                         \
+        v0 += v3; v3 = ROTL64(v3, 21); v3 ^= v0;                                                         \
+        v2 += v1; v1 = ROTL64(v1, 17); v1 ^= v2; v2 = ROTL64(v2, 32);                                    \
+    } while (0)
+
+/* SipHash-2-4 with 128-bit output (the reference algorithm's 16-byte variant). */
+static void siphash128(const unsigned char *in, size_t len, uint64_t k0, uint64_t k1, uint64_t out[2]) {
+    uint64_t v0 = k0 ^ 0x736f6d6570736575ULL, v1 = k1 ^ 0x646f72616e646f6dULL;
+    uint64_t v2 = k0 ^ 0x6c7967656e657261ULL, v3 = k1 ^ 0x7465646279746573ULL;
+    v1 ^= 0xee;
+    const unsigned char *end = in + (len - (len % 8));
+    for (; in != end; in += 8) {
+        uint64_t m;
+        memcpy(&m, in, 8);
+        v3 ^= m;
+        SIPROUND; SIPROUND;
+        v0 ^= m;
+    }
+    uint64_t b = ((uint64_t)len) << 56;
+    switch (len & 7) {
+    case 7: b |= ((uint64_t)in[6]) << 48; /* fall through */
+    case 6: b |= ((uint64_t)in[5]) << 40; /* fall through */
+    case 5: b |= ((uint64_t)in[4]) << 32; /* fall through */
+    case 4: b |= ((uint64_t)in[3]) << 24; /* fall through */
+    case 3: b |= ((uint64_t)in[2]) << 16; /* fall through */
+    case 2: b |= ((uint64_t)in[1]) << 8;  /* fall through */
+    case 1: b |= ((uint64_t)in[0]); break;
+    case 0: break;
+    }
+    v3 ^= b;
+    SIPROUND; SIPROUND;
+    v0 ^= b;
+    v2 ^= 0xee;
+    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
+    out[0] = v0 ^ v1 ^ v2 ^ v3;
+    v1 ^= 0xdd;
+    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
+    out[1] = v0 ^ v1 ^ v2 ^ v3;
+}
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t k0, k1;     /* SipHash key */
+    int64_t alignment;
+    PyObject *slot_type; /* umbp.pool.index.Slot (a tuple subclass) */
+    int keep_keys;
+    uint32_t cap, used, free_head;       /* rows allocated, rows in use, free-row list (via next_) */
+    uint64_t *dig;                      /* 2 per row */
+    int64_t *start, *nbytes;
+    uint64_t *cksum;
+    uint32_t *npages, *pins, *prev_, *next_;
+    uint8_t *state;
+    PyObject **keys;                    /* keep_keys only */
+    uint32_t *table;                    /* handle + 1; 0 = empty */
+    uint64_t tmask;                     /* table size - 1 */
+    uint32_t lru_head, lru_tail;
+    int64_t lru_pages, live_bytes;
+    Py_ssize_t live, reserved, pinned, deferred;
+} IndexTable;
+
+static int it_digest(IndexTable *t, PyObject *key, uint64_t d[2]) {
+    Py_ssize_t n;
+    const char *s;
+    if (!PyUnicode_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "umbp: index keys are str, got %.80s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    s = PyUnicode_AsUTF8AndSize(key, &n);
+    if (s == NULL)
+        return -1;
+    siphash128((const unsigned char *)s, (size_t)n, t->k0, t->k1, d);
+    return 0;
+}
+
+/* The cell holding the row of digest d, or the empty cell where it would go. */
+static uint64_t it_probe(IndexTable *t, const uint64_t d[2]) {
+    uint64_t i = d[0] & t->tmask;
+    for (;;) {
+        uint32_t c = t->table[i];
+        if (c == 0)
+            return i;
+        uint32_t h = c - 1;
+        if (t->dig[2 * h] == d[0] && t->dig[2 * h + 1] == d[1])
+            return i;
+        i = (i + 1) & t->tmask;
+    }
+}
+
+static uint32_t it_find(IndexTable *t, const uint64_t d[2]) {
+    uint32_t c = t->table[it_probe(t, d)];
+    return c ? c - 1 : IT_NIL;
+}
+
+static int it_find_key(IndexTable *t, PyObject *key, uint32_t *h) {
+    uint64_t d[2];
+    if (it_digest(t, key, d) < 0)
+        return -1;
+    *h = it_find(t, d);
+    return 0;
+}
+
+static int it_rehash(IndexTable *t, uint64_t size) {
+    uint32_t *nt = PyMem_RawCalloc(size, sizeof(uint32_t));
+    if (nt == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint32_t *old = t->table;
+    uint64_t oldsize = old ? t->tmask + 1 : 0;
+    t->table = nt;
+    t->tmask = size - 1;
+    for (uint64_t i = 0; i < oldsize; i++) {
+        if (old[i])
+            t->table[it_probe(t, &t->dig[2 * (old[i] - 1)])] = old[i];
+    }
+    PyMem_RawFree(old);
+    return 0;
+}
+
+#define IT_GROW(field, type)                                                                             \
+    do {                                                                                                \
+        void *p = PyMem_RawRealloc(t->field, (size_t)ncap * sizeof(type));                              \
+        if (p == NULL)                                                                                  \
+            goto nomem;                                                                                 \
+        t->field = p;                                                                                   \
+    } while (0)
+
+static int it_grow_rows(IndexTable *t) {
+    uint64_t ncap = t->cap ? (uint64_t)t->cap * 2 : 1024;
+    if (ncap > IT_NIL)
+        ncap = IT_NIL;
+    if (ncap <= t->cap) {
+        PyErr_SetString(PyExc_MemoryError, "umbp: the DRAM index holds at most 2**32-1 objects");
+        return -1;
+    }
+    {
+        void *p = PyMem_RawRealloc(t->dig, (size_t)ncap * 2 * sizeof(uint64_t));
+        if (p == NULL)
+            goto nomem;
+        t->dig = p;
+    }
+    IT_GROW(start, int64_t);
+    IT_GROW(nbytes, int64_t);
+    IT_GROW(cksum, uint64_t);
+    IT_GROW(npages, uint32_t);
+    IT_GROW(pins, uint32_t);
+    IT_GROW(prev_, uint32_t);
+    IT_GROW(next_, uint32_t);
+    IT_GROW(state, uint8_t);
+    if (t->keep_keys) {
+        IT_GROW(keys, PyObject *);
+        memset(t->keys + t->cap, 0, (size_t)(ncap - t->cap) * sizeof(PyObject *));
+    }
+    for (uint64_t h = ncap; h-- > t->cap;) { /* new rows onto the free list, lowest first */
+        t->state[h] = IT_FREE;
+        t->next_[h] = t->free_head;
+        t->free_head = (uint32_t)h;
+    }
+    t->cap = (uint32_t)ncap;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+static void it_lru_unlink(IndexTable *t, uint32_t h) {
+    uint32_t p = t->prev_[h], n = t->next_[h];
+    if (p != IT_NIL) t->next_[p] = n; else t->lru_head = n;
+    if (n != IT_NIL) t->prev_[n] = p; else t->lru_tail = p;
+    t->lru_pages -= t->npages[h];
+}
+
+static void it_lru_push(IndexTable *t, uint32_t h) {
+    t->prev_[h] = t->lru_tail;
+    t->next_[h] = IT_NIL;
+    if (t->lru_tail != IT_NIL) t->next_[t->lru_tail] = h; else t->lru_head = h;
+    t->lru_tail = h;
+    t->lru_pages += t->npages[h];
+}
+
+/* Drop row h from the key table (backward-shift deletion) and put it on the free-row list. */
+static void it_delete(IndexTable *t, uint32_t h) {
+    uint64_t i = it_probe(t, &t->dig[2 * h]), j = i;
+    for (;;) {
+        j = (j + 1) & t->tmask;
+        uint32_t c = t->table[j];
+        if (c == 0)
+            break;
+        uint64_t home = t->dig[2 * (c - 1)] & t->tmask;
+        /* move c back to i unless its home lies cyclically in (i, j] */
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            t->table[i] = c;
+            i = j;
+        }
+    }
+    t->table[i] = 0;
+    if (t->keep_keys)
+        Py_CLEAR(t->keys[h]);
+    t->state[h] = IT_FREE;
+    t->next_[h] = t->free_head;
+    t->free_head = h;
+    t->used--;
+}
+
+static PyObject *it_slot(IndexTable *t, uint32_t h) {
+    PyTypeObject *tp = (PyTypeObject *)t->slot_type;
+    PyObject *s = tp->tp_alloc(tp, 3);
+    if (s == NULL)
+        return NULL;
+    PyObject *off = PyLong_FromLongLong(t->start[h] * t->alignment);
+    PyObject *nb = PyLong_FromLongLong(t->nbytes[h]);
+    PyObject *ck = (t->state[h] & IT_HAS_CK) ? PyLong_FromUnsignedLongLong(t->cksum[h]) : Py_NewRef(Py_None);
+    if (off == NULL || nb == NULL || ck == NULL) {
+        Py_XDECREF(off); Py_XDECREF(nb); Py_XDECREF(ck); Py_DECREF(s);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(s, 0, off);
+    PyTuple_SET_ITEM(s, 1, nb);
+    PyTuple_SET_ITEM(s, 2, ck);
+    return s;
+}
+
+#define IT_STATE(t, h) ((t)->state[h] & 0x7f)
+
+static PyObject *it_run(IndexTable *t, uint32_t h) {
+    return Py_BuildValue("(LI)", (long long)t->start[h], (unsigned int)t->npages[h]);
+}
+
+/* The key of row h: the str when keep_keys, else its 16-byte digest. */
+static PyObject *it_key(IndexTable *t, uint32_t h) {
+    if (t->keep_keys && t->keys[h] != NULL)
+        return Py_NewRef(t->keys[h]);
+    return PyBytes_FromStringAndSize((const char *)&t->dig[2 * h], 16);
+}
+
+static int IndexTable_init(IndexTable *t, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"seed", "alignment", "slot_type", "keep_keys", NULL};
+    Py_buffer seed;
+    long long alignment;
+    PyObject *slot_type;
+    int keep_keys;
+    if (t->table != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "umbp: IndexTable is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*LOp", kwlist, &seed, &alignment, &slot_type, &keep_keys))
+        return -1;
+    if (seed.len != 16 || !PyType_Check(slot_type) ||
+        !PyType_IsSubtype((PyTypeObject *)slot_type, &PyTuple_Type) || alignment <= 0) {
+        PyBuffer_Release(&seed);
+        PyErr_SetString(PyExc_ValueError, "umbp: IndexTable(seed: 16 bytes, alignment > 0, slot_type: tuple type)");
+        return -1;
+    }
+    memcpy(&t->k0, seed.buf, 8);
+    memcpy(&t->k1, (char *)seed.buf + 8, 8);
+    PyBuffer_Release(&seed);
+    t->alignment = alignment;
+    t->slot_type = Py_NewRef(slot_type);
+    t->keep_keys = keep_keys;
+    t->free_head = IT_NIL;
+    t->lru_head = t->lru_tail = IT_NIL;
+    if (it_grow_rows(t) < 0 || it_rehash(t, 4096) < 0)
+        return -1;
+    return 0;
+}
+
+static void IndexTable_dealloc(IndexTable *t) {
+    if (t->keys != NULL) {
+        for (uint32_t h = 0; h < t->cap; h++)
+            Py_XDECREF(t->keys[h]);
+    }
+    PyMem_RawFree(t->keys);
+    PyMem_RawFree(t->dig);
+    PyMem_RawFree(t->start);
+    PyMem_RawFree(t->nbytes);
+    PyMem_RawFree(t->cksum);
+    PyMem_RawFree(t->npages);
+    PyMem_RawFree(t->pins);
+    PyMem_RawFree(t->prev_);
+    PyMem_RawFree(t->next_);
+    PyMem_RawFree(t->state);
+    PyMem_RawFree(t->table);
+    Py_XDECREF(t->slot_type);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+/* state(key) -> 0 absent, 1 pending, 2 committed, 3 busy (removed while pinned or being written) */
+static PyObject *IndexTable_state(IndexTable *t, PyObject *key) {
+    uint32_t h;
+    if (it_find_key(t, key, &h) < 0)
+        return NULL;
+    if (h == IT_NIL)
+        return PyLong_FromLong(0);
+    switch (IT_STATE(t, h)) {
+    case IT_PENDING: return PyLong_FromLong(1);
+    case IT_COMMITTED: return PyLong_FromLong(2);
+    default: return PyLong_FromLong(3);
+    }
+}
+
+/* add(key, start, npages, nbytes) -> Slot: a new pending row; the caller checked the key is absent. */
+static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
+    PyObject *key;
+    long long start, nbytes;
+    unsigned int npages;
+    uint64_t d[2];
+    if (!PyArg_ParseTuple(args, "ULIL", &key, &start, &npages, &nbytes) || it_digest(t, key, d) < 0)
+        return NULL;
+    uint64_t cell = it_probe(t, d);
+    if (t->table[cell] != 0) {
+        PyErr_SetString(PyExc_KeyError, "umbp: IndexTable.add of a key already present");
+        return NULL;
+    }
+    if (t->free_head == IT_NIL && it_grow_rows(t) < 0)
+        return NULL;
+    if ((uint64_t)(t->used + 1) * 2 > t->tmask + 1) { /* keep the load <= 1/2: short probes */
+        if (it_rehash(t, (t->tmask + 1) * 2) < 0)
+            return NULL;
+        cell = it_probe(t, d);
+    }
+    uint32_t h = t->free_head;
+    t->free_head = t->next_[h];
+    t->dig[2 * h] = d[0];
+    t->dig[2 * h + 1] = d[1];
+    t->start[h] = start;
+    t->npages[h] = npages;
+    t->nbytes[h] = nbytes;
+    t->pins[h] = 0;
+    t->state[h] = IT_PENDING;
+    t->prev_[h] = t->next_[h] = IT_NIL;
+    if (t->keep_keys)
+        t->keys[h] = Py_NewRef(key);
+    t->table[cell] = h + 1;
+    t->used++;
+    t->reserved++;
+    return it_slot(t, h);
+}
+
+/* commit(key, checksum) -> 1 committed, -1 no reservation, or (start, npages) to free (removed meanwhile). */
+static PyObject *IndexTable_commit(IndexTable *t, PyObject *args) {
+    PyObject *key, *ck;
+    uint32_t h;
+    if (!PyArg_ParseTuple(args, "OO", &key, &ck) || it_find_key(t, key, &h) < 0)
+        return NULL;
+    if (h == IT_NIL || (IT_STATE(t, h) != IT_PENDING && IT_STATE(t, h) != IT_PENDING_DOOMED))
+        return PyLong_FromLong(-1);
+    if (ck != Py_None) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(ck);
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+        t->cksum[h] = v;
+    }
+    t->reserved--;
+    if (IT_STATE(t, h) == IT_PENDING_DOOMED) {
+        t->deferred--;
+        PyObject *run = it_run(t, h);
+        it_delete(t, h);
+        return run;
+    }
+    t->state[h] = IT_COMMITTED | (ck != Py_None ? IT_HAS_CK : 0);
+    it_lru_push(t, h);
+    t->live++;
+    t->live_bytes += t->nbytes[h];
+    return PyLong_FromLong(1);
+}
+
+/* abort(key) -> (start, npages) to free, or None without a reservation. */
+static PyObject *IndexTable_abort(IndexTable *t, PyObject *key) {
+    uint32_t h;
+    if (it_find_key(t, key, &h) < 0)
+        return NULL;
+    if (h == IT_NIL || (IT_STATE(t, h) != IT_PENDING && IT_STATE(t, h) != IT_PENDING_DOOMED))
+        Py_RETURN_NONE;
+    t->reserved--;
+    if (IT_STATE(t, h) == IT_PENDING_DOOMED)
+        t->deferred--;
+    PyObject *run = it_run(t, h);
+    if (run != NULL)
+        it_delete(t, h);
+    return run;
+}
+
+/* lookup(keys, touch) -> [bool]: committed keys; touch moves hits to the LRU's recent end. */
+static PyObject *IndexTable_lookup(IndexTable *t, PyObject *args) {
+    PyObject *keys;
+    int touch;
+    if (!PyArg_ParseTuple(args, "Op", &keys, &touch))
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "umbp: lookup() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        uint32_t h;
+        if (it_find_key(t, PySequence_Fast_GET_ITEM(seq, i), &h) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+        int hit = h != IT_NIL && IT_STATE(t, h) == IT_COMMITTED;
+        if (hit && touch && t->pins[h] == 0) {
+            it_lru_unlink(t, h);
+            it_lru_push(t, h);
+        }
+        PyList_SET_ITEM(out, i, PyBool_FromLong(hit));
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *IndexTable_contains(IndexTable *t, PyObject *key) {
+    uint32_t h;
+    if (!PyUnicode_Check(key))
+        Py_RETURN_FALSE;
+    if (it_find_key(t, key, &h) < 0)
+        return NULL;
+    return PyBool_FromLong(h != IT_NIL && IT_STATE(t, h) == IT_COMMITTED);
+}
+
+static PyObject *IndexTable_slot_of(IndexTable *t, PyObject *key) {
+    uint32_t h;
+    if (it_find_key(t, key, &h) < 0)
+        return NULL;
+    if (h == IT_NIL || IT_STATE(t, h) != IT_COMMITTED)
+        Py_RETURN_NONE;
+    return it_slot(t, h);
+}
+
+/* pin(keys) -> [Slot | None] */
+static PyObject *IndexTable_pin(IndexTable *t, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "umbp: pin() takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        uint32_t h;
+        PyObject *item = NULL;
+        if (it_find_key(t, PySequence_Fast_GET_ITEM(seq, i), &h) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+        if (h == IT_NIL || IT_STATE(t, h) != IT_COMMITTED) {
+            item = Py_NewRef(Py_None);
+        } else {
+            if (t->pins[h] == 0) {
+                it_lru_unlink(t, h);
+                t->pinned++;
+            }
+            t->pins[h]++;
+            item = it_slot(t, h);
+            if (item == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* unpin(keys) -> ([(start, npages) to free], first key without a pin or None). Stops at that key. */
+static PyObject *IndexTable_unpin(IndexTable *t, PyObject *keys) {
+    PyObject *it = PyObject_GetIter(keys), *freed = PyList_New(0), *bad = NULL, *k;
+    if (it == NULL || freed == NULL)
+        goto fail;
+    while ((k = PyIter_Next(it)) != NULL) {
+        uint32_t h;
+        if (it_find_key(t, k, &h) < 0) {
+            Py_DECREF(k);
+            goto fail;
+        }
+        int st = h == IT_NIL ? IT_FREE : IT_STATE(t, h);
+        if ((st != IT_COMMITTED && st != IT_DOOMED) || t->pins[h] == 0) {
+            bad = k;
+            break;
+        }
+        Py_DECREF(k);
+        if (--t->pins[h] == 0) {
+            t->pinned--;
+            if (st == IT_COMMITTED) {
+                it_lru_push(t, h); /* a read is a use: most recently used */
+            } else {
+                PyObject *run = it_run(t, h);
+                if (run == NULL || PyList_Append(freed, run) < 0) {
+                    Py_XDECREF(run);
+                    goto fail;
+                }
+                Py_DECREF(run);
+                t->deferred--;
+                it_delete(t, h);
+            }
+        }
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(it);
+    PyObject *res = Py_BuildValue("(NO)", freed, bad ? bad : Py_None);
+    Py_XDECREF(bad);
+    return res;
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(freed);
+    return NULL;
+}
+
+/* Remove row h if committed (1) or doom it if pending (0); appends runs to free to `freed`. */
+static int it_remove_row(IndexTable *t, uint32_t h, PyObject *freed) {
+    int st = IT_STATE(t, h);
+    if (st == IT_PENDING) {
+        t->state[h] = IT_PENDING_DOOMED;
+        t->deferred++;
+        return 0;
+    }
+    if (st != IT_COMMITTED)
+        return 0;
+    t->live--;
+    t->live_bytes -= t->nbytes[h];
+    if (t->pins[h]) {
+        t->state[h] = IT_DOOMED;
+        t->deferred++;
+        return 1;
+    }
+    it_lru_unlink(t, h);
+    PyObject *run = it_run(t, h);
+    if (run == NULL || PyList_Append(freed, run) < 0) {
+        Py_XDECREF(run);
+        return -1;
+    }
+    Py_DECREF(run);
+    it_delete(t, h);
+    return 1;
+}
+
+/* remove(keys) -> (removed, [(start, npages) to free]) */
+static PyObject *IndexTable_remove(IndexTable *t, PyObject *keys) {
+    PyObject *it = PyObject_GetIter(keys), *freed = PyList_New(0), *k;
+    Py_ssize_t removed = 0;
+    if (it == NULL || freed == NULL)
+        goto fail;
+    while ((k = PyIter_Next(it)) != NULL) {
+        uint32_t h;
+        int r = it_find_key(t, k, &h);
+        Py_DECREF(k);
+        if (r < 0)
+            goto fail;
+        if (h != IT_NIL) {
+            if ((r = it_remove_row(t, h, freed)) < 0)
+                goto fail;
+            removed += r;
+        }
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(it);
+    return Py_BuildValue("(nN)", removed, freed);
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(freed);
+    return NULL;
+}
+
+/* clear() -> (removed, [(start, npages) to free]): every committed row removed, every pending one doomed. */
+static PyObject *IndexTable_clear(IndexTable *t, PyObject *unused) {
+    PyObject *freed = PyList_New(0);
+    Py_ssize_t removed = 0;
+    if (freed == NULL)
+        return NULL;
+    for (uint32_t h = 0; h < t->cap; h++) {
+        if (IT_STATE(t, h) == IT_FREE)
+            continue;
+        int r = it_remove_row(t, h, freed);
+        if (r < 0) {
+            Py_DECREF(freed);
+            return NULL;
+        }
+        removed += r;
+    }
+    return Py_BuildValue("(nN)", removed, freed);
+}
+
+/* evict() -> (key, Slot, start, npages) of the least recently used unpinned committed row, removed; or None. */
+static PyObject *IndexTable_evict(IndexTable *t, PyObject *unused) {
+    uint32_t h = t->lru_head;
+    if (h == IT_NIL)
+        Py_RETURN_NONE;
+    PyObject *res = Py_BuildValue("(NNLI)", it_key(t, h), it_slot(t, h), (long long)t->start[h],
+                                  (unsigned int)t->npages[h]);
+    if (res == NULL)
+        return NULL;
+    it_lru_unlink(t, h);
+    t->live--;
+    t->live_bytes -= t->nbytes[h];
+    it_delete(t, h);
+    return res;
+}
+
+/* rows() -> [(key, start, npages, state)] of every row holding pages; for tests and debugging. */
+static PyObject *IndexTable_rows(IndexTable *t, PyObject *unused) {
+    static const char *names[] = {"free", "reserved", "committed", "reserved", "doomed"};
+    PyObject *out = PyList_New(0);
+    for (uint32_t h = 0; out != NULL && h < t->cap; h++) {
+        int st = IT_STATE(t, h);
+        if (st == IT_FREE)
+            continue;
+        PyObject *row = Py_BuildValue("(NLIs)", it_key(t, h), (long long)t->start[h], (unsigned int)t->npages[h],
+                                      names[st]);
+        if (row == NULL || PyList_Append(out, row) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(row);
+    }
+    return out;
+}
+
+/* counters() -> (live, reserved, pinned, deferred, lru_pages, live_bytes, table bytes) */
+static PyObject *IndexTable_counters(IndexTable *t, PyObject *unused) {
+    size_t per_row = 2 * sizeof(uint64_t) + 2 * sizeof(int64_t) + sizeof(uint64_t) + 4 * sizeof(uint32_t) + 1 +
+                     (t->keep_keys ? sizeof(PyObject *) : 0);
+    size_t mem = (size_t)t->cap * per_row + (size_t)(t->tmask + 1) * sizeof(uint32_t);
+    return Py_BuildValue("(nnnnLLn)", t->live, t->reserved, t->pinned, t->deferred, (long long)t->lru_pages,
+                         (long long)t->live_bytes, (Py_ssize_t)mem);
+}
+
+static Py_ssize_t IndexTable_len(IndexTable *t) { return t->live; }
+
+static PyMethodDef IndexTable_methods[] = {
+    {"state", (PyCFunction)IndexTable_state, METH_O, NULL},
+    {"add", (PyCFunction)IndexTable_add, METH_VARARGS, NULL},
+    {"commit", (PyCFunction)IndexTable_commit, METH_VARARGS, NULL},
+    {"abort", (PyCFunction)IndexTable_abort, METH_O, NULL},
+    {"lookup", (PyCFunction)IndexTable_lookup, METH_VARARGS, NULL},
+    {"contains", (PyCFunction)IndexTable_contains, METH_O, NULL},
+    {"slot_of", (PyCFunction)IndexTable_slot_of, METH_O, NULL},
+    {"pin", (PyCFunction)IndexTable_pin, METH_O, NULL},
+    {"unpin", (PyCFunction)IndexTable_unpin, METH_O, NULL},
+    {"remove", (PyCFunction)IndexTable_remove, METH_O, NULL},
+    {"clear", (PyCFunction)IndexTable_clear, METH_NOARGS, NULL},
+    {"evict", (PyCFunction)IndexTable_evict, METH_NOARGS, NULL},
+    {"rows", (PyCFunction)IndexTable_rows, METH_NOARGS, NULL},
+    {"counters", (PyCFunction)IndexTable_counters, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef IndexTable_members[] = {
+    {"lru_pages", T_LONGLONG, offsetof(IndexTable, lru_pages), READONLY, "pages of evictable objects"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PySequenceMethods IndexTable_as_seq = {.sq_length = (lenfunc)IndexTable_len};
+
+static PyTypeObject IndexTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "umbp.pool._native.IndexTable",
+    .tp_basicsize = sizeof(IndexTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Compact key -> slot table of the DRAM index (see umbp.pool.index).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)IndexTable_init,
+    .tp_dealloc = (destructor)IndexTable_dealloc,
+    .tp_methods = IndexTable_methods,
+    .tp_members = IndexTable_members,
+    .tp_as_sequence = &IndexTable_as_seq,
+};
+
+/* ==== end of IndexTable ============================================================================= */
+
 static PyMethodDef methods[] = {
     {"psum_copy", (PyCFunction)(void (*)(void))psum_copy, METH_VARARGS | METH_KEYWORDS, psum_copy_doc},
     {"psum_impl", psum_impl, METH_VARARGS, psum_impl_doc},
@@ -834,5 +1526,9 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
     psum_init();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && (PyType_Ready(&IndexTableType) < 0 ||
+                      PyModule_AddObjectRef(m, "IndexTable", (PyObject *)&IndexTableType) < 0))
+        Py_CLEAR(m);
+    return m;
 }

@@ -18,16 +18,23 @@ evicting until one is. A reservation that still cannot fit returns None (counted
 
 Not thread-safe on purpose: the owner serialises calls (DramPool holds one lock; the vLLM scheduler is
 single-threaded), so the hot path pays for no second lock.
+
+Compact by construction: the per-object state lives in a table of plain arrays (the C `IndexTable` in
+umbp.pool._native; its pure-Python twin umbp.pool.index_table.PyIndexTable where the extension is not
+built), keyed by a 128-bit keyed digest of the key, so millions of objects cost no Python objects and no
+garbage-collector work. keep_keys=False (the vLLM scheduler) stores no key strings at all: evicted keys
+then come back as their 16-byte digests (drain_evicted, on_evict, allocations). See docs/pool.md.
+umbp.pool.dict_index.DictIndex is the plain reference implementation of the same rules.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from umbp.pool import native
 from umbp.pool.allocator import PageAllocator
 from umbp.pool.errors import (
     BufferSizeError,
@@ -37,8 +44,10 @@ from umbp.pool.errors import (
     SlotStateError,
     human_bytes,
 )
+from umbp.pool.index_table import PyIndexTable
 
 ABSENT, PENDING, COMMITTED, BUSY = "absent", "pending", "committed", "busy"
+_STATES = (ABSENT, PENDING, COMMITTED, BUSY)  # the tables answer state() with an index into this
 
 
 class Slot(NamedTuple):
@@ -49,16 +58,6 @@ class Slot(NamedTuple):
     offset: int
     nbytes: int
     checksum: int | None = None
-
-
-@dataclass(slots=True)
-class _Entry:
-    key: str
-    slot: Slot
-    start: int  # first page
-    npages: int
-    pins: int = 0
-    doomed: bool = False  # removed while pinned or reserved: free when the last user lets go
 
 
 def check_capacity(capacity_bytes: Any, alignment: Any = 4096) -> None:
@@ -101,6 +100,17 @@ def too_large_error(key: str, nbytes: int, capacity_bytes: int) -> ObjectTooLarg
     )
 
 
+
+def make_table(alignment: int, keep_keys: bool, use_native: bool | None = None) -> Any:
+    """The C IndexTable when the extension is loaded (or use_native=True), else its pure-Python twin."""
+    if use_native is None:
+        use_native = native.lib is not None
+    if use_native and native.lib is None:
+        raise ImportError(f"umbp: the native index table is unavailable: extension {native.why_not}")
+    cls = native.lib.IndexTable if use_native else PyIndexTable
+    return cls(os.urandom(16), alignment, Slot, keep_keys)
+
+
 class DramIndex:
     """key -> Slot(offset, nbytes) inside a fixed capacity; no bytes. See the module docstring."""
 
@@ -112,6 +122,9 @@ class DramIndex:
         alignment: int = 4096,
         *,
         track_evicted: bool = True,
+        keep_keys: bool = True,
+        use_native: bool | None = None,
+        max_evict_objects: int | None = None,
     ) -> None:
         check_capacity(capacity_bytes, alignment)
         check_watermarks(high_watermark, low_watermark)
@@ -123,22 +136,21 @@ class DramIndex:
         self._high_pages = int(self.npages * high_watermark)
         self._low_pages = int(self.npages * low_watermark)
         self._alloc = PageAllocator(self.npages)
-        self._live: dict[str, _Entry] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # committed and unpinned only, oldest first
+        self._table = make_table(alignment, keep_keys, use_native)
+        self.native = not isinstance(self._table, PyIndexTable)
         # called as on_evict([(key, slot), ...]) with LRU victims while their bytes are intact (tier
         # demotion): once per victim, or once per batched_evictions() block
-        self.on_evict: Callable[[list[tuple[str, Slot]]], None] | None = None
-        self._deferred: list[tuple[str, Slot]] | None = None
+        self.on_evict: Callable[[list[tuple[Any, Slot]]], None] | None = None
+        self._deferred: list[tuple[Any, Slot]] | None = None
         # pages one watermark eviction frees at most (None: down to the low watermark); TieredPool sets it
         # to what the next tier can take in one call, so a burst of victims does not overflow it
         self.max_evict_pages: int | None = None
-        self._lru_pages = 0
-        self._reserved: dict[str, _Entry] = {}
-        self._doomed: dict[str, _Entry] = {}  # removed while pinned
+        # objects one watermark eviction takes at most (None: no limit): bounds the pause of the one
+        # reservation that crosses the high watermark (at 30 M objects, 10% of them is ~1 s of evictions);
+        # the rest go on later reservations, each still evicting whatever it needs to fit
+        self.max_evict_objects: int | None = max_evict_objects
         self._track_evicted = track_evicted
-        self._evicted: list[str] = []
-        self._pinned_entries = 0
-        self._live_bytes = 0
+        self._evicted: list[Any] = []
         self.evictions = 0
         self.evicted_bytes = 0
         self.reserve_failures = 0
@@ -147,38 +159,22 @@ class DramIndex:
 
     def lookup(self, keys: Sequence[str], touch: bool = False) -> list[bool]:
         """Committed keys only. touch=True also marks hits as recently used."""
-        live = self._live
-        if not touch:
-            return list(map(live.__contains__, keys))  # C-level loop: a lookup asks for every boundary
-        lru = self._lru
-        out = []
-        for k in keys:
-            hit = k in live
-            if hit and k in lru:
-                lru.move_to_end(k)
-            out.append(hit)
-        return out
+        return self._table.lookup(keys, touch)
 
     def state(self, key: str) -> str:
         """'committed', 'pending' (reserved, not yet committed), 'busy' (removed but still pinned or
         being written: cannot be stored again until released) or 'absent'."""
-        if key in self._live:
-            return COMMITTED
-        entry = self._reserved.get(key)
-        if entry is not None:
-            return BUSY if entry.doomed else PENDING
-        return BUSY if key in self._doomed else ABSENT
+        return _STATES[self._table.state(key)]
 
     def slot_of(self, key: str) -> Slot | None:
         """The committed slot of key without touching LRU order or pins."""
-        entry = self._live.get(key)
-        return entry.slot if entry is not None else None
+        return self._table.slot_of(key)
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self._table)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._live
+        return self._table.contains(key)
 
     # ---- writes --------------------------------------------------------------------------------------
 
@@ -189,23 +185,21 @@ class DramIndex:
             raise BufferSizeError(f"umbp: object '{key}' has invalid size {nbytes!r}; sizes are ints >= 0 bytes")
         if nbytes > self.capacity_bytes:
             raise too_large_error(key, nbytes, self.capacity_bytes)
-        state = self.state(key)
-        if state in (COMMITTED, PENDING):
+        state = self._table.state(key)
+        if state == 1 or state == 2:
             raise SlotStateError(
-                f"umbp: reserve('{key}') but the key is already {state}; lookup()/state() first "
+                f"umbp: reserve('{key}') but the key is already {_STATES[state]}; lookup()/state() first "
                 "(a duplicate put is a no-op)"
             )
         npages = -(-nbytes // self.alignment)
-        if state == BUSY or npages > self._alloc.free_pages + self._lru_pages:
+        if state == 3 or npages > self._alloc.free_pages + self._table.lru_pages:
             self.reserve_failures += 1
             return None
         start = self._allocate(npages)
         if start is None:
             self.reserve_failures += 1
             return None
-        entry = _Entry(key, Slot(start * self.alignment, nbytes), start, npages)
-        self._reserved[key] = entry
-        return entry.slot
+        return self._table.add(key, start, npages, nbytes)
 
     def reserve_many(self, keys: Sequence[str], nbytes: int) -> list[Slot | None]:
         """Slots for several new objects of one size, adjacent in the arena when one free run can take
@@ -213,42 +207,42 @@ class DramIndex:
         adjacent slots is one copy for the transfer engine's DMA path instead of one per object.
         Otherwise exactly reserve() per key. Each slot is still committed, pinned and freed on its own."""
         keys = list(keys)
+        state = self._table.state
         simple = (len(keys) >= 2 and len(set(keys)) == len(keys) and type(nbytes) is int  # noqa: E721
-                  and 0 < nbytes <= self.capacity_bytes and all(self.state(k) == ABSENT for k in keys))
+                  and 0 < nbytes <= self.capacity_bytes and all(state(k) == 0 for k in keys))
         if not simple:  # reserve() gives each odd case its own answer or error
             return [self.reserve(k, nbytes) for k in keys]
         npages = -(-nbytes // self.alignment)
         total = npages * len(keys)
         start = None
-        if total <= self._alloc.free_pages + self._lru_pages:
+        if total <= self._alloc.free_pages + self._table.lru_pages:
             self._make_room(total)
             start = self._alloc.alloc(total)
         if start is None:
             return [self.reserve(k, nbytes) for k in keys]
-        out = []
-        for i, key in enumerate(keys):
-            first = start + i * npages
-            entry = _Entry(key, Slot(first * self.alignment, nbytes), first, npages)
-            self._reserved[key] = entry
-            out.append(entry.slot)
-        return out
+        add = self._table.add
+        return [add(key, start + i * npages, npages, nbytes) for i, key in enumerate(keys)]
 
     def _make_room(self, npages: int) -> None:
         """Past the high watermark, evict least-recently-used objects down to the low one (at most
-        max_evict_pages of them per call, at least one object)."""
+        max_evict_pages of them and max_evict_objects objects per call, at least one object)."""
         used = self.npages - self._alloc.free_pages
         if used + npages > self._high_pages:
             target = max(self._low_pages - npages, 0)
             budget = self.npages if self.max_evict_pages is None else self.max_evict_pages
+            victims = self.max_evict_objects or -1
             freed = 0
-            while self._lru and self.npages - self._alloc.free_pages > target and freed < budget:
-                freed += self._evict_one()
+            while self.npages - self._alloc.free_pages > target and freed < budget and victims:
+                got = self._evict_one()
+                if got is None:
+                    break
+                freed += got
+                victims -= 1
 
     def _allocate(self, npages: int) -> int | None:
         self._make_room(npages)
         start = self._alloc.alloc(npages)
-        while start is None and self._lru:
-            self._evict_one()
+        while start is None and self._evict_one() is not None:
             start = self._alloc.alloc(npages)
         return start
 
@@ -271,112 +265,71 @@ class DramIndex:
             if victims and self.on_evict is not None:
                 self.on_evict(victims)
 
-    def _evict_one(self) -> int:
-        """Evict the least recently used object; returns its pages."""
-        key, _ = self._lru.popitem(last=False)
-        entry = self._live.pop(key)
+    def _evict_one(self) -> int | None:
+        """Evict the least recently used object; returns its pages (None: nothing is evictable)."""
+        victim = self._table.evict()
+        if victim is None:
+            return None
+        key, slot, start, npages = victim
         if self.on_evict is not None:  # the bytes are intact until the caller reuses the pages
             if self._deferred is not None:
-                self._deferred.append((key, entry.slot))
+                self._deferred.append((key, slot))
             else:
-                self.on_evict([(key, entry.slot)])
-        self._lru_pages -= entry.npages
-        self._live_bytes -= entry.slot.nbytes
-        self._alloc.free(entry.start, entry.npages)
+                self.on_evict([(key, slot)])
+        self._alloc.free(start, npages)
         self.evictions += 1
-        self.evicted_bytes += entry.slot.nbytes
+        self.evicted_bytes += slot.nbytes
         if self._track_evicted:
             self._evicted.append(key)
-        return entry.npages
+        return npages
 
     def commit(self, key: str, checksum: int | None = None) -> bool:
         """Make a reserved key visible. False if it was removed/cleared meanwhile (its pages are freed)."""
-        entry = self._reserved.pop(key, None)
-        if entry is None:
+        done = self._table.commit(key, checksum)
+        if done == 1:
+            return True
+        if done == -1:
             raise SlotStateError(f"umbp: commit('{key}') without a reservation; call reserve() first")
-        if entry.doomed:
-            self._alloc.free(entry.start, entry.npages)
-            return False
-        if checksum is not None:
-            entry.slot = Slot(entry.slot.offset, entry.slot.nbytes, checksum)
-        self._live[key] = entry
-        self._lru[key] = None
-        self._lru_pages += entry.npages
-        self._live_bytes += entry.slot.nbytes
-        return True
+        self._alloc.free(*done)
+        return False
 
     def abort(self, key: str) -> None:
         """Give a reservation back (the copy failed or was cancelled)."""
-        entry = self._reserved.pop(key, None)
-        if entry is None:
+        run = self._table.abort(key)
+        if run is None:
             raise SlotStateError(f"umbp: abort('{key}') without a reservation")
-        self._alloc.free(entry.start, entry.npages)
+        self._alloc.free(*run)
 
     def pin(self, keys: Sequence[str]) -> list[Slot | None]:
         """Read-pin committed keys (None for a miss). Pins nest; every pin needs one unpin."""
-        out: list[Slot | None] = []
-        for k in keys:
-            entry = self._live.get(k)
-            if entry is None:
-                out.append(None)
-                continue
-            if entry.pins == 0:
-                del self._lru[k]
-                self._lru_pages -= entry.npages
-                self._pinned_entries += 1
-            entry.pins += 1
-            out.append(entry.slot)
-        return out
+        return self._table.pin(keys)
 
     def unpin(self, keys: Iterable[str]) -> None:
-        for k in keys:
-            entry = self._live.get(k)
-            if entry is not None and entry.pins > 0:
-                entry.pins -= 1
-                if entry.pins == 0:
-                    self._pinned_entries -= 1
-                    self._lru[k] = None  # a read is a use: most recently used
-                    self._lru_pages += entry.npages
-                continue
-            entry = self._doomed.get(k)
-            if entry is None:
-                raise SlotStateError(f"umbp: unpin('{k}') without a matching pin")
-            entry.pins -= 1
-            if entry.pins == 0:
-                self._pinned_entries -= 1
-                del self._doomed[k]
-                self._alloc.free(entry.start, entry.npages)
+        freed, bad = self._table.unpin(keys)
+        self._free_runs(freed)
+        if bad is not None:
+            raise SlotStateError(f"umbp: unpin('{bad}') without a matching pin")
+
+    def _free_runs(self, runs: list[tuple[int, int]]) -> None:
+        free = self._alloc.free
+        for start, npages in runs:
+            free(start, npages)
 
     def remove(self, keys: Iterable[str]) -> int:
         """Make keys absent; returns how many were committed. Pinned/reserved pages are freed later."""
-        removed = 0
-        for k in keys:
-            entry = self._live.pop(k, None)
-            if entry is None:
-                pending = self._reserved.get(k)
-                if pending is not None:
-                    pending.doomed = True
-                continue
-            removed += 1
-            self._live_bytes -= entry.slot.nbytes
-            if entry.pins:
-                entry.doomed = True
-                self._doomed[k] = entry
-            else:
-                del self._lru[k]
-                self._lru_pages -= entry.npages
-                self._alloc.free(entry.start, entry.npages)
+        removed, freed = self._table.remove(keys)
+        self._free_runs(freed)
         return removed
 
     def clear(self) -> int:
         """Remove every object and cancel every reservation; returns how many objects were removed."""
-        removed = self.remove(list(self._live))
-        for entry in self._reserved.values():
-            entry.doomed = True
+        removed, freed = self._table.clear()
+        self._free_runs(freed)
         return removed
 
-    def drain_evicted(self) -> list[str]:
-        """Keys evicted since the last call (empty unless track_evicted), so the owner can tell others."""
+    def drain_evicted(self) -> list[Any]:
+        """Keys evicted since the last call (empty unless track_evicted), so the owner can tell others;
+        with keep_keys=False, their 16-byte digests."""
         out, self._evicted = self._evicted, []
         return out
 
@@ -385,29 +338,28 @@ class DramIndex:
     def stats(self) -> dict[str, Any]:
         align = self.alignment
         used = (self.npages - self._alloc.free_pages) * align
+        live, reserved, pinned, deferred, lru_pages, live_bytes, table_bytes = self._table.counters()
         return {
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": used,
-            "stored_bytes": self._live_bytes,
+            "stored_bytes": live_bytes,
             "free_bytes": self.capacity_bytes - used,
             "largest_free_bytes": self._alloc.largest_free() * align,
-            "evictable_bytes": self._lru_pages * align,
-            "objects": len(self._live),
-            "reserved": len(self._reserved),
-            "pinned": self._pinned_entries,
-            "deferred_frees": len(self._doomed) + sum(e.doomed for e in self._reserved.values()),
+            "evictable_bytes": lru_pages * align,
+            "objects": live,
+            "reserved": reserved,
+            "pinned": pinned,
+            "deferred_frees": deferred,
             "evictions": self.evictions,
             "evicted_bytes": self.evicted_bytes,
             "reserve_failures": self.reserve_failures,
             "high_watermark": self.high_watermark,
             "low_watermark": self.low_watermark,
             "alignment": align,
+            "index_table_bytes": table_bytes,
         }
 
-    def allocations(self) -> list[tuple[str, int, int, str]]:
+    def allocations(self) -> list[tuple[Any, int, int, str]]:
         """(key, offset, allocated bytes, state) of every entry holding pages; for tests and debugging."""
         align = self.alignment
-        rows = [(e.key, e.start * align, e.npages * align, "committed") for e in self._live.values()]
-        rows += [(e.key, e.start * align, e.npages * align, "reserved") for e in self._reserved.values()]
-        rows += [(e.key, e.start * align, e.npages * align, "doomed") for e in self._doomed.values()]
-        return rows
+        return [(key, start * align, npages * align, state) for key, start, npages, state in self._table.rows()]

@@ -89,7 +89,8 @@ class SchedulerSide:
         self.layout = layout
         self.block_pool = block_pool
         self.index = DramIndex(cfg.dram_bytes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
-                               alignment=ARENA_PAGE)
+                               alignment=ARENA_PAGE, keep_keys=False,  # evictions are only counted here
+                               max_evict_objects=1024)  # a ~3 ms eviction per step at most, not 10% of 30 M
         self.rank_tags = {r.tag() for r in layout.ranks}
         self.requests: dict[str, TrackedRequest] = {}
         self.loads: dict[str, PendingLoad] = {}
