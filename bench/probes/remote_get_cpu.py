@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from umbp.pool import native
-from umbp.pool.remote import RedisTier, RemoteConfig
+from umbp.pool.remote.tier import RedisTier, RemoteConfig
 from umbp.tools.local_redis import LocalRedis
 
 

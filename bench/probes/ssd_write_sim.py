@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-import umbp.pool.ssd as ssd
+import umbp.pool.ssd.tier as ssd
 from umbp.pool.buffers import aligned_buffer
 from umbp.tools.bench_ssd import put_all
 

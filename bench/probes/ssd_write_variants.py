@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-import umbp.pool.ssd as ssd
+import umbp.pool.ssd.tier as ssd
 from umbp.tools.bench_ssd import _Bench, _config, put_all
 from umbp.tools.benchutil import timed
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from umbp.pool import Arena
 from umbp.pool.psum import checksum
-from umbp.pool.remote import RedisTier
-from umbp.pool.ssd import SsdTier
+from umbp.pool.remote.tier import RedisTier
+from umbp.pool.ssd.tier import SsdTier
 from umbp.tools.local_redis import LocalRedis
 
 SHAPES = ((24, 1600 << 10), (64, 256 << 10))  # Granite-sized objects; smaller ones

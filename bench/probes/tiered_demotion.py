@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-import umbp.pool.ssd as ssd_mod
+import umbp.pool.ssd.tier as ssd_mod
 from umbp.pool import DramPool, SsdTier, TieredPool
 
 MiB = 1 << 20

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-import umbp.pool.ssd as ssd_mod
+import umbp.pool.ssd.tier as ssd_mod
 
 
 @pytest.fixture

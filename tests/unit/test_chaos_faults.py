@@ -49,7 +49,7 @@ def test_swap_words_is_a_pure_reorder_inside_one_row():
 @pytest.fixture
 def proxied(tmp_path):
     require_redis()
-    from umbp.pool.remote import RedisTier, RemoteConfig
+    from umbp.pool.remote.tier import RedisTier, RemoteConfig
 
     server = start_server(tmp_path / "redis")
     proxy = ManglingProxy(server.port)

@@ -231,7 +231,7 @@ def test_every_path_gives_the_same_digest(n, seed):
 def test_row_values_combine_like_the_whole(path):
     """The remote tier's batched path (row values per row, then combine_rows) and the SSD tier's (values
     of zero-padded rows) give the same digests as checksum()."""
-    from umbp.pool.ssd_format import block_rows, psums_of_records
+    from umbp.pool.ssd.format import block_rows, psums_of_records
 
     objs = [_data(3 * ROW_BYTES, s) for s in range(4)]
     rows = np.zeros((4, 3), np.uint64)

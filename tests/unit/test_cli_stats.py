@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_servers import require_redis, start_server  # noqa: E402
 from umbp.cli import main  # noqa: E402
 from umbp.identity import RankCoord, object_key  # noqa: E402
-from umbp.pool.ssd import SsdTier  # noqa: E402
+from umbp.pool.ssd.tier import SsdTier  # noqa: E402
 from umbp.vllm.tiers import rank_dir  # noqa: E402
 
 NS = "0123456789abcdef0123456789abcdef"
@@ -65,7 +65,7 @@ def test_missing_ssd_directory_is_one_clear_error(tmp_path, capsys):
 
 def test_remote_tier(tmp_path, capsys):
     require_redis()
-    from umbp.pool.remote import RedisTier
+    from umbp.pool.remote.tier import RedisTier
 
     server = start_server(tmp_path / "redis")
     try:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from umbp.pool import DramPool, SsdTier
-from umbp.pool.dram import DramOptions
+from umbp.pool.dram.tier import DramOptions
 from umbp.pool.errors import OptionValueError, UmbpValueError, UnknownOptionError
 from umbp.pool.options import _META
-from umbp.pool.ssd_options import SsdOptions
+from umbp.pool.ssd.options import SsdOptions
 from umbp.tools import options_doc
 from umbp.vllm.config import GIB, ConfigError, UMBPConfig, UnknownConfigKeyError
 

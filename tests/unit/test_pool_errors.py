@@ -16,7 +16,7 @@ from umbp.pool import (
     UmbpError,
     UnknownOptionError,
 )
-from umbp.pool.arena import cuda_available
+from umbp.pool.dram.arena import cuda_available
 
 MiB = 1 << 20
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umbp.pool import native
-from umbp.pool.dict_index import DictIndex
-from umbp.pool.index import DramIndex
+from umbp.pool.dram.dict_index import DictIndex
+from umbp.pool.dram.index import DramIndex
 
 ALIGN = 512
 KEYS = [f"key/{i}" for i in range(5)] + ["ключ-é"]  # a non-ASCII key goes through UTF-8 too

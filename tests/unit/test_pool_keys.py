@@ -20,7 +20,7 @@ def tier(request, tmp_path):
         pool = TieredPool([DramPool(capacity_bytes=1 << 20), SsdTier(str(tmp_path), 1 << 20, io_threads=0)])
     else:  # never connects: the key is refused before any I/O (port 1 has no server)
         pytest.importorskip("redis", reason="the shared tier needs the 'redis' extra")
-        from umbp.pool.remote import RedisTier, RemoteConfig
+        from umbp.pool.remote.tier import RedisTier, RemoteConfig
 
         pool = RedisTier(
             RemoteConfig.from_options({"url": "redis://127.0.0.1:1/0", "connect_timeout_s": 0.05})

@@ -18,9 +18,9 @@ require_redis()
 
 from umbp.pool.errors import OptionValueError  # noqa: E402
 from umbp.pool.psum import checksum_u8  # noqa: E402
-from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
-from umbp.pool.remote_auth import SEALED_HEADER_SIZE, namespace_of  # noqa: E402
-from umbp.pool.remote_format import key_crc, pack_header  # noqa: E402
+from umbp.pool.remote.auth import SEALED_HEADER_SIZE, namespace_of  # noqa: E402
+from umbp.pool.remote.format import key_crc, pack_header  # noqa: E402
+from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("impl")
 
@@ -242,7 +242,7 @@ def test_an_unauthenticated_tier_warns_at_start(make, caplog):
 @pytest.mark.parametrize("size", [0, 4096, 256 << 10, (256 << 10) + 1])
 def test_one_shot_and_streamed_tags_agree(scheme, size):
     """A value sealed in one call verifies when its tag is fed chunk by chunk while it is received."""
-    from umbp.pool.remote_auth import TagStream, TenantKeys, _mac
+    from umbp.pool.remote.auth import TagStream, TenantKeys, _mac
 
     keys = TenantKeys.derive(SECRET_A.encode())
     payload, nonce, fields = blob(size, 5), bytes(range(12)), bytes(range(64))

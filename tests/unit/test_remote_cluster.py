@@ -18,7 +18,7 @@ require_redis()
 
 from redis.crc import key_slot  # noqa: E402
 
-from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
+from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 
 NS = "0123456789abcdef0123456789abcdef"
 
@@ -92,7 +92,7 @@ def test_every_rank_and_group_of_one_prefix_shares_a_slot(tier, cluster):
 def test_misses_across_masters_are_repaired(tier, cluster):
     """Values evicted apart from their markers and a damaged value, spread over every master, in one
     get: the stale markers and the damaged value are removed (one pipelined repair, routed per slot)."""
-    from umbp.pool.remote_format import HEADER_SIZE
+    from umbp.pool.remote.format import HEADER_SIZE
 
     keys = [okey(i) for i in range(90)]
     assert all(tier.put(keys, [blob(4096, i) for i in range(90)]))

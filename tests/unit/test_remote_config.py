@@ -9,9 +9,8 @@ import pytest
 pytest.importorskip("redis")
 
 from umbp.pool.errors import OptionValueError, UnknownOptionError  # noqa: E402
-from umbp.pool.remote import GET_WINDOW_BYTES, RedisTier, _GetWindow  # noqa: E402
-from umbp.pool.remote_config import RemoteConfig, parse_url, redact_url  # noqa: E402
-from umbp.pool.remote_format import (  # noqa: E402
+from umbp.pool.remote.config import RemoteConfig, parse_url, redact_url  # noqa: E402
+from umbp.pool.remote.format import (  # noqa: E402
     CHECKSUM_AT,
     CHECKSUM_SIZE,
     HEADER_SIZE,
@@ -21,7 +20,8 @@ from umbp.pool.remote_format import (  # noqa: E402
     pack_header,
     stored_checksum,
 )
-from umbp.pool.resp import ProtocolError, bulk_keys, multi_key_command, scan_markers  # noqa: E402
+from umbp.pool.remote.resp import ProtocolError, bulk_keys, multi_key_command, scan_markers  # noqa: E402
+from umbp.pool.remote.tier import GET_WINDOW_BYTES, RedisTier, _GetWindow  # noqa: E402
 
 
 def test_defaults_and_round_trip_of_options():

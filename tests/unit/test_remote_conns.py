@@ -1,4 +1,4 @@
-"""The shared tier keeps drained connections between calls (umbp.pool.remote_conns). What redis-py's own
+"""The shared tier keeps drained connections between calls (umbp.pool.remote.conns). What redis-py's own
 checkout guarantees must still hold: a connection the server closed while idle is replaced without a
 failure, a forked child never uses or shuts down the parent's sockets, failed connections are not kept."""
 
@@ -17,7 +17,7 @@ from redis_servers import require_redis, start_server  # noqa: E402
 
 require_redis()
 
-from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
+from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 
 
 @pytest.fixture
@@ -156,7 +156,7 @@ def test_pools_that_left_the_topology_lose_their_kept_connections(server):
     in it: disconnected and handed back, so nothing lingers on a removed node."""
     import redis
 
-    from umbp.pool.remote_conns import KeptConnections
+    from umbp.pool.remote.conns import KeptConnections
 
     kept = KeptConnections(4)
     host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1].split("/")[0])

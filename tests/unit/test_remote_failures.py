@@ -15,7 +15,7 @@ from redis_servers import RedisServer, require_redis, start_server  # noqa: E402
 
 require_redis()
 
-from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
+from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 
 
 def blob(n: int, seed: int) -> np.ndarray:
@@ -27,7 +27,7 @@ class MovedClock:
     it, so a retry interval neither ends early on a slow machine nor needs a sleep to end."""
 
     def __init__(self, monkeypatch) -> None:
-        import umbp.pool.remote as remote_mod
+        import umbp.pool.remote.tier as remote_mod
 
         self.now = time.monotonic()
         monkeypatch.setattr(remote_mod, "_now", lambda: self.now)

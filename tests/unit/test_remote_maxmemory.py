@@ -14,7 +14,7 @@ from redis_servers import require_redis, start_server  # noqa: E402
 
 require_redis()
 
-from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
+from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("impl")
 

@@ -18,7 +18,7 @@ from redis_servers import require_redis, start_server  # noqa: E402
 require_redis()
 
 from umbp.pool import DramPool, TieredPool  # noqa: E402
-from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
+from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
 

@@ -16,8 +16,8 @@ from redis_servers import free_port, require_redis, start_server  # noqa: E402
 require_redis()
 
 from umbp.pool.errors import OptionValueError  # noqa: E402
-from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
-from umbp.pool.remote_config import parse_url, redact_options, redact_url  # noqa: E402
+from umbp.pool.remote.config import parse_url, redact_options, redact_url  # noqa: E402
+from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 
 PASSWORD = "pa#ss/wo?rd@x:y"
 SECRET = "tenant-secret-#/?@:-0123456789"

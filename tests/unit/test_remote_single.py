@@ -17,8 +17,8 @@ require_redis()
 
 from umbp.pool import Pool  # noqa: E402
 from umbp.pool.errors import BufferSizeError, BufferTypeError  # noqa: E402
-from umbp.pool.remote import RedisTier, RemoteConfig  # noqa: E402
-from umbp.pool.remote_format import HEADER_SIZE  # noqa: E402
+from umbp.pool.remote.format import HEADER_SIZE  # noqa: E402
+from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
 
@@ -55,7 +55,7 @@ class MovedClock:
     it, so an interval neither ends early on a slow machine nor needs a sleep to end."""
 
     def __init__(self, monkeypatch) -> None:
-        import umbp.pool.remote as remote_mod
+        import umbp.pool.remote.tier as remote_mod
 
         self.now = time.monotonic()
         monkeypatch.setattr(remote_mod, "_now", lambda: self.now)
@@ -350,9 +350,9 @@ def test_remove(tier):
 def test_put_sends_each_object_before_summing_later_ones(tier, monkeypatch):
     """The first object goes out before the second is checksummed, and every object of PUT_SEND_BYTES or
     more goes out before the next is summed: the server stores while the client sums."""
-    import umbp.pool.remote as remote_mod
-    import umbp.pool.remote_auth as auth_mod  # the value codec sums each payload as it seals it
-    from umbp.pool.resp import Wire
+    import umbp.pool.remote.auth as auth_mod  # the value codec sums each payload as it seals it
+    import umbp.pool.remote.tier as remote_mod
+    from umbp.pool.remote.resp import Wire
 
     events: list[str] = []
     real_sum, real_send = auth_mod.checksum_u8, Wire.send
@@ -406,8 +406,8 @@ def test_put_interrupted_mid_batch_drops_the_connection(server, monkeypatch):
     """An exception while a batch is being sent (here: in a checksum) leaves half a command on the wire:
     that connection must be dropped and given back to the pool, not reused and not leaked (with two
     connections allowed, three interrupted puts would otherwise exhaust the pool)."""
-    import umbp.pool.remote as remote_mod
-    import umbp.pool.remote_auth as auth_mod  # the value codec sums each payload as it seals it
+    import umbp.pool.remote.auth as auth_mod  # the value codec sums each payload as it seals it
+    import umbp.pool.remote.tier as remote_mod
 
     tier = RedisTier(RemoteConfig.from_options({"url": server.url, "max_connections": 2, "quarantine_s": 0}))
     real_sum = auth_mod.checksum_u8

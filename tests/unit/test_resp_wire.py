@@ -13,14 +13,14 @@ import pytest
 pytest.importorskip("redis")
 
 from umbp.pool import psum  # noqa: E402
-from umbp.pool.remote_format import (  # noqa: E402
+from umbp.pool.remote.format import (  # noqa: E402
     CHECKSUM_SIZE,
     HEADER_SIZE,
     header_after_checksum,
     header_before_checksum,
     pack_header,
 )
-from umbp.pool.resp import ProtocolError, ReplyError, Wire  # noqa: E402
+from umbp.pool.remote.resp import ProtocolError, ReplyError, Wire  # noqa: E402
 
 
 class ScriptedSocket:

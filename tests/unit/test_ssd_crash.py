@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from umbp.pool.ssd import SsdLockedError, SsdTier
-from umbp.pool.ssd_format import scan, scan_directory
+from umbp.pool.ssd.format import scan, scan_directory
+from umbp.pool.ssd.tier import SsdLockedError, SsdTier
 
 MiB = 1 << 20
 
@@ -32,7 +32,7 @@ data = _ns["data"]
 
 WRITER = POOL_SETUP + r"""
 import sys, time
-from umbp.pool.ssd import SsdTier
+from umbp.pool.ssd.tier import SsdTier
 directory, direct, i = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
 stop = i + 64  # at most ~170 MB a round: two rounds stay far below the 1 GiB capacity, so nothing is evicted
 tier = SsdTier(directory, capacity_bytes=1 << 30, queue_bytes=32 << 20, direct_io=direct)

@@ -16,10 +16,9 @@ import uuid
 import numpy as np
 import pytest
 
-import umbp.pool.ssd as ssd_mod
+import umbp.pool.ssd.tier as ssd_mod
 from umbp.pool.psum import checksum_u8
-from umbp.pool.ssd import SsdDirectoryError, SsdTier
-from umbp.pool.ssd_format import (
+from umbp.pool.ssd.format import (
     BLOCK,
     DATA,
     SUMMARY,
@@ -34,6 +33,7 @@ from umbp.pool.ssd_format import (
     scan_directory,
     segment_name,
 )
+from umbp.pool.ssd.tier import SsdDirectoryError, SsdTier
 
 KiB, MiB = 1024, 1 << 20
 

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from umbp.pool import checksum
-from umbp.pool.ssd import aligned_buffer
-from umbp.pool.ssd_format import (
+from umbp.pool.ssd.format import (
     BLOCK,
     DATA,
     MAX_KEY_BYTES,
@@ -38,6 +37,7 @@ from umbp.pool.ssd_format import (
     segment_number,
     unpack_summary,
 )
+from umbp.pool.ssd.tier import aligned_buffer
 
 
 def _blob(n: int, seed: int) -> np.ndarray:
@@ -124,7 +124,7 @@ def test_native_pack_headers_rejects_bad_input():
 
     if native.lib is None:
         pytest.skip(f"the C extension is {native.why_not}")
-    from umbp.pool.ssd_format import MAGIC, VERSION
+    from umbp.pool.ssd.format import MAGIC, VERSION
 
     buf = bytearray(2 * BLOCK)
     ok = ([0], [b"k"], [0], [1], [2], [3])

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from test_ssd_faults import _check, _wait  # byte-exact read-back of every key served; polling
 
-import umbp.pool.ssd as ssd_mod
+import umbp.pool.ssd.tier as ssd_mod
 from umbp.pool.errors import OptionValueError
-from umbp.pool.ssd import SsdTier
-from umbp.pool.ssd_format import record_bytes, scan
+from umbp.pool.ssd.format import record_bytes, scan
+from umbp.pool.ssd.tier import SsdTier
 
 KiB, MiB = 1024, 1 << 20
 OBJ = 60 * KiB  # a 64 KiB record: with max_io_bytes=64 KiB every write carries one record

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from umbp.pool import DramPool
-from umbp.pool.ssd import SsdTier
+from umbp.pool.ssd.tier import SsdTier
 from umbp.pool.tiered import TieredPool
 
 KiB = 1024

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from umbp.pool.errors import BufferSizeError
-from umbp.pool.ssd import SsdTier
-from umbp.pool.ssd_format import BLOCK, DATA, TOMBSTONE, segment_name, segment_number
-from umbp.pool.ssd_recovery import FLUSH_MARK_NAME, read_flush_mark, scan, scan_directory, write_flush_mark
+from umbp.pool.ssd.format import BLOCK, DATA, TOMBSTONE, segment_name, segment_number
+from umbp.pool.ssd.recovery import FLUSH_MARK_NAME, read_flush_mark, scan, scan_directory, write_flush_mark
+from umbp.pool.ssd.tier import SsdTier
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -71,7 +71,7 @@ WRITER = (
     OPS_SETUP
     + f"""
 import sys, time
-from umbp.pool.ssd import SsdTier
+from umbp.pool.ssd.tier import SsdTier
 directory, seed = sys.argv[1], int(sys.argv[2])
 tier = SsdTier(directory, **{TIER_OPTS!r})
 for op, key, version in ops(seed):
@@ -265,7 +265,7 @@ def test_randomized_kill_9_and_damage_never_serve_an_older_version(tmp_path, imp
 CHILD_REPRO = """
 import sys, time
 import numpy as np
-from umbp.pool.ssd import SsdTier
+from umbp.pool.ssd.tier import SsdTier
 directory = sys.argv[1]
 opts = dict(capacity_bytes=64 << 20, queue_bytes=4 << 20)
 v1, x, v2 = (np.full(n, c, np.uint8) for n, c in ((48 << 10, 1), (200 << 10, 2), (48 << 10, 3)))

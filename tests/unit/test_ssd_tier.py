@@ -7,11 +7,11 @@ import threading
 import numpy as np
 import pytest
 
-import umbp.pool.ssd as ssd_mod
+import umbp.pool.ssd.tier as ssd_mod
 from umbp.pool import BufferSizeError, ObjectTooLargeError, OptionValueError, Pool, UmbpError
 from umbp.pool.errors import InvalidKeyError
-from umbp.pool.ssd import SsdLockedError, SsdTier, aligned_buffer
-from umbp.pool.ssd_format import scan_directory
+from umbp.pool.ssd.format import scan_directory
+from umbp.pool.ssd.tier import SsdLockedError, SsdTier, aligned_buffer
 
 KiB, MiB = 1024, 1 << 20
 
@@ -76,7 +76,7 @@ def test_a_key_named_twice_in_a_get_is_read_once_and_fills_both(tmp_path, monkey
     """A batch that names records more than once reads each once (a repeat used to break the run of
     adjacent records into single-record reads: twice the time) and fills every destination; a damaged
     record named twice is two misses, and a staged object named twice is served twice."""
-    import umbp.pool.ssd as ssd_mod
+    import umbp.pool.ssd.tier as ssd_mod
 
     blobs = [_blob(16 * KiB, i) for i in range(64)]
     keys = [f"d{i}" for i in range(64)]

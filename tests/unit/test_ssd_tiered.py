@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from umbp.pool import DramIndex, DramPool, ObjectTooLargeError, Pool
-from umbp.pool.ssd import SsdTier
+from umbp.pool.ssd.tier import SsdTier
 from umbp.pool.tiered import TieredPool, install_evict_hook
 
 KiB, MiB = 1024, 1 << 20

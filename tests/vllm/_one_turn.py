@@ -18,7 +18,7 @@ from umbp.tools.demo_restart import one_turn
 
 def gate_tier_reads() -> dict:
     """Block SSD-tier reads until 3 engine steps ran while they were blocked (the engine is in-process)."""
-    from umbp.pool.ssd import SsdTier
+    from umbp.pool.ssd.tier import SsdTier
     from umbp.vllm.worker import WorkerSide
 
     state = {"blocked": 0, "steps_while_reading": 0, "open": threading.Event()}

@@ -8,10 +8,8 @@
 connector keeps the index in the scheduler and one arena per worker). Depends on numpy; torch optional.
 """
 
-from umbp.pool.allocator import PageAllocator
-from umbp.pool.arena import Arena
 from umbp.pool.base import Pool
-from umbp.pool.dram import OPTIONS, DramPool
+from umbp.pool.dram.tier import OPTIONS, Arena, DramIndex, DramPool, PageAllocator, Slot
 from umbp.pool.errors import (
     BufferSizeError,
     BufferTypeError,
@@ -25,7 +23,6 @@ from umbp.pool.errors import (
     UmbpValueError,
     UnknownOptionError,
 )
-from umbp.pool.index import DramIndex, Slot
 from umbp.pool.psum import checksum
 
 __all__ = [
@@ -51,9 +48,14 @@ __all__ = [
 ]
 
 # The SSD tier and the tier composition (docs/ssd.md).
-from umbp.pool.ssd import SsdDirectoryError, SsdError, SsdLockedError, SsdTier  # noqa: E402
-from umbp.pool.ssd_format import RecordInfo  # noqa: E402
-from umbp.pool.ssd_recovery import scan_directory  # noqa: E402
+from umbp.pool.ssd.tier import (  # noqa: E402
+    RecordInfo,
+    SsdDirectoryError,
+    SsdError,
+    SsdLockedError,
+    SsdTier,
+    scan_directory,
+)
 from umbp.pool.tiered import TieredPool  # noqa: E402
 
 __all__ += ["RecordInfo", "SsdDirectoryError", "SsdError", "SsdLockedError", "SsdTier", "TieredPool", "scan_directory"]

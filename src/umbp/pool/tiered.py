@@ -26,10 +26,10 @@ from typing import Any
 
 from umbp.pool.base import Pool
 from umbp.pool.buffers import as_u8
-from umbp.pool.dram import DramPool
+from umbp.pool.dram.index import Slot
+from umbp.pool.dram.tier import DramPool
 from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, UmbpError, human_bytes
-from umbp.pool.index import Slot
-from umbp.pool.ssd import SsdTier
+from umbp.pool.ssd.tier import SsdTier
 
 EvictCallback = Callable[[list[tuple[str, Slot]]], None]
 

@@ -1,6 +1,6 @@
 """`umbp bench index`: what the scheduler-side DRAM index costs per object, at 1 M to 30 M objects.
 
-The vLLM scheduler process owns the DRAM tier's index (umbp.pool.index.DramIndex); a 1.8 TB tier of small
+The vLLM scheduler process owns the DRAM tier's index (umbp.pool.dram.index.DramIndex); a 1.8 TB tier of small
 pages holds 10-30 M objects. Measured per object count, each in a fresh child process (so RSS deltas are
 its own): a fill with reserve+commit, then a steady state where every new object evicts an old one, with
 lookups of 256 keys and pin/unpin of 16 keys between puts, then a run of evictions alone. Reported: mean
@@ -74,12 +74,12 @@ def _keys(lo: int, hi: int) -> list[str]:
 def _make(kind: str, n: int) -> Any:
     cap = -(-n * 100 // 94) * ALIGN  # n objects sit just under the 0.95 high watermark
     if kind == "old":
-        from umbp.pool.dict_index import DictIndex
+        from umbp.pool.dram.dict_index import DictIndex
 
         index = DictIndex(cap, alignment=ALIGN, track_evicted=True)
         index.max_evict_pages = EVICT_CAP  # same bound (its objects are one page each)
         return index
-    from umbp.pool.index import DramIndex
+    from umbp.pool.dram.index import DramIndex
 
     return DramIndex(cap, alignment=ALIGN, keep_keys=False, max_evict_objects=EVICT_CAP)
 

@@ -324,7 +324,7 @@ def _print_table(report: dict[str, Any]) -> None:
 
 
 def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedis | None]:
-    from umbp.pool.remote import RedisTier, RemoteConfig
+    from umbp.pool.remote.tier import RedisTier, RemoteConfig
 
     server = None if args.url else LocalRedis("umbp bench remote", "--url")
     url = args.url or server.url

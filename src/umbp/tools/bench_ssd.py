@@ -94,7 +94,7 @@ class _Bench:
     def __init__(self, cfg: dict[str, Any]) -> None:
         import numpy as np
 
-        from umbp.pool.ssd import aligned_buffer
+        from umbp.pool.ssd.tier import aligned_buffer
 
         self.np, self.cfg = np, cfg
         ws = cfg["working_set_bytes"]
@@ -150,7 +150,7 @@ class _Bench:
     # ---- the tier ----
 
     def run_size(self, size: int) -> list[dict[str, Any]]:
-        from umbp.pool.ssd import SsdTier
+        from umbp.pool.ssd.tier import SsdTier
 
         np, cfg = self.np, self.cfg
         ws = cfg["working_set_bytes"]

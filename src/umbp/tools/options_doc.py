@@ -22,8 +22,8 @@ from pathlib import Path
 # table name -> the option set it documents ("module:Class")
 TABLES: dict[str, str] = {
     "connector": "umbp.vllm.config:UMBPConfig",
-    "dram": "umbp.pool.dram:DramOptions",
-    "ssd": "umbp.pool.ssd_options:SsdOptions",
+    "dram": "umbp.pool.dram.tier:DramOptions",
+    "ssd": "umbp.pool.ssd.options:SsdOptions",
 }
 # files (relative to the repository root) -> the tables they embed
 FILES: dict[str, tuple[str, ...]] = {

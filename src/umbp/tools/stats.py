@@ -84,7 +84,7 @@ class TierReport:
 
 
 def ssd_report(base: str) -> TierReport:
-    from umbp.pool.ssd_format import scan
+    from umbp.pool.ssd.format import scan
 
     if not os.path.isdir(base):
         raise StatsError(f"umbp stats: {base} is not a directory; pass an ssd_dirs entry of the connector's "
@@ -116,9 +116,9 @@ def ssd_report(base: str) -> TierReport:
 def remote_report(spec: str, sizes: bool, max_keys: int) -> TierReport:
     import redis
 
-    from umbp.pool.remote import RedisTier
-    from umbp.pool.remote_config import redact_url
-    from umbp.pool.remote_format import HEADER_SIZE
+    from umbp.pool.remote.config import redact_url
+    from umbp.pool.remote.format import HEADER_SIZE
+    from umbp.pool.remote.tier import RedisTier
 
     options = json.loads(spec) if spec.lstrip().startswith("{") else {"url": spec}
     tier = RedisTier.from_options(options)

@@ -43,7 +43,7 @@ def _remote(value: Any) -> tuple[tuple[str, Any], ...]:
         value = dict(value)  # the stored form (sorted pairs), e.g. from dataclasses.replace
     if not isinstance(value, Mapping) or not value or not all(isinstance(k, str) for k in value):
         raise Invalid('a Redis URL or an options dict like {"url": "redis://127.0.0.1:6379/0"}')
-    from umbp.pool.remote_config import RemoteConfig
+    from umbp.pool.remote.config import RemoteConfig
 
     try:
         RemoteConfig.from_options(value)
@@ -172,9 +172,9 @@ class UMBPConfig(Options):
         return cls.from_options(extra)
 
     def remote_tier(self):
-        """A RedisTier for these options (validated by umbp.pool.remote); None when no shared tier is set."""
+        """A RedisTier for these options (validated by umbp.pool.remote.tier); None when no shared tier is set."""
         if not self.remote:
             return None
-        from umbp.pool.remote import RedisTier, RemoteConfig
+        from umbp.pool.remote.tier import RedisTier, RemoteConfig
 
         return RedisTier(RemoteConfig.from_options(dict(self.remote)))

@@ -31,7 +31,7 @@ def logical_of(rank_key: str) -> str:
 
 
 def scan_ssd(dirs: Sequence[str], namespace: str, ranks: Iterable[RankCoord]) -> set[str]:
-    from umbp.pool.ssd_format import scan_directory
+    from umbp.pool.ssd.format import scan_directory
 
     held: set[str] | None = None
     for rank in ranks:

@@ -110,7 +110,7 @@ class WorkerSide:
         self.groups: dict[int, GroupPages] = {}
         self.arena: Arena | None = None
         self.ssd = None  # umbp.pool.SsdTier for this rank, when ssd_dirs is configured
-        self.remote = None  # umbp.pool.remote.RedisTier, when a shared tier is configured
+        self.remote = None  # umbp.pool.remote.tier.RedisTier, when a shared tier is configured
         self.ssd_saved: dict[int, set[str]] = {}
         self.slots: dict[int, tuple[str, int]] = {}  # arena offset -> (rank-local key, checksum)
         self.saved: dict[int, set[str]] = {}
@@ -154,7 +154,7 @@ class WorkerSide:
         self.engine = make_engine(self.arena, layers)  # Triton kernels on CUDA, staged copies on CPU
         self._warm_up()
         if self.cfg.ssd_dirs:
-            from umbp.pool.ssd import SsdTier
+            from umbp.pool.ssd.tier import SsdTier
 
             dirs = [rank_dir(d, self.layout.namespace, self.rank) for d in self.cfg.ssd_dirs]
             self.ssd = SsdTier(dirs, self.cfg.ssd_bytes, track_evicted=True, prefault=False)

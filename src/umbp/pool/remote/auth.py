@@ -38,7 +38,7 @@ import numpy as np
 
 from umbp.pool.errors import OptionValueError
 from umbp.pool.psum import checksum_u8
-from umbp.pool.remote_format import (
+from umbp.pool.remote.format import (
     CHECKSUM_SIZE,
     FORMAT_VERSION,
     HEADER_SIZE,

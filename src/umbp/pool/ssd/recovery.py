@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from umbp.pool.psum import checksum_u8
-from umbp.pool.ssd_format import (
+from umbp.pool.ssd.format import (
     _GROUP,
     _HEADER,
     BLOCK,

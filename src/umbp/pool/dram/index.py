@@ -20,11 +20,11 @@ Not thread-safe on purpose: the owner serialises calls (DramPool holds one lock;
 single-threaded), so the hot path pays for no second lock.
 
 Compact by construction: the per-object state lives in a table of plain arrays (the C `IndexTable` in
-umbp.pool._native; its pure-Python twin umbp.pool.index_table.PyIndexTable where the extension is not
+umbp.pool._native; its pure-Python twin umbp.pool.dram.index_table.PyIndexTable where the extension is not
 built), keyed by a 128-bit keyed digest of the key, so millions of objects cost no Python objects and no
 garbage-collector work. keep_keys=False (the vLLM scheduler) stores no key strings at all: evicted keys
 then come back as their 16-byte digests (drain_evicted, on_evict, allocations). See docs/pool.md.
-umbp.pool.dict_index.DictIndex is the plain reference implementation of the same rules.
+umbp.pool.dram.dict_index.DictIndex is the plain reference implementation of the same rules.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from umbp.pool import native
-from umbp.pool.allocator import PageAllocator
+from umbp.pool.dram.allocator import PageAllocator
+from umbp.pool.dram.index_table import PyIndexTable
 from umbp.pool.errors import (
     BufferSizeError,
     CapacityError,
@@ -44,7 +45,6 @@ from umbp.pool.errors import (
     SlotStateError,
     human_bytes,
 )
-from umbp.pool.index_table import PyIndexTable
 
 ABSENT, PENDING, COMMITTED, BUSY = "absent", "pending", "committed", "busy"
 _STATES = (ABSENT, PENDING, COMMITTED, BUSY)  # the tables answer state() with an index into this

@@ -1,4 +1,4 @@
-"""SsdTier: the SSD tier. Objects go into append-only segment files (format: umbp.pool.ssd_format,
+"""SsdTier: the SSD tier. Objects go into append-only segment files (format: umbp.pool.ssd.format,
 docs/ssd.md) written by one background thread per directory; a restarted process serves what is on disk.
 
 Why this shape:
@@ -44,13 +44,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from umbp.pool import native
-from umbp.pool.allocator import PageAllocator
 from umbp.pool.base import Pool
 from umbp.pool.buffers import aligned_buffer, prepare_buffers
+from umbp.pool.dram.allocator import PageAllocator
 from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, OptionValueError, UmbpError, human_bytes
 from umbp.pool.keycheck import check_keys, key_utf8
 from umbp.pool.psum import checksum_u8, copy_with_checksum, run_split
-from umbp.pool.ssd_format import (
+from umbp.pool.ssd.format import (
     BLOCK,
     DATA,
     LOCK_NAME,
@@ -73,8 +73,8 @@ from umbp.pool.ssd_format import (
     seal_bytes,
     segment_name,
 )
-from umbp.pool.ssd_options import SsdOptions
-from umbp.pool.ssd_recovery import scan, write_flush_mark
+from umbp.pool.ssd.options import SsdOptions
+from umbp.pool.ssd.recovery import scan, write_flush_mark
 
 log = logging.getLogger("umbp.ssd")
 KiB, MiB = 1 << 10, 1 << 20

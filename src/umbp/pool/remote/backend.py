@@ -27,7 +27,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from umbp.pool.remote_config import RemoteConfig
+from umbp.pool.remote.config import RemoteConfig
 
 MGET_CHUNK = 768  # keys per MGET: small enough that packing stays off mmap-sized allocations
 

@@ -22,7 +22,7 @@ import zlib
 MAGIC = b"UMBP"
 # 3: the checksum is psum64 format 2 (umbp.pool.psum). A value of version 1 carries the additive format-1
 # digest, which this code cannot check: it is a miss (counted in version_mismatches), never verified.
-# (2 is the sealed layout's version, umbp.pool.remote_auth: skipped here so the two never collide.)
+# (2 is the sealed layout's version, umbp.pool.remote.auth: skipped here so the two never collide.)
 FORMAT_VERSION = 3
 HEADER = struct.Struct("<4sHHQQI4x")
 HEADER_SIZE = HEADER.size  # 32

@@ -1,6 +1,6 @@
 """RedisTier: the shared tier on Redis >= 7 / Valkey, one server or a Redis Cluster. Layer 2.
 
-    from umbp.pool.remote import RedisTier, RemoteConfig
+    from umbp.pool.remote.tier import RedisTier, RemoteConfig
     tier = RedisTier(RemoteConfig.from_options({"url": "redis://127.0.0.1:6379/0", "ttl_s": 3600}))
     tier.exists(keys)                 # one pipelined round trip per server, however many keys
     tier.put(keys, buffers)           # or put_async: copies, returns at once, a background writer sends
@@ -14,10 +14,10 @@ failed is quarantined for `quarantine_s`: `exists` says False, so a rescheduled 
 same failing load every step. Bad *input* (wrong buffer type, unknown option) still raises, as in DramPool.
 A broken or hostile server gets the same treatment: replies are bounded by what was asked, every call has
 one deadline, and nothing a server sends makes a call raise. With a tenant secret (`auth_key_env`) every
-value carries a tag keyed by it (umbp.pool.remote_auth), so no one without the secret can plant a value
+value carries a tag keyed by it (umbp.pool.remote.auth), so no one without the secret can plant a value
 that loads; without one the tier warns at start-up that it is unauthenticated.
 
-The hot paths use redis-py's connections with a minimal RESP codec (`umbp.pool.resp`); connecting, auth,
+The hot paths use redis-py's connections with a minimal RESP codec (`umbp.pool.remote.resp`); connecting, auth,
 TLS, pooling, and the cluster's slot table and MOVED/ASK handling are redis-py's. See docs/remote.md.
 """
 
@@ -37,17 +37,25 @@ import numpy as np
 import redis
 
 from umbp.pool import psum
-from umbp.pool.allocator import PageAllocator
 from umbp.pool.base import Pool
 from umbp.pool.buffers import aligned_buffer, prepare_buffers
+from umbp.pool.dram.allocator import PageAllocator
 from umbp.pool.errors import BufferSizeError
 from umbp.pool.keycheck import check_keys
 from umbp.pool.psum import checksum_u8, copy_with_checksum
-from umbp.pool.remote_auth import PlainCodec, SealedCodec, codec_for, old_codecs
-from umbp.pool.remote_backend import Cluster, Group, Standalone
-from umbp.pool.remote_config import RemoteConfig, redact_url
-from umbp.pool.remote_conns import KeptConnections, discard
-from umbp.pool.resp import ProtocolError, ReplyError, Wire, bulk, command, multi_key_command, parse_length
+from umbp.pool.remote.auth import PlainCodec, SealedCodec, codec_for, old_codecs
+from umbp.pool.remote.backend import Cluster, Group, Standalone
+from umbp.pool.remote.config import RemoteConfig, redact_url
+from umbp.pool.remote.conns import KeptConnections, discard
+from umbp.pool.remote.resp import (
+    ProtocolError,
+    ReplyError,
+    Wire,
+    bulk,
+    command,
+    multi_key_command,
+    parse_length,
+)
 
 __all__ = ["RedisTier", "RemoteConfig"]
 
@@ -55,7 +63,7 @@ log = logging.getLogger("umbp.remote")
 
 _NET_ERRORS = (OSError, redis.RedisError, ValueError)  # ValueError: a reply that does not parse
 # What redis-py's own reply parser (connection set-up, the slow paths) can raise on a hostile reply: it is
-# not bounded like umbp.pool.resp (deeply nested arrays recurse, huge counts allocate), and a cache call
+# not bounded like umbp.pool.remote.resp (deeply nested arrays recurse, huge counts allocate), and a cache call
 # must still not raise on what a server sends.
 _REDIS_PY_FAULTS = (*_NET_ERRORS, redis.exceptions.RedisClusterException, RecursionError, MemoryError, OverflowError)
 _PAGE = 4096  # put_async arena page: copies start page-aligned, so they are summed and sent whole

@@ -1,4 +1,4 @@
-"""RemoteConfig: the validated settings of the shared Redis/Valkey tier (`umbp.pool.remote.RedisTier`).
+"""RemoteConfig: the validated settings of the shared Redis/Valkey tier (`umbp.pool.remote.tier.RedisTier`).
 
 Why a separate, strict config: the tier is configured from an engine's free-form JSON (vLLM's
 `kv_connector_extra_config`). A typo there ("quarantine_sec") must stop start-up with an error naming the
@@ -175,7 +175,7 @@ class RemoteConfig:
         tenant's namespace, derived from its secret so that no one without it can name its keys."""
         if self.auth_key is None:
             return self.key_prefix
-        from umbp.pool.remote_auth import namespace_of
+        from umbp.pool.remote.auth import namespace_of
 
         return f"{self.key_prefix}{namespace_of(self.auth_key)}:"
 

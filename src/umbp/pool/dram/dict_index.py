@@ -3,8 +3,8 @@
 Why keep it: it is the plain statement of the index's rules (dicts of entries, an OrderedDict as the LRU),
 against which the compact DramIndex is checked on random operation sequences, and the baseline that
 `umbp bench index` measures beside it. It costs ~470 B and several microseconds per object and its dicts
-make gen-2 garbage collections long at millions of objects: DramIndex (umbp.pool.index) is what umbp uses.
-The life cycle and eviction rules are those of umbp.pool.index's module docstring.
+make gen-2 garbage collections long at millions of objects: DramIndex (umbp.pool.dram.index) is what umbp uses.
+The life cycle and eviction rules are those of umbp.pool.dram.index's module docstring.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from umbp.pool.allocator import PageAllocator
-from umbp.pool.errors import BufferSizeError, SlotStateError
-from umbp.pool.index import (
+from umbp.pool.dram.allocator import PageAllocator
+from umbp.pool.dram.index import (
     ABSENT,
     BUSY,
     COMMITTED,
@@ -27,6 +26,7 @@ from umbp.pool.index import (
     check_watermarks,
     too_large_error,
 )
+from umbp.pool.errors import BufferSizeError, SlotStateError
 
 
 @dataclass(slots=True)

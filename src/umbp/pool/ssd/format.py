@@ -1,6 +1,6 @@
 """The SSD tier's on-disk format, and a read-only scanner usable from any process (see docs/ssd.md).
 
-A directory holds `LOCK` (the owner's flock), `FLUSHED` (the flush mark, umbp.pool.ssd_recovery) and
+A directory holds `LOCK` (the owner's flock), `FLUSHED` (the flush mark, umbp.pool.ssd.recovery) and
 append-only segment files `seg-<12 digits, more once needed>.umbp`. A
 segment is a sequence of groups (format 2, what this code writes) or records (format 1, still read). Every
 group starts on a 4 KiB boundary and is a whole number of 4 KiB blocks, so the owner can write and read it
@@ -24,7 +24,7 @@ A sealed segment ends with a summary group (one summary entry whose payload list
 segment) and a trailer block ("UMBP-END", version, summary offset, crc32), so a restart reads two blocks
 per segment instead of every head. A segment without a valid trailer (the one being written when the
 process died) is walked group by group, verifying every data payload's checksum, stepping over what is
-damaged (umbp.pool.ssd_recovery, which also holds the scanner).
+damaged (umbp.pool.ssd.recovery, which also holds the scanner).
 
 `seq` increases with every record a directory receives, so when a key appears more than once the highest
 seq wins, and a winning tombstone means the key is absent. Offsets held in memory (RecordInfo.offset,
@@ -315,18 +315,18 @@ def parse_trailer(block: bytes) -> tuple[int, int, int] | None:
     return version, off, nbytes
 
 
-# ---- scanning: umbp.pool.ssd_recovery --------------------------------------------------------------------
+# ---- scanning: umbp.pool.ssd.recovery --------------------------------------------------------------------
 
 
 def scan(directory: str):  # noqa: ANN201 - re-exported for callers that import it from here
-    """umbp.pool.ssd_recovery.scan (the scanner lives there, beside the resync and the flush mark)."""
-    from umbp.pool.ssd_recovery import scan as _scan
+    """umbp.pool.ssd.recovery.scan (the scanner lives there, beside the resync and the flush mark)."""
+    from umbp.pool.ssd.recovery import scan as _scan
 
     return _scan(directory)
 
 
 def scan_directory(directory: str) -> dict[str, RecordInfo]:
-    """umbp.pool.ssd_recovery.scan_directory: key -> RecordInfo of every object a restart would serve."""
-    from umbp.pool.ssd_recovery import scan_directory as _scan_directory
+    """umbp.pool.ssd.recovery.scan_directory: key -> RecordInfo of every object a restart would serve."""
+    from umbp.pool.ssd.recovery import scan_directory as _scan_directory
 
     return _scan_directory(directory)

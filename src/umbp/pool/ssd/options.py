@@ -11,7 +11,7 @@ from typing import ClassVar
 from umbp.pool.options import Options, auto_or_bool, option, option_set
 
 KiB, MiB = 1 << 10, 1 << 20
-BLOCK = 4096  # the on-disk block (umbp.pool.ssd_format.BLOCK); sizes below it cannot hold a record
+BLOCK = 4096  # the on-disk block (umbp.pool.ssd.format.BLOCK); sizes below it cannot hold a record
 PiB = 1 << 50
 
 
