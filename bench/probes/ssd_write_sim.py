@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+import umbp.pool.ssd.io_hooks as ssd_io
 import umbp.pool.ssd.tier as ssd
 from umbp.pool.buffers import aligned_buffer
 from umbp.tools.bench_ssd import put_all
@@ -69,7 +70,7 @@ def thread_cpu_ns() -> dict[str, int]:
 def run(disk: QueuedDisk, size: int, ws: int, passes: int, depth: int, copy_threads: int, switch: float,
         refused: str) -> None:
     sys.setswitchinterval(switch)
-    ssd._WRITE_DEPTH = depth
+    ssd_io.WRITE_DEPTH = depth
     src = aligned_buffer(ws)
     src.view(np.uint64)[:] = np.arange(ws // 8, dtype=np.uint64)
     n, batch = ws // size, max(1, 16 * MiB // size)
@@ -102,13 +103,13 @@ def main() -> None:
     ap.add_argument("--working-set-mib", type=int, default=192)
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--switch", type=float, nargs="+", default=[0.005])
-    ap.add_argument("--depth", type=int, nargs="+", default=[ssd._WRITE_DEPTH])
+    ap.add_argument("--depth", type=int, nargs="+", default=[ssd_io.WRITE_DEPTH])
     ap.add_argument("--copy-threads", type=int, nargs="+", default=[2])
     ap.add_argument("--refused", nargs="+", default=["wait"], choices=("wait", "poll"),
                     help="a refused put waits for room (wait_for_room) or retries every 0.2 ms")
     args = ap.parse_args()
     disk = QueuedDisk(args.rate)
-    ssd._pwritev = disk
+    ssd_io.pwritev = disk
     for switch, depth, copies, refused in itertools.product(args.switch, args.depth, args.copy_threads,
                                                              args.refused):
         run(disk, args.size_kib << 10, args.working_set_mib * MiB, args.passes, depth, copies, switch, refused)

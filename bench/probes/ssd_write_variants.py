@@ -22,6 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
+import umbp.pool.ssd.io_hooks as ssd_io
 import umbp.pool.ssd.tier as ssd
 from umbp.tools.bench_ssd import _Bench, _config, put_all
 from umbp.tools.benchutil import timed
@@ -33,7 +34,7 @@ _real_seal_io = ssd.SsdTier._seal_io
 
 def _seal_io_nosync(shard, seg, image, offset) -> bool:
     try:
-        return ssd._pwritev(seg.fd, [image], offset) == image.size
+        return ssd_io.pwritev(seg.fd, [image], offset) == image.size
     except OSError:
         return False
 
@@ -69,7 +70,7 @@ def main() -> None:
     for r in range(a.rounds):
         for name in a.variants if r % 2 == 0 else a.variants[::-1]:
             v = parse(name)
-            ssd._WRITE_DEPTH = v["depth"]
+            ssd_io.WRITE_DEPTH = v["depth"]
             ssd.SsdTier._seal_io = staticmethod(_real_seal_io if v["sealsync"] else _seal_io_nosync)
             d = Path(a.dir) / "tier"
             shutil.rmtree(d, ignore_errors=True)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-import umbp.pool.ssd.tier as ssd_mod
+import umbp.pool.ssd.io_hooks as ssd_io
 from umbp.pool import DramPool, SsdTier, TieredPool
 
 MiB = 1 << 20
@@ -22,7 +22,7 @@ MiB = 1 << 20
 
 def main() -> None:
     size = int(sys.argv[1]) if len(sys.argv) > 1 else 64 * 1024
-    ssd_mod._pwritev = lambda fd, iov, offset: sum(memoryview(a).nbytes for a in iov)
+    ssd_io.pwritev = lambda fd, iov, offset: sum(memoryview(a).nbytes for a in iov)
     src = np.random.default_rng(0).integers(0, 255, 64 * MiB, dtype=np.uint8)
     per, n = 64 * MiB // size, 1024 * MiB // size
     keys, batch = [f"k{i}" for i in range(n)], max(1, 16 * MiB // size)

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+import umbp.pool.ssd.io_hooks as ssd_io
 import umbp.pool.ssd.tier as ssd
 from umbp.pool.buffers import aligned_buffer
 from umbp.tools.bench_ssd import put_all
@@ -43,7 +44,7 @@ def timed(name: str) -> None:
 def main() -> None:
     for name in ("put", "_copy_run", "_enqueue_staged", "_stage", "_commit", "_images", "_write_batch", "_settle"):
         timed(name)
-    ssd._pwritev = lambda fd, iov, off: sum(memoryview(a).nbytes for a in iov)  # an infinitely fast disk
+    ssd_io.pwritev = lambda fd, iov, off: sum(memoryview(a).nbytes for a in iov)  # an infinitely fast disk
     ws, size = 192 * MiB, 64 << 10
     src = aligned_buffer(ws)
     src.view(np.uint64)[:] = np.arange(ws // 8, dtype=np.uint64)

@@ -5,15 +5,15 @@ import threading
 
 import pytest
 
-import umbp.pool.ssd.tier as ssd_mod
+import umbp.pool.ssd.io_hooks as ssd_io
 
 
 @pytest.fixture
 def blocked_writer(monkeypatch):
     """The SSD writer stalls on its first write until the event is set (a wedged disk); set at teardown."""
     gate = threading.Event()
-    real = ssd_mod._pwritev
-    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(), real(*a))[1])
+    real = ssd_io.pwritev
+    monkeypatch.setattr(ssd_io, "pwritev", lambda *a: (gate.wait(), real(*a))[1])
     yield gate
     gate.set()
 

@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 import pytest
 
-import umbp.pool.ssd.tier as ssd_mod
+import umbp.pool.ssd.io_hooks as ssd_io
 from umbp.pool.psum import checksum_u8
 from umbp.pool.ssd.format import (
     BLOCK,
@@ -109,7 +109,7 @@ def test_close_with_a_wedged_disk_returns_instead_of_hanging(tmp_path, blocked_w
 
 
 def test_disk_full_injected(tmp_path, monkeypatch):
-    real = ssd_mod._pwritev
+    real = ssd_io.pwritev
     fail = {"on": True}
 
     def pwritev(fd, iov, off):
@@ -121,7 +121,7 @@ def test_disk_full_injected(tmp_path, monkeypatch):
     with _tier(tmp_path) as tier:
         tier.put(["early"], [b"written before the disk filled"])
         tier.flush()
-        monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+        monkeypatch.setattr(ssd_io, "pwritev", pwritev)
         assert tier.put(list(blobs)[:3], list(blobs.values())[:3]) == [True] * 3  # staged
         assert tier.flush(timeout=30)
         s = tier.stats()
@@ -340,20 +340,20 @@ def test_a_tombstone_that_cannot_be_written_is_counted(tmp_path, monkeypatch):
     process and the drop is counted. After a restart the older record is served again (documented:
     checksum-verified, the last bytes stored under that key) — the counter is how an operator sees it."""
     data = _blob(20 * KiB, 1)
-    real = ssd_mod._pwritev
+    real = ssd_io.pwritev
     with _tier(tmp_path, direct_io=False) as tier:
         assert tier.put(["k"], [data]) == [True] and tier.flush(timeout=30)
 
         def pwritev(fd, iov, off):
             raise OSError(errno.EIO, "Input/output error")
 
-        monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+        monkeypatch.setattr(ssd_io, "pwritev", pwritev)
         assert tier.remove(["k"]) == 1
         assert tier.flush(timeout=30)
         s = tier.stats()
         assert s["tombstones_dropped"] == 1 and s["tombstones"] == 0 and s["write_errors"] >= 1
         assert tier.exists(["k"]) == [False]
-        monkeypatch.setattr(ssd_mod, "_pwritev", real)
+        monkeypatch.setattr(ssd_io, "pwritev", real)
     with _tier(tmp_path) as tier:
         assert _check(tier, {"k": data}) == ["k"]
         assert tier.stats()["tombstones_dropped"] == 0
@@ -368,7 +368,7 @@ def test_direct_writes_refused_mid_run_fall_back_to_buffered(tmp_path, monkeypat
 
     probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
     os.close(probe)  # (raises here if this filesystem refuses O_DIRECT at open: the test needs it)
-    real, both_in_flight, calls, holder = ssd_mod._pwritev, threading.Barrier(2, timeout=10), [], {}
+    real, both_in_flight, calls, holder = ssd_io.pwritev, threading.Barrier(2, timeout=10), [], {}
 
     def pwritev(fd, iov, off):
         calls.append(fd)
@@ -382,7 +382,7 @@ def test_direct_writes_refused_mid_run_fall_back_to_buffered(tmp_path, monkeypat
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, iov, off)
 
-    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    monkeypatch.setattr(ssd_io, "pwritev", pwritev)
     blobs = {f"k{i}": _blob(60 * KiB, i) for i in range(20)}
     with _tier(tmp_path / "d", direct_io="auto", max_io_bytes=64 * KiB, segment_bytes=256 * KiB) as tier:
         holder["tier"] = tier

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from umbp.pool import checksum
+from umbp.pool.buffers import aligned_buffer
 from umbp.pool.ssd.format import (
     BLOCK,
     DATA,
@@ -37,7 +38,6 @@ from umbp.pool.ssd.format import (
     segment_number,
     unpack_summary,
 )
-from umbp.pool.ssd.tier import aligned_buffer
 
 
 def _blob(n: int, seed: int) -> np.ndarray:

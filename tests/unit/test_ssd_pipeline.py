@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_ssd_faults import _check, _wait  # byte-exact read-back of every key served; polling
 
-import umbp.pool.ssd.tier as ssd_mod
+import umbp.pool.ssd.io_hooks as ssd_io
 from umbp.pool.errors import OptionValueError
 from umbp.pool.ssd.format import record_bytes, scan
 from umbp.pool.ssd.tier import SsdTier
@@ -26,7 +26,7 @@ def _blob(n: int, seed: int) -> np.ndarray:
 
 def test_writes_overlap_write_depth_at_a_time(tmp_path, monkeypatch):
     """While one write is in the kernel, the next ones are already queued behind it."""
-    real, lock = ssd_mod._pwritev, threading.Lock()
+    real, lock = ssd_io.pwritev, threading.Lock()
     now, peak = [0], [0]
 
     def pwritev(fd, iov, off):
@@ -40,12 +40,12 @@ def test_writes_overlap_write_depth_at_a_time(tmp_path, monkeypatch):
             with lock:
                 now[0] -= 1
 
-    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    monkeypatch.setattr(ssd_io, "pwritev", pwritev)
     blobs = {f"k{i}": _blob(OBJ, i) for i in range(12)}
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB) as tier:
         assert all(tier.put(list(blobs), list(blobs.values())))
         assert tier.flush(timeout=30)
-        assert peak[0] == ssd_mod._WRITE_DEPTH == 3
+        assert peak[0] == ssd_io.WRITE_DEPTH == 3
         assert sorted(_check(tier, blobs)) == sorted(blobs)
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:  # a restart finds them all
         assert sorted(_check(tier, blobs)) == sorted(blobs)
@@ -54,7 +54,7 @@ def test_writes_overlap_write_depth_at_a_time(tmp_path, monkeypatch):
 def test_a_short_write_drops_the_write_behind_it_and_leaves_no_record_after_the_hole(tmp_path, monkeypatch):
     """Write A stalls and then falls short; write B, queued behind it, completes first. B must not be
     indexed, and its bytes must not survive past the hole where a restart would find them."""
-    real = ssd_mod._pwritev
+    real = ssd_io.pwritev
     gate, calls = threading.Event(), []
 
     def pwritev(fd, iov, off):
@@ -64,7 +64,7 @@ def test_a_short_write_drops_the_write_behind_it_and_leaves_no_record_after_the_
             return real(fd, [memoryview(iov[0])[: OBJ // 2]], off)
         return real(fd, iov, off)
 
-    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    monkeypatch.setattr(ssd_io, "pwritev", pwritev)
     blobs = {k: _blob(OBJ, i) for i, k in enumerate(("a", "b", "c"))}
     tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
                    direct_io=False)
@@ -92,9 +92,9 @@ def test_a_segment_is_sealed_once_its_last_write_lands(tmp_path, monkeypatch, in
     """Rolling over to a new segment while the old one's last write is in flight (a slow disk), or with
     nothing in flight (a flush after every put): the old one is sealed once its writes have landed (its
     summary lists them), not before and not never."""
-    real = ssd_mod._pwritev
+    real = ssd_io.pwritev
     if in_flight:
-        monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (time.sleep(0.005), real(*a))[1])
+        monkeypatch.setattr(ssd_io, "pwritev", lambda *a: (time.sleep(0.005), real(*a))[1])
     blobs = {f"k{i}": _blob(OBJ, i) for i in range(14)}
     with SsdTier(str(tmp_path), capacity_bytes=8 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
                  segment_bytes=256 * KiB) as tier:
@@ -143,7 +143,7 @@ def test_a_writer_error_with_a_write_in_flight_drops_it_everywhere(tmp_path, mon
                    direct_io=False)
     try:
         assert tier.put(["early"], [early]) == [True] and tier.flush(timeout=30)
-        real_images, real_pwritev, calls = tier._images, ssd_mod._pwritev, []
+        real_images, real_pwritev, calls = tier._images, ssd_io.pwritev, []
 
         def images(group, seqs):
             calls.append(group[0].key)
@@ -152,7 +152,7 @@ def test_a_writer_error_with_a_write_in_flight_drops_it_everywhere(tmp_path, mon
             return real_images(group, seqs)
 
         monkeypatch.setattr(tier, "_images", images)
-        monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (time.sleep(0.05), real_pwritev(*a))[1])
+        monkeypatch.setattr(ssd_io, "pwritev", lambda *a: (time.sleep(0.05), real_pwritev(*a))[1])
         assert tier.put(list(blobs), list(blobs.values())) == [True] * 3
         assert tier.flush(timeout=30)
         s = tier.stats()
@@ -168,13 +168,13 @@ def test_a_writer_error_with_a_write_in_flight_drops_it_everywhere(tmp_path, mon
 def test_a_big_put_is_written_while_it_is_still_copied(tmp_path, monkeypatch, copy_threads):
     """A put queues its objects run by run (~1 MiB), so the disk starts on the first run while the last
     one is still being copied: the last run's copy waits here until a write has begun."""
-    real, started = ssd_mod._pwritev, threading.Event()
+    real, started = ssd_io.pwritev, threading.Event()
 
     def pwritev(fd, iov, off):
         started.set()
         return real(fd, iov, off)
 
-    monkeypatch.setattr(ssd_mod, "_pwritev", pwritev)
+    monkeypatch.setattr(ssd_io, "pwritev", pwritev)
     blobs = {f"k{i}": _blob(64 * KiB, i) for i in range(64)}  # 4 runs of 16 records
     waited = []
     with SsdTier(str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads) as tier:
@@ -223,8 +223,8 @@ def test_a_copy_error_keeps_the_runs_already_queued_and_gives_back_the_rest(tmp_
 
 
 def test_wait_for_room_blocks_until_staging_is_given_back(tmp_path, monkeypatch):
-    real, gate = ssd_mod._pwritev, threading.Event()
-    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(10), real(*a))[1])
+    real, gate = ssd_io.pwritev, threading.Event()
+    monkeypatch.setattr(ssd_io, "pwritev", lambda *a: (gate.wait(10), real(*a))[1])
     tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=1 * MiB, max_io_bytes=64 * KiB)
     try:
         obj = 64 * KiB

@@ -7,11 +7,12 @@ import threading
 import numpy as np
 import pytest
 
-import umbp.pool.ssd.tier as ssd_mod
+import umbp.pool.ssd.io_hooks as ssd_io
 from umbp.pool import BufferSizeError, ObjectTooLargeError, OptionValueError, Pool, UmbpError
+from umbp.pool.buffers import aligned_buffer
 from umbp.pool.errors import InvalidKeyError
 from umbp.pool.ssd.format import scan_directory
-from umbp.pool.ssd.tier import SsdLockedError, SsdTier, aligned_buffer
+from umbp.pool.ssd.tier import SsdLockedError, SsdTier
 
 KiB, MiB = 1024, 1 << 20
 
@@ -76,7 +77,7 @@ def test_a_key_named_twice_in_a_get_is_read_once_and_fills_both(tmp_path, monkey
     """A batch that names records more than once reads each once (a repeat used to break the run of
     adjacent records into single-record reads: twice the time) and fills every destination; a damaged
     record named twice is two misses, and a staged object named twice is served twice."""
-    import umbp.pool.ssd.tier as ssd_mod
+    import umbp.pool.ssd.io_hooks as ssd_io
 
     blobs = [_blob(16 * KiB, i) for i in range(64)]
     keys = [f"d{i}" for i in range(64)]
@@ -84,13 +85,13 @@ def test_a_key_named_twice_in_a_get_is_read_once_and_fills_both(tmp_path, monkey
         assert tier.put(keys, blobs) == [True] * 64
         tier.flush()
         reads = []
-        real = ssd_mod._preadv
+        real = ssd_io.preadv
 
         def counted(fd, bufs, offset):
             reads.append(sum(len(b) for b in bufs))
             return real(fd, bufs, offset)
 
-        monkeypatch.setattr(ssd_mod, "_preadv", counted)
+        monkeypatch.setattr(ssd_io, "preadv", counted)
         order = keys + keys[::-1] + keys[5:9]
         outs = [np.zeros(16 * KiB, np.uint8) for _ in order]
         assert tier.get_into(order, outs) == [True] * len(order)
@@ -185,8 +186,8 @@ def test_remove_and_clear_survive_a_restart(tmp_path):
 
 def test_visible_while_queued_and_flush(tmp_path, monkeypatch):
     gate = threading.Event()
-    real = ssd_mod._pwritev
-    monkeypatch.setattr(ssd_mod, "_pwritev", lambda *a: (gate.wait(), real(*a))[1])
+    real = ssd_io.pwritev
+    monkeypatch.setattr(ssd_io, "pwritev", lambda *a: (gate.wait(), real(*a))[1])
     with _tier(tmp_path) as tier:
         tier.put(["q"], [b"queued bytes"])
         assert tier.exists(["q"]) == [True] and _read(tier, "q", 12) == b"queued bytes"

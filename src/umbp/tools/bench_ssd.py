@@ -94,7 +94,7 @@ class _Bench:
     def __init__(self, cfg: dict[str, Any]) -> None:
         import numpy as np
 
-        from umbp.pool.ssd.tier import aligned_buffer
+        from umbp.pool.buffers import aligned_buffer
 
         self.np, self.cfg = np, cfg
         ws = cfg["working_set_bytes"]
