@@ -20,8 +20,9 @@ from umbp.pool.remote.format import (  # noqa: E402
     pack_header,
     stored_checksum,
 )
+from umbp.pool.remote.reader import GET_WINDOW_BYTES, _GetWindow  # noqa: E402
 from umbp.pool.remote.resp import ProtocolError, bulk_keys, multi_key_command, scan_markers  # noqa: E402
-from umbp.pool.remote.tier import GET_WINDOW_BYTES, RedisTier, _GetWindow  # noqa: E402
+from umbp.pool.remote.tier import RedisTier  # noqa: E402
 
 
 def test_defaults_and_round_trip_of_options():

@@ -351,7 +351,7 @@ def test_put_sends_each_object_before_summing_later_ones(tier, monkeypatch):
     """The first object goes out before the second is checksummed, and every object of PUT_SEND_BYTES or
     more goes out before the next is summed: the server stores while the client sums."""
     import umbp.pool.remote.auth as auth_mod  # the value codec sums each payload as it seals it
-    import umbp.pool.remote.tier as remote_mod
+    import umbp.pool.remote.writer as remote_mod
     from umbp.pool.remote.resp import Wire
 
     events: list[str] = []
@@ -407,7 +407,7 @@ def test_put_interrupted_mid_batch_drops_the_connection(server, monkeypatch):
     that connection must be dropped and given back to the pool, not reused and not leaked (with two
     connections allowed, three interrupted puts would otherwise exhaust the pool)."""
     import umbp.pool.remote.auth as auth_mod  # the value codec sums each payload as it seals it
-    import umbp.pool.remote.tier as remote_mod
+    import umbp.pool.remote.writer as remote_mod
 
     tier = RedisTier(RemoteConfig.from_options({"url": server.url, "max_connections": 2, "quarantine_s": 0}))
     real_sum = auth_mod.checksum_u8

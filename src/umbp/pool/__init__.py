@@ -9,7 +9,7 @@ connector keeps the index in the scheduler and one arena per worker). Depends on
 """
 
 from umbp.pool.base import Pool
-from umbp.pool.dram.tier import OPTIONS, Arena, DramIndex, DramPool, PageAllocator, Slot
+from umbp.pool.dram import OPTIONS, Arena, DramIndex, DramPool, PageAllocator, Slot
 from umbp.pool.errors import (
     BufferSizeError,
     BufferTypeError,
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 # The SSD tier and the tier composition (docs/ssd.md).
-from umbp.pool.ssd.tier import (  # noqa: E402
+from umbp.pool.ssd import (  # noqa: E402
     RecordInfo,
     SsdDirectoryError,
     SsdError,

@@ -1,6 +1,6 @@
 """The DRAM tier: `DramPool` and its two halves, `DramIndex` (metadata) and `Arena` (bytes).
 
-    from umbp.pool.dram.tier import DramPool
+    from umbp.pool.dram import DramPool
 
 Modules: `tier` (DramPool and its options), `index` (the slot table: which key holds which pages, LRU,
 pins), `arena` (the page-aligned byte region), `allocator` (the page allocator both use). See docs/pool.md.

@@ -1,6 +1,6 @@
 """The shared tier on Redis >= 7 / Valkey: `RedisTier` and its settings, `RemoteConfig`.
 
-    from umbp.pool.remote.tier import RedisTier, RemoteConfig
+    from umbp.pool.remote import RedisTier, RemoteConfig
 
 Modules: `tier` (RedisTier), `config` (RemoteConfig), `backend` (one server or a cluster), `conns` (kept
 connections), `resp` (the minimal RESP codec of the hot paths), `format` and `auth` (the stored value's
@@ -18,8 +18,8 @@ from typing import Any
 
 _HOMES = {
     "RedisTier": "umbp.pool.remote.tier",
-    "GET_WINDOW_BYTES": "umbp.pool.remote.tier",
-    "PUT_SEND_BYTES": "umbp.pool.remote.tier",
+    "GET_WINDOW_BYTES": "umbp.pool.remote.reader",
+    "PUT_SEND_BYTES": "umbp.pool.remote.writer",
     "RemoteConfig": "umbp.pool.remote.config",
 }
 

@@ -19,6 +19,11 @@ that loads; without one the tier warns at start-up that it is unauthenticated.
 
 The hot paths use redis-py's connections with a minimal RESP codec (`umbp.pool.remote.resp`); connecting, auth,
 TLS, pooling, and the cluster's slot table and MOVED/ASK handling are redis-py's. See docs/remote.md.
+
+Code: this module holds construction, bookkeeping, the quarantine, `exists`, removal and lifecycle;
+the read path (`reader`: get_into, the get window, value checks, old secrets, repair) and the write path
+(`writer`: put, put_async and its background writer) live beside it as mixins on the same state;
+`calls` holds the per-server job and the fault classes they share.
 """
 
 from __future__ import annotations
@@ -26,58 +31,42 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from bisect import bisect_right
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from itertools import accumulate
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import redis
 
-from umbp.pool import psum
 from umbp.pool.base import Pool
-from umbp.pool.buffers import aligned_buffer, prepare_buffers
-from umbp.pool.dram.allocator import PageAllocator
-from umbp.pool.errors import BufferSizeError
 from umbp.pool.keycheck import check_keys
-from umbp.pool.psum import checksum_u8, copy_with_checksum
-from umbp.pool.remote.auth import PlainCodec, SealedCodec, codec_for, old_codecs
+from umbp.pool.remote.auth import codec_for, old_codecs
 from umbp.pool.remote.backend import Cluster, Group, Standalone
+from umbp.pool.remote.calls import (
+    _ABSENT,
+    _HIT,
+    _MOVED,
+    _NET_ERRORS,
+    _REDIRECT,
+    _REDIS_PY_FAULTS,
+    _UNANSWERED,
+    _Job,
+)
 from umbp.pool.remote.config import RemoteConfig, redact_url
 from umbp.pool.remote.conns import KeptConnections, discard
+from umbp.pool.remote.reader import GET_WINDOW_BYTES, ReaderMixin
 from umbp.pool.remote.resp import (
     ProtocolError,
     ReplyError,
     Wire,
-    bulk,
     command,
     multi_key_command,
-    parse_length,
 )
+from umbp.pool.remote.writer import PUT_SEND_BYTES, WriterMixin, _Writer
 
-__all__ = ["RedisTier", "RemoteConfig"]
+__all__ = ["GET_WINDOW_BYTES", "PUT_SEND_BYTES", "RedisTier", "RemoteConfig"]
 
 log = logging.getLogger("umbp.remote")
 
-_NET_ERRORS = (OSError, redis.RedisError, ValueError)  # ValueError: a reply that does not parse
-# What redis-py's own reply parser (connection set-up, the slow paths) can raise on a hostile reply: it is
-# not bounded like umbp.pool.remote.resp (deeply nested arrays recurse, huge counts allocate), and a cache call
-# must still not raise on what a server sends.
-_REDIS_PY_FAULTS = (*_NET_ERRORS, redis.exceptions.RedisClusterException, RecursionError, MemoryError, OverflowError)
-_PAGE = 4096  # put_async arena page: copies start page-aligned, so they are summed and sent whole
-_REDIRECT = "redirect"  # a result slot whose key must go through redis-py's cluster client
-_HIT, _ABSENT, _UNANSWERED, _MOVED = 1, 0, -1, -2  # exists() result codes
-GET_WINDOW_BYTES = 4 << 20
-PUT_SEND_BYTES = 256 << 10  # a put sends whenever this much payload is ready (see _store_job)
-_MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
-_STORED = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n+OK\r\n+OK\r\n"  # MULTI, SET value, SET marker, EXEC
-_REMOVABLE = ("checksum_failures", "auth_failures", "unauthenticated_values")  # deleted after a failed load
-_STORED_RUN = 4096  # saves whose all-OK replies are matched at once (160 KiB of replies)
-_VALUE_SLACK = 4096  # a stored value may be this much longer than expected (a later format's header)
-_HEAL = ("if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end return 0")
-_DROP = "return redis.call('UNLINK', KEYS[1], KEYS[2])"  # a script: cluster pipelines refuse multi-key UNLINK
 
 _COUNTERS = (
     "exists_keys", "exists_present", "lookup_errors", "quarantine_skips", "unavailable_skips",
@@ -95,38 +84,6 @@ def _now() -> float:
     """The clock of the retry interval and the quarantine: time.monotonic, looked up at each call so a
     test can move it instead of sleeping past an interval (a sleep's outcome depends on the machine's load)."""
     return time.monotonic()
-
-
-@dataclass
-class _Item:
-    """One object to send: header and payload kept apart so the payload is never concatenated. A
-    synchronous put leaves the header (which holds the payload's psum64) to `framed_header`, called just
-    before the object is sent, so the server stores the objects already sent while the client sums the
-    next one; put_async has it from its checksummed copy."""
-
-    key: str
-    payload: np.ndarray
-    header: bytes | None = None
-    pages: tuple[int, int] | None = None  # put_async: (first page, count) of its copy in the writer's arena
-    codec: PlainCodec | SealedCodec | None = None  # seals a synchronous put's payload when it is sent
-
-    def framed_header(self) -> bytes:
-        """The header (and for an encrypting codec, the ciphertext as the payload to send)."""
-        if self.header is None:
-            assert self.codec is not None
-            self.header, self.payload = self.codec.seal(self.key, self.payload, None)
-        return self.header
-
-
-@dataclass
-class _Job:
-    """One server's share of a batch: `send` writes all its commands, `read` consumes all its replies."""
-
-    node: str
-    send: Callable[[Wire], None]
-    read: Callable[[Wire], None]
-    n: int  # keys it covers (for the unavailable_skips counter)
-    nbytes: int = 0  # payload bytes it moves: the call's deadline grows with them (RemoteConfig.deadline_s)
 
 
 class _Session:
@@ -199,162 +156,7 @@ class _Quarantine:
         return out
 
 
-class _Writer:
-    """put_async's background writer: a bounded byte queue and one daemon thread that sends batches.
-
-    Queued copies live in one arena of max_bytes, mapped once and reused (4 KiB pages, runs handed out
-    by a PageAllocator), not in a fresh array per object: a fresh array of a hybrid state's size is a new
-    mmap whose every page faults on first touch, which made put_async's copy ~1.8x slower for 1.6 MiB
-    objects (docs/remote.md). Pages are mapped on first use and stay resident afterwards."""
-
-    def __init__(self, tier: RedisTier, max_bytes: int, batch: int) -> None:
-        self._tier, self._batch = tier, batch
-        self._arena = aligned_buffer(max_bytes, populate=False)
-        self._pages = PageAllocator(max_bytes // _PAGE)
-        self._queue: deque[_Item] = deque()
-        # every reservation until its pages are given back: None while being copied, then its _Item (queued
-        # or being sent); reads are served from it (see copy_out)
-        self._queued: dict[str, _Item | None] = {}
-        self._bytes = 0
-        self._busy = False
-        self._stop = False
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def reserve(self, key: str, nbytes: int) -> tuple[str, np.ndarray | None, tuple[int, int] | None]:
-        """('dup', ...) already queued; ('full', ...) no room; ('ok', room, pages): nbytes of the arena to
-        copy into, and the pages to give back (unreserve, or the writer once sent)."""
-        with self._cv:
-            if key in self._queued:
-                return "dup", None, None
-            npages = max(-(-nbytes // _PAGE), 1)
-            start = None if self._stop else self._pages.alloc(npages)
-            if start is None:
-                return "full", None, None
-            self._bytes += nbytes
-            self._queued[key] = None
-            return "ok", self._arena[start * _PAGE : start * _PAGE + nbytes], (start, npages)
-
-    def push(self, item: _Item) -> None:
-        with self._cv:
-            self._queue.append(item)
-            self._queued[item.key] = item
-            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
-                self._thread = threading.Thread(target=self._run, name="umbp-remote-writer", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def unreserve(self, key: str, nbytes: int, pages: tuple[int, int]) -> None:
-        with self._cv:
-            self._give_back(key, nbytes, pages)
-
-    def _give_back(self, key: str, nbytes: int, pages: tuple[int, int]) -> None:
-        """A reservation ends (its object sent, dropped, or never queued); the caller holds _cv."""
-        self._bytes -= nbytes
-        self._queued.pop(key, None)
-        self._pages.free(*pages)
-
-    def holding(self, keys: Sequence[str]) -> list[int]:
-        """Indices of keys whose copy is queued or being sent. Checked before the server is asked: a copy
-        is given back only after its write finished, so a key not held here then is on the server by the
-        time the server is asked, or was never (or not successfully) written."""
-        if not self._queued:  # a dict's truth test needs no lock; a miss here is re-checked by the server
-            return []
-        with self._cv:
-            return [i for i, k in enumerate(keys) if self._queued.get(k) is not None]
-
-    def copy_out(self, key: str, dst: np.ndarray) -> bytes | None:
-        """Copy a queued (or being sent) object of dst's size into dst and return its header; None when
-        none is held. Under the lock, so its pages cannot be reused meanwhile."""
-        with self._cv:
-            item = self._queued.get(key)
-            if item is None or item.payload.size != dst.size:
-                return None
-            np.copyto(dst, item.payload)
-            assert item.header is not None  # put_async items are sealed before they are pushed
-            return item.header
-
-    def _take(self) -> list[_Item] | None:
-        with self._cv:
-            while not self._queue and not self._stop:
-                self._cv.wait()
-            if not self._queue:
-                return None
-            n = min(self._batch, len(self._queue))
-            self._busy = True
-            return [self._queue.popleft() for _ in range(n)]
-
-    def _run(self) -> None:
-        while (items := self._take()) is not None:
-            try:
-                self._tier._write(items)
-            except Exception:  # never let the writer die: the engine would silently stop saving
-                log.exception("umbp: remote writer batch failed")
-                self._tier._count(puts_dropped=len(items))
-            finally:
-                with self._cv:
-                    for it in items:
-                        self._give_back(it.key, it.payload.size, it.pages)
-                    self._busy = False
-                    self._cv.notify_all()
-
-    def gauges(self) -> tuple[int, int]:
-        with self._cv:
-            return len(self._queue), self._bytes
-
-    def flush(self, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._queue or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
-
-    def close(self, timeout: float) -> None:
-        self.flush(timeout)
-        with self._cv:
-            self._stop = True
-            dropped = len(self._queue)
-            for it in self._queue:
-                self._give_back(it.key, it.payload.size, it.pages)
-            self._queue.clear()
-            self._cv.notify_all()
-        if dropped:
-            self._tier._count(puts_dropped=dropped)
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-
-class _GetWindow:
-    """Keeps about GET_WINDOW_BYTES of values in flight per connection. A deeper pipeline makes the
-    server buffer every pending reply (tens of MiB for a batch of 4 MiB pages) and is measurably slower
-    (0.5 vs 0.9 GB/s at 4 MiB); one GET at a time would pay a round trip per value. It refills only once
-    less than half of the window is left (`due`), so a long batch of small values costs one send per
-    half window rather than one per value, and the reader checks a single int per value."""
-
-    def __init__(self, commands: list[bytes], sizes: list[int]) -> None:
-        self.commands = commands
-        self.ends = list(accumulate(sizes))  # ends[k]: bytes of replies 0..k
-        self.sent = 0
-        self.due = 0  # the next reply before which top_up must run (len(commands): never)
-
-    def top_up(self, wire: Wire, done: int) -> None:
-        """Called before reading reply `done`: send until the window is full (at least one command in
-        flight), then set `due` to the reply at which less than half of it will be left."""
-        ends, n, start = self.ends, len(self.commands), self.sent
-        read = ends[done - 1] if done else 0
-        sent = start
-        while sent < n and (sent == done or ends[sent - 1] - read < GET_WINDOW_BYTES):
-            sent += 1
-        if sent > start:
-            wire.send(self.commands[start:sent])
-        self.sent = sent
-        self.due = n if sent == n else bisect_right(ends, ends[sent - 1] - GET_WINDOW_BYTES // 2) + 1
-
-
-class RedisTier(Pool):
+class RedisTier(ReaderMixin, WriterMixin, Pool):
     """The shared tier. Thread-safe; one instance per process (scheduler or worker)."""
 
     def __init__(self, config: RemoteConfig | None = None) -> None:
@@ -546,420 +348,6 @@ class RedisTier(Pool):
                     quarantine_skips=skips)
         return hit.tolist()
 
-    # ---- get_into ------------------------------------------------------------------------------------
-
-    def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
-        """Values stream straight into the caller's buffers; header, key and checksum are verified. Every
-        miss is quarantined (see the module docstring)."""
-        keys = list(keys)
-        check_keys("get_into", keys)
-        dsts = prepare_buffers("get_into", keys, buffers, writable=True)
-        res: list[Any] = [None] * len(keys)
-        held = set(self._quarantine.held(keys)) if len(self._quarantine) else set()
-        live = [i for i in range(len(keys)) if i not in held]
-        for i in held:
-            res[i] = "quarantine_skips"
-        live = self._from_queue(keys, dsts, live, res)
-        groups = self._groups([keys[i] for i in live]) if live else {}
-        jobs = [self._get_job(node, gs, keys, dsts, live, res) for node, gs in (groups or {}).items()]
-        self._run(jobs)
-        if _REDIRECT in res:
-            self._get_slow(keys, dsts, res)
-        if self._old and "misses_absent" in res:
-            self._get_old(keys, dsts, res)
-        return self._finish_get(keys, dsts, res)
-
-    def _from_queue(self, keys: list[str], dsts: list[np.ndarray], live: list[int], res: list[Any]) -> list[int]:
-        """Serve keys whose put_async copy is still queued (or being sent) from that copy, verified like a
-        value read from the server; the rest of `live` is returned. Without this, an object demoted from
-        DRAM is in neither place until the writer has sent it, and a lookup in between misses it."""
-        held = set(self._writer.holding([keys[i] for i in live]))
-        if not held:
-            return live
-        rest: list[int] = []
-        for j, i in enumerate(live):
-            header = self._writer.copy_out(keys[i], dsts[i]) if j in held else None
-            # the server decides when there is no copy of this size (sent and given back since holding():
-            # the server has it), or the copy does not verify (never a reason to delete the server's value)
-            if header is not None and _verified(self._codec, header, keys[i], dsts[i], checksum_u8(dsts[i])) is True:
-                res[i] = True
-                self._count(write_queue_hits=1)
-            else:
-                rest.append(i)
-        return rest
-
-    def _get_job(self, node: str, groups: list[Group], keys: list[str], dsts: list[np.ndarray],
-                 live: list[int], res: list[Any]) -> _Job:
-        order = [live[j] for g in groups for j in g.indices]
-        window = _GetWindow([b"*2\r\n$3\r\nGET\r\n" + bulk(g.prefix + "d:" + keys[live[j]])
-                             for g in groups for j in g.indices], [dsts[i].size for i in order])
-
-        sizes = {dsts[i].size for i in order}
-        size = sizes.pop() if len(sizes) == 1 else 0
-
-        def read(wire: Wire) -> None:
-            if 0 < size <= psum.CHUNK_BYTES and size % psum.ROW_BYTES == 0:
-                self._read_same_size(wire, window, [keys[i] for i in order], [dsts[i] for i in order], order, res)
-                return
-            for r, i in enumerate(order):
-                if r >= window.due:
-                    window.top_up(wire, r)
-                res[i] = self._read_value(wire, keys[i], dsts[i])
-
-        return _Job(node, lambda wire: window.top_up(wire, 0), read, len(order), sum(dsts[i].size for i in order))
-
-    def _read_same_size(self, wire: Wire, window: _GetWindow, keys: list[str], dsts: list[np.ndarray],
-                        order: list[int], res: list[Any]) -> None:
-        """The common batch: values of one size in whole 4 KiB rows, each small enough to stay in cache
-        (one model's pages). Up to each window refill, one Wire.framed_payloads call reads the replies
-        (reply head and the header's fixed fields matched in the buffer, payload, row sums while it is in
-        cache; in C when built); checksums are combined and compared for the whole batch at the end. What can be prepared per value is prepared first,
-        while the server is still working on the first reply. Anything unexpected takes the
-        reply-by-reply path (_read_other), which names the problem."""
-        size, n, codec = dsts[0].size, len(keys), self._codec
-        lead = b"$%d\r\n" % (codec.header_size + size) + codec.lead(size)
-        tails = [codec.tail(k) for k in keys]
-        rows = np.zeros((n, size // psum.ROW_BYTES), np.uint64)
-        field = codec.field_size
-        fields = bytearray(n * field)
-        framed = np.zeros(n, bool)
-        r = 0
-        while r < n:
-            if r >= window.due:
-                window.top_up(wire, r)
-            end = min(n, window.due)
-            # a reply already seen not to be the framed value (a miss) skips the batched read, which
-            # prepares the rest of the window's buffers each time it is called
-            stop = r if wire.differs_from(lead) else wire.framed_payloads(lead, field, tails, dsts,
-                                                                           rows, fields, r, end)
-            framed[r:stop] = True
-            if stop < end:  # not the expected frame: read it reply by reply
-                res[order[stop]] = self._read_other(wire, keys[stop], dsts[stop])
-                stop += 1
-            r = stop
-        stored = np.frombuffer(fields, np.uint8).reshape(n, field)[:, :8].copy().view("<u8").ravel()
-        good = psum.combine_rows(rows, size) == stored
-        fixed = lead[lead.index(b"\r\n") + 2 :]
-        for r in np.flatnonzero(framed).tolist():
-            if not good[r]:
-                res[order[r]] = "checksum_failures"
-            elif codec.sealed:  # the tag: a psum64 anyone can compute, a tag only the tenant's key can
-                header = fixed + bytes(fields[r * field : (r + 1) * field]) + tails[r]
-                res[order[r]] = codec.open(header, keys[r], dsts[r]) or True
-            else:
-                res[order[r]] = True
-
-    def _read_value(self, wire: Wire, key: str, dst: np.ndarray) -> Any:
-        """One GET reply into dst: True, or the counter that explains the miss. The reply of a stored
-        object of the expected size is matched whole; anything else goes through _read_other."""
-        hsize = self._codec.header_size
-        header = wire.value_head(b"$%d\r\n" % (hsize + dst.size), hsize)
-        if header is None:
-            return self._read_other(wire, key, dst)
-        return _take_payload(self._codec, wire, header, key, dst)
-
-    def _read_other(self, wire: Wire, key: str, dst: np.ndarray) -> Any:
-        """A reply that is not the expected value: an error, nil, another length, or a header that
-        differs from what value_head matched (then it is read again here, to name the problem)."""
-        head = wire.line()
-        if head[:1] == b"-":
-            return self._reply_error(ReplyError(head[1:].decode(errors="replace"))) or "load_errors"
-        if head[:1] != b"$":
-            raise ProtocolError(f"umbp: GET replied {head[:40]!r}")
-        # never more than the object plus a header can legitimately be: a larger claim is a broken or
-        # hostile server, and the connection is dropped rather than read (or allocated) on trust
-        hsize = self._codec.header_size
-        n = parse_length(head[1:], hsize + dst.size + _VALUE_SLACK)
-        if n < 0:
-            return "misses_absent"
-        if n != hsize + dst.size:
-            wire.discard(n)
-            wire.expect_crlf()
-            return "size_mismatches"
-        return _take_payload(self._codec, wire, wire.take(hsize), key, dst)
-
-    def _get_slow(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> None:
-        """Keys that met MOVED/ASK: fetched through redis-py's cluster client, which follows redirects."""
-        rc = self._backend.client()
-        for i, r in enumerate(res):
-            if r is not _REDIRECT:
-                continue
-            prefix = self._prefix_of(keys[i])
-            try:
-                value = rc.get(prefix + "d:" + keys[i])
-            except _REDIS_PY_FAULTS as exc:
-                self._last_error = f"{type(exc).__name__}: {exc}"[:200]
-                res[i] = "load_errors"
-                continue
-            res[i] = _check_value(self._codec, keys[i], value, dsts[i])
-        self._refresh()
-
-    # ---- key rotation: reads under previous secrets -------------------------------------------------
-
-    def _old_names(self, keys: list[str], kind: str) -> list[list[str]]:
-        """For each previous secret, the Redis names ('d:' value or 'm:' marker) of keys in its namespace
-        (the current group prefix with the current namespace swapped for the old one)."""
-        cur, base = self.config.redis_prefix, self.config.key_prefix
-        prefixes = [""] * len(keys)
-        for gs in (self._backend.groups(keys) or {}).values():
-            for g in gs:
-                for j in g.indices:
-                    prefixes[j] = g.prefix[len(cur):]
-        return [[f"{base}{ns}:{p}{kind}:{k}" for p, k in zip(prefixes, keys, strict=True)] for ns, _ in self._old]
-
-    def _exists_old(self, keys: list[str], res: np.ndarray) -> None:
-        """Keys absent in the current namespace but stored under a previous secret (during a rotation)
-        are present: their loads verify with that secret. One pipelined round per previous secret."""
-        idx = np.flatnonzero(res == _ABSENT).tolist()
-        try:
-            for names in self._old_names([keys[i] for i in idx], "m"):
-                pipe = self._backend.client().pipeline(transaction=False)
-                for name in names:
-                    pipe.exists(name)
-                for i, found in zip(idx, pipe.execute(), strict=True):
-                    if found:
-                        res[i] = _HIT
-        except _REDIS_PY_FAULTS as exc:
-            self._last_error = f"exists (old keys): {type(exc).__name__}: {exc}"[:200]
-
-    def _get_old(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> None:
-        """Loads that found nothing under the current secret, tried under each previous one (verified
-        with that secret's keys). Rotation-only, so through redis-py: one pipelined round per secret."""
-        idx = [i for i, r in enumerate(res) if r == "misses_absent"]
-        try:
-            for (_, codec), names in zip(self._old, self._old_names([keys[i] for i in idx], "d"), strict=True):
-                pipe = self._backend.client().pipeline(transaction=False)
-                for name in names:
-                    pipe.get(name)
-                for i, value in zip(idx, pipe.execute(), strict=True):
-                    if value is not None and res[i] == "misses_absent":
-                        res[i] = _check_value(codec, keys[i], value, dsts[i])
-                        self._count(old_key_hits=int(res[i] is True))
-        except _REDIS_PY_FAULTS as exc:
-            self._last_error = f"get (old keys): {type(exc).__name__}: {exc}"[:200]
-
-    def _prefix_of(self, key: str) -> str:
-        groups = self._backend.groups([key])
-        return next(iter(groups.values()))[0].prefix
-
-    def _finish_get(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> list[bool]:
-        if res.count(True) == len(res):  # every key a hit (the usual batch): one counter update
-            self._count(hits=len(res), bytes_read=sum(d.size for d in dsts))
-            return [True] * len(res)
-        tally: dict[str, int] = {}
-        out: list[bool] = []
-        failed: list[str] = []
-        for key, dst, r in zip(keys, dsts, res, strict=True):
-            if r is True:
-                out.append(True)
-                tally["bytes_read"] = tally.get("bytes_read", 0) + dst.size
-                continue
-            out.append(False)
-            reason = "load_errors" if r is None or r is _REDIRECT else r
-            tally[reason] = tally.get(reason, 0) + 1
-            if reason != "quarantine_skips":
-                failed.append(key)
-        hits = sum(out)
-        tally["quarantined"] = self._quarantine.add(failed)
-        self._count(hits=hits, misses=len(out) - hits, **tally)
-        self._repair(keys, res)
-        return out
-
-    def _repair(self, keys: list[str], res: list[Any]) -> None:
-        """Best effort: delete values that failed their checksum, and markers whose value is gone (evicted
-        or expired apart), so no other instance keeps trying them. One pipelined round trip for the
-        batch: a command per key, each awaited, made a get of 1,024 absent 16 KiB keys take 132-146 ms
-        on loopback against 8-15 ms for 1,024 hits (16-20 ms with the pipeline)."""
-        # a value failing its tag is deleted like a damaged one: saves are SET NX, so a planted value left
-        # in place would turn every later save of the key into a no-op and every load into a miss
-        corrupt = [k for k, r in zip(keys, res, strict=True) if r in _REMOVABLE]
-        absent = [k for k, r in zip(keys, res, strict=True) if r == "misses_absent"]
-        if not corrupt and not absent:
-            return
-        affected = corrupt + absent
-        try:
-            prefixes = [""] * len(affected)
-            for groups in self._backend.groups(affected).values():
-                for g in groups:
-                    for i in g.indices:
-                        prefixes[i] = g.prefix
-            pipe = self._backend.client().pipeline(transaction=False)  # EVAL via execute_command: a
-            # cluster pipeline's eval() is blocked, its execute_command routes EVAL by its keys' slot
-            for i, (k, p) in enumerate(zip(affected, prefixes, strict=True)):
-                pipe.execute_command("EVAL", _DROP if i < len(corrupt) else _HEAL, 2, p + "d:" + k, p + "m:" + k)
-            replies = pipe.execute(raise_on_error=False)
-        except _REDIS_PY_FAULTS as exc:  # best effort: never fails a get
-            self._last_error = f"repair: {type(exc).__name__}: {exc}"[:200]
-            return
-        done = [not isinstance(r, Exception) and int(r or 0) > 0 for r in replies]
-        self._count(corrupt_removed=sum(done[:len(corrupt)]), stale_markers_removed=sum(done[len(corrupt):]))
-
-    # ---- put -----------------------------------------------------------------------------------------
-
-    def put(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
-        """Synchronous: True once stored (or already present); False when the save was dropped (server
-        unavailable: counted). The payload is sent from the caller's buffer without a copy."""
-        keys = list(keys)
-        check_keys("put", keys)
-        srcs = prepare_buffers("put", keys, buffers, writable=False)
-        items = [_Item(k, s, codec=self._codec) for k, s in zip(keys, srcs, strict=True)]
-        return self._write(items)
-
-    def put_async(self, keys: Sequence[str], buffers: Sequence[Any],
-                  checksums: Sequence[int] | None = None) -> list[bool]:
-        """Copy each buffer (checksummed during the copy) into the write queue and return at once. True:
-        accepted (or already queued); False: dropped because the queue is full, the server is down, or
-        `checksums[i]` was given and the copied bytes do not match it. The worker passes the digests the
-        GPU computed while saving, so bytes that changed in the arena slot since (a slot already reused
-        by a later save) are never published under this key with a checksum of their own."""
-        keys = list(keys)
-        check_keys("put_async", keys)
-        srcs = prepare_buffers("put_async", keys, buffers, writable=False)
-        if checksums is not None and len(checksums) != len(keys):
-            raise BufferSizeError(f"umbp: put_async got {len(keys)} keys but {len(checksums)} checksums")
-        if isinstance(self._backend, Standalone) and self._is_down(self._backend.name):
-            self._count(puts_dropped=len(keys), puts_dropped_unavailable=len(keys))
-            return [False] * len(keys)
-        expected = checksums if checksums is not None else [None] * len(keys)
-        return [self._enqueue(k, s, c) for k, s, c in zip(keys, srcs, expected, strict=True)]
-
-    def _enqueue(self, key: str, src: np.ndarray, expected: int | None) -> bool:
-        state, copy, pages = self._writer.reserve(key, src.size)
-        if state == "dup":
-            self._count(put_duplicates=1)
-            return True
-        if state == "full":
-            self._count(puts_dropped=1, puts_dropped_queue_full=1)
-            return False
-        try:
-            digest = copy_with_checksum(copy, src, to_region=True)
-        except BaseException:
-            self._writer.unreserve(key, src.size, pages)
-            raise
-        if expected is not None and digest != int(expected) & ((1 << 64) - 1):
-            self._writer.unreserve(key, src.size, pages)
-            self._count(puts_dropped=1, puts_dropped_checksum=1)
-            return False
-        try:
-            header, stored = self._codec.seal(key, copy, digest)
-            if stored is not copy:  # encrypted: the ciphertext replaces the plaintext copy in the arena
-                copy[...] = stored
-        except BaseException:
-            self._writer.unreserve(key, src.size, pages)
-            raise
-        self._writer.push(_Item(key, copy, header, pages))
-        self._count(async_accepted=1)
-        return True
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until put_async's queue is written (or dropped); False on timeout."""
-        return self._writer.flush(timeout)
-
-    def _write(self, items: list[_Item]) -> list[bool]:
-        """One pipelined round per server: SET value NX, then SET marker NX, per object. NX makes a
-        duplicate put a no-op without a probe round trip first (the duplicate's bytes still travel:
-        duplicates are rare, since an engine saves what a lookup did not find)."""
-        keys = [it.key for it in items]
-        res: list[Any] = [None] * len(items)
-        groups = (self._groups(keys) if items else {}) or {}
-        self._run([self._store_job(node, gs, items, res) for node, gs in groups.items()])
-        if _REDIRECT in res:
-            self._write_slow(items, res)
-        return self._finish_put(items, res)
-
-    def _store_job(self, node: str, groups: list[Group], items: list[_Item], res: list[Any]) -> _Job:
-        order = [(g.prefix, j) for g in groups for j in g.indices]
-
-        def send(wire: Wire) -> None:
-            """The first object goes out alone, the rest whenever PUT_SEND_BYTES of payload are ready: the
-            server starts storing while the client still sums the rest, at one sendmsg per object only
-            for objects of PUT_SEND_BYTES and more."""
-            parts: list[bytes | memoryview] = []
-            ready = 0
-            for r, (prefix, j) in enumerate(order):
-                parts.extend(self._store_parts(prefix, items[j]))
-                ready += items[j].payload.size
-                if r == 0 or ready >= PUT_SEND_BYTES:
-                    wire.send(parts)
-                    parts, ready = [], 0
-            if parts:
-                wire.send(parts)
-
-        def read(wire: Wire) -> None:
-            for c0 in range(0, len(order), _STORED_RUN):  # matched a run at a time: a bounded buffer
-                run = order[c0 : c0 + _STORED_RUN]
-                if wire.try_consume(_STORED * len(run)):
-                    for _, j in run:
-                        res[j] = True
-                    continue
-                for _, j in run:
-                    res[j] = self._stored([wire.reply(max_bulk=0, max_items=2, depth=2) for _ in range(4)])
-
-        return _Job(node, send, read, len(order), sum(items[j].payload.size for _, j in order))
-
-    def _stored(self, replies: list[Any]) -> Any:
-        """True (written), 'dup' (the value was there already), _REDIRECT, or None (dropped: an error
-        reply, counted in reply_errors, or a reply that is not what MULTI/SET/SET/EXEC answer, counted
-        in unexpected_replies: only a server that said OK to the value counts it as stored)."""
-        multi, queued_value, queued_marker, done = replies
-        errors = [r for r in replies if isinstance(r, ReplyError)]
-        if errors:
-            redirect = next((r for r in errors if r.redirect), None)
-            return self._reply_error(redirect or errors[0])
-        if not (multi == b"OK" and queued_value == queued_marker == b"QUEUED" and isinstance(done, list)
-                and len(done) == 2 and done[1] in (b"OK", None)):
-            self._count(unexpected_replies=1)
-            return None
-        if done[0] == b"OK":
-            return True
-        if done[0] is None:
-            return "dup"
-        self._count(unexpected_replies=1)
-        return None
-
-    def _store_parts(self, prefix: str, item: _Item) -> list[bytes | memoryview]:
-        """MULTI, SET value NX [PX], SET marker NX [PX], EXEC. In a transaction because ordering alone
-        is not enough: with maxmemory + noeviction Redis refuses the value's SET (OOM: its bytes are in
-        the query buffer) yet accepts the 1-byte marker's once they are freed, leaving a marker that
-        promises a value that was never stored. A refused command inside MULTI aborts the EXEC, so the
-        marker is written exactly when the value is. Two small commands more per object; no Lua."""
-        tail, set_ = self._set_tail, self._set_head
-        header = item.framed_header()
-        return [
-            _MULTI + set_ + bulk(prefix + "d:" + item.key) + b"$%d\r\n" % (len(header) + item.payload.size) + header,
-            memoryview(item.payload),
-            b"\r\n" + tail + set_ + bulk(prefix + "m:" + item.key) + b"$1\r\n1\r\n" + tail + _EXEC,
-        ]
-
-    def _write_slow(self, items: list[_Item], res: list[Any]) -> None:
-        """Objects that met MOVED/ASK: written through redis-py's cluster client (value, then marker)."""
-        rc = self._backend.client()
-        px = self._ttl_ms
-        for j, r in enumerate(res):
-            if r is not _REDIRECT:
-                continue
-            it = items[j]
-            p = self._prefix_of(it.key)
-            try:
-                header = it.framed_header()
-                fresh = rc.set(p + "d:" + it.key, header + it.payload.tobytes(), nx=True, px=px)
-                rc.set(p + "m:" + it.key, b"1", nx=True, px=px)  # only after the value's SET succeeded
-                res[j] = True if fresh else "dup"
-            except _REDIS_PY_FAULTS as exc:
-                self._last_error = f"{type(exc).__name__}: {exc}"[:200]
-                res[j] = None
-        self._refresh()
-
-    def _finish_put(self, items: list[_Item], res: list[Any]) -> list[bool]:
-        stored = [it for it, r in zip(items, res, strict=True) if r is True]
-        dups = sum(1 for r in res if r == "dup")
-        unanswered = sum(1 for r in res if r is None)
-        self._count(puts=len(stored), put_duplicates=dups, puts_dropped=len(items) - len(stored) - dups,
-                    puts_dropped_unavailable=unanswered, bytes_written=sum(it.payload.size for it in stored))
-        if stored:
-            self._quarantine.discard([it.key for it in stored])
-        return [r is True or r == "dup" for r in res]
-
     # ---- remove / clear ------------------------------------------------------------------------------
 
     def remove(self, keys: Sequence[str]) -> int:
@@ -1084,65 +472,6 @@ class RedisTier(Pool):
         self._writer.close(5.0 if timeout is None else timeout)
         self._conns.close()
         self._backend.close()
-
-
-def _take_payload(codec: PlainCodec | SealedCodec, wire: Wire, header: bytes, key: str, dst: np.ndarray) -> Any:
-    """The rest of a value whose length matched: payload into dst (checksummed on the way), the closing
-    CRLF; True, or the counter naming what the header, checksum or tag says is wrong."""
-    problem, stored = codec.inspect(header, key, dst.size)
-    tag = codec.stream(header, key) if problem is None else None
-    digest = _recv_with_checksum(wire, dst, None if tag is None else tag.update)
-    wire.expect_crlf()
-    if problem is None and digest != stored:
-        problem = "checksum_failures"
-    if problem is None:
-        problem = codec.open(header, key, dst) if tag is None else tag.verdict()
-    return problem or True
-
-
-def _verified(codec: PlainCodec | SealedCodec, header: bytes, key: str, dst: np.ndarray, digest: int) -> Any:
-    """True when header, psum64 and (sealed) tag fit; else the counter that names the miss."""
-    problem, stored = codec.inspect(header, key, dst.size)
-    if problem is None and digest != stored:
-        problem = "checksum_failures"
-    if problem is None:
-        problem = codec.open(header, key, dst)
-    return problem or True
-
-
-def _recv_with_checksum(wire: Wire, dst: np.ndarray, on_chunk: Callable[[memoryview], Any] | None = None) -> int:
-    """Receive into dst chunk by chunk and take each chunk's psum64 row values while it is still in cache (the
-    same fused pass as psum.copy_with_checksum, with the socket as the source); equals checksum_u8(dst).
-    `on_chunk` (a sealed value's tag) gets each chunk too, while it is in cache."""
-    nbytes = dst.size
-    if nbytes <= psum.CHUNK_BYTES:
-        wire.read_into(memoryview(dst))
-        if on_chunk is not None:
-            on_chunk(memoryview(dst))
-        return checksum_u8(dst)
-    full = nbytes // psum.ROW_BYTES * psum.ROW_BYTES
-    rows = np.empty(full // psum.ROW_BYTES, np.uint64)
-    words = dst[:full].view(psum._LE_U64).reshape(-1, psum.ROW_WORDS)
-    for c0 in range(0, nbytes, psum.CHUNK_BYTES):
-        c1 = min(c0 + psum.CHUNK_BYTES, nbytes)
-        wire.read_into(memoryview(dst[c0:c1]))
-        if on_chunk is not None:
-            on_chunk(memoryview(dst[c0:c1]))
-        r0, r1 = c0 // psum.ROW_BYTES, min(c1, full) // psum.ROW_BYTES
-        if r1 > r0:
-            psum.row_sums_into(words[r0:r1], rows[r0:r1])
-    return psum._combine(rows, dst, full)
-
-
-def _check_value(codec: PlainCodec | SealedCodec, key: str, value: bytes | None, dst: np.ndarray) -> Any:
-    """The slow path's version of RedisTier._read_value, for a value redis-py already read."""
-    if value is None:
-        return "misses_absent"
-    hsize = codec.header_size
-    if len(value) != hsize + dst.size:
-        return "size_mismatches"
-    np.copyto(dst, np.frombuffer(value, np.uint8, offset=hsize))
-    return _verified(codec, value[:hsize], key, dst, checksum_u8(dst))
 
 
 def _glob_escape(s: str) -> str:

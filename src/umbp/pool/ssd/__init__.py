@@ -1,6 +1,6 @@
 """The SSD tier: `SsdTier`, objects in append-only segment files under one or more directories.
 
-    from umbp.pool.ssd.tier import SsdTier
+    from umbp.pool.ssd import SsdTier
 
 Modules: `tier` (the Pool interface and its bookkeeping), `format` (the on-disk records and groups),
 `recovery` (the start-up scan, resync and flush mark), `options` (SsdOptions). See docs/ssd.md.
@@ -11,4 +11,12 @@ from umbp.pool.ssd.options import SsdOptions
 from umbp.pool.ssd.recovery import scan_directory
 from umbp.pool.ssd.tier import SsdDirectoryError, SsdError, SsdLockedError, SsdTier
 
-__all__ = ["RecordInfo", "SsdDirectoryError", "SsdError", "SsdLockedError", "SsdOptions", "SsdTier", "scan_directory"]
+__all__ = [
+    "RecordInfo",
+    "SsdDirectoryError",
+    "SsdError",
+    "SsdLockedError",
+    "SsdOptions",
+    "SsdTier",
+    "scan_directory",
+]

@@ -32,8 +32,16 @@ class DirectoryMixin:
     def _open_shard(self, number: int, directory: str, capacity: int) -> _Shard:
         _ensure_directory(directory)
         lock_fd = _lock_directory(directory)
-        shard = _Shard(number, directory, lock_fd, capacity, threading.Condition(self._lock),
-                       direct=self._direct_mode is not False, scratch=aligned_buffer(self._max_io), limit=capacity)
+        shard = _Shard(
+            number,
+            directory,
+            lock_fd,
+            capacity,
+            threading.Condition(self._lock),
+            direct=self._direct_mode is not False,
+            scratch=aligned_buffer(self._max_io),
+            limit=capacity,
+        )
         try:
             self._rebuild(shard)
             self._refresh_limit(shard)
@@ -59,8 +67,15 @@ class DirectoryMixin:
         for s in found.segments:
             if not s.records:
                 continue
-            seg = _Segment(s.number, s.path, self._open_fd(shard, s.path, create=False), s.size, s.sealed,
-                           list(s.records), sum(entry_bytes(k.encode()) for k, _ in s.records))
+            seg = _Segment(
+                s.number,
+                s.path,
+                self._open_fd(shard, s.path, create=False),
+                s.size,
+                s.sealed,
+                list(s.records),
+                sum(entry_bytes(k.encode()) for k, _ in s.records),
+            )
             shard.segments.append(seg)
             by_number[s.number] = seg
             if not s.sealed:

@@ -8,4 +8,6 @@ import os
 
 pwritev = os.pwritev
 preadv = os.preadv
-WRITE_DEPTH = 3  # groups a directory's writer keeps in flight, so a writer late by one write's time leaves no gap
+WRITE_DEPTH = (
+    3  # groups a directory's writer keeps in flight, so a writer late by one write's time leaves no gap
+)

@@ -47,7 +47,6 @@ class ReaderMixin:
                     f"{plan.length} bytes; pass a buffer of exactly {plan.length} bytes"
                 )
 
-
     # ---- reading ---------------------------------------------------------------------------------------
 
     def _bounce(self) -> np.ndarray:
@@ -62,7 +61,9 @@ class ReaderMixin:
         the per-object CPU work hides behind the disk instead of adding to it."""
         status = [_MISS] * len(keys)
         by_seg: dict[int, list[int]] = {}
-        first: dict[int, int] = {}  # a record named twice in the batch is read once (a run breaks at a repeat)
+        first: dict[
+            int, int
+        ] = {}  # a record named twice in the batch is read once (a run breaks at a repeat)
         repeats: list[tuple[int, int]] = []
         for i, plan in enumerate(plans):
             if isinstance(plan, _Item):
@@ -86,8 +87,9 @@ class ReaderMixin:
                 np.copyto(dsts[i], dsts[j])
         return status
 
-    def _read_pipelined(self, runs: list[list[int]], keys: Sequence[str], plans: list, dsts: list,
-                        status: list[int]) -> None:
+    def _read_pipelined(
+        self, runs: list[list[int]], keys: Sequence[str], plans: list, dsts: list, status: list[int]
+    ) -> None:
         if self._executor is None:
             with self._lock:
                 if self._executor is None:
@@ -96,8 +98,9 @@ class ReaderMixin:
         pending: deque = deque()
         for run in runs:
             if self._whole_in_thread(run, keys, plans, dsts):  # large objects: read and verify there
-                pending.append((None, self._executor.submit(
-                    self._read_run, run, keys, plans, dsts, status, None)))
+                pending.append(
+                    (None, self._executor.submit(self._read_run, run, keys, plans, dsts, status, None))
+                )
                 continue
             while not free:  # every buffer in flight: finish the oldest jobs until one comes back
                 self._complete(pending.popleft(), keys, plans, dsts, status, free)
@@ -106,8 +109,15 @@ class ReaderMixin:
         while pending:
             self._complete(pending.popleft(), keys, plans, dsts, status, free)
 
-    def _complete(self, job: tuple, keys: Sequence[str], plans: list, dsts: list, status: list[int],
-                  free: list[np.ndarray]) -> None:
+    def _complete(
+        self,
+        job: tuple,
+        keys: Sequence[str],
+        plans: list,
+        dsts: list,
+        status: list[int],
+        free: list[np.ndarray],
+    ) -> None:
         ctx, fut = job
         got = fut.result()
         if ctx is not None:
@@ -131,8 +141,9 @@ class ReaderMixin:
         vectorised pass beat a checksum call per object in the reader threads (which contend for the
         GIL) by a wide margin: 256 KiB objects 0.92-0.96 vs 0.67-0.68 of the disk, 1 MiB 1.07-1.12 vs
         0.75-0.78 (docs/ssd.md)."""
-        return all(padded(plans[i].length) >= self._run_bytes and self._zero_copy_ok(keys[i], dsts[i])
-                   for i in run)
+        return all(
+            padded(plans[i].length) >= self._run_bytes and self._zero_copy_ok(keys[i], dsts[i]) for i in run
+        )
 
     def _runs(self, plans: list, idx: list[int]) -> list[list[int]]:
         """Records of one segment whose payloads sit side by side (a write group's), grouped into reads of
@@ -152,8 +163,15 @@ class ReaderMixin:
             end = loc.offset + rec
         return runs
 
-    def _read_run(self, run: list[int], keys: Sequence[str], plans: list, dsts: list, status: list[int],
-                  buf: np.ndarray | None) -> None:
+    def _read_run(
+        self,
+        run: list[int],
+        keys: Sequence[str],
+        plans: list,
+        dsts: list,
+        status: list[int],
+        buf: np.ndarray | None,
+    ) -> None:
         """Read and verify one run, whichever way suits it."""
         first = plans[run[0]]
         if self._zero_copy(run, keys, plans, dsts):
@@ -169,13 +187,16 @@ class ReaderMixin:
         """Read the run's bytes into buf; returns the whole blocks read (0 on an I/O error)."""
         start, last = plans[run[0]].offset, plans[run[-1]]
         try:
-            got = io_hooks.preadv(plans[run[0]].seg.fd, [buf[: last.offset + padded(last.length) - start]], start)
+            got = io_hooks.preadv(
+                plans[run[0]].seg.fd, [buf[: last.offset + padded(last.length) - start]], start
+            )
         except OSError:
             return 0
         return got // BLOCK * BLOCK
 
-    def _verify_bounced(self, run: list[int], plans: list, dsts: list, status: list[int], buf: np.ndarray,
-                        got: int) -> None:
+    def _verify_bounced(
+        self, run: list[int], plans: list, dsts: list, status: list[int], buf: np.ndarray, got: int
+    ) -> None:
         """One numpy call for every block's sum and one for the psum64 of every payload of the run, then
         a copy per intact object into its destination. With the C extension: one call copies every whole
         record's payload into its destination and sums it on the way (a miss leaves its buffer undefined,

@@ -34,7 +34,6 @@ _ENTRY_BYTES = entry_bytes(b"")  # a summary entry's bytes before its key
 _FATAL_ERRNOS = (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
 
-
 def _staging_pages(length: int) -> int:
     """Staging pages a put of `length` bytes takes: its padded payload (one page for an empty one)."""
     return max(padded(length) // BLOCK, 1)
@@ -90,7 +89,9 @@ class _Item:
     cancelled: bool = False
     pins: int = 0
     done: threading.Event | None = None
-    nbytes: int = 0  # bytes of its payload on disk (padded; 0 for a tombstone), a field: read ~30 times a record
+    nbytes: int = (
+        0  # bytes of its payload on disk (padded; 0 for a tombstone), a field: read ~30 times a record
+    )
 
 
 @dataclass(eq=False, slots=True)
@@ -129,7 +130,9 @@ class _Shard:
     next_segment: int = 1
     written_seq: int = 0  # the highest seq of a record whose write reached the file (what flush() marks)
     index: dict[str, _Loc] = field(default_factory=dict)
-    ghosts: dict[str, _Segment] = field(default_factory=dict)  # left the index without remove(), still on disk
+    ghosts: dict[str, _Segment] = field(
+        default_factory=dict
+    )  # left the index without remove(), still on disk
     lru: OrderedDict[str, None] = field(default_factory=OrderedDict)
     staged: dict[str, _Item] = field(default_factory=dict)
     queue: deque[_Item] = field(default_factory=deque)
@@ -139,5 +142,7 @@ class _Shard:
     busy: bool = False
     failed: str = ""
     thread: threading.Thread | None = None
-    io: ThreadPoolExecutor | None = None  # runs the writes the writer thread plans (_WRITE_DEPTH at once) and seals
+    io: ThreadPoolExecutor | None = (
+        None  # runs the writes the writer thread plans (_WRITE_DEPTH at once) and seals
+    )
     inflight: deque[_Write] = field(default_factory=deque)  # oldest first; touched by the writer thread only

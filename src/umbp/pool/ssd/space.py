@@ -127,8 +127,10 @@ class SpaceMixin:
             # the copy must fit now, and the pending write once the victim is gone (its bytes are freed):
             # not crediting them evicted recently used objects out of LRU order whenever a large write was
             # pending (seen as a flaky LRU test on a loaded 2-core VM, where writes batch up)
-            fits = (shard.footprint + cost <= shard.limit
-                    and shard.footprint + cost + need - victim.reserved <= shard.limit)
+            fits = (
+                shard.footprint + cost <= shard.limit
+                and shard.footprint + cost + need - victim.reserved <= shard.limit
+            )
             if not (fits and self._copy_forward(shard, key, loc)):
                 with self._lock:
                     if shard.index.get(key) is loc:
@@ -231,7 +233,9 @@ class SpaceMixin:
             segs = list(shard.segments)
         lost = [s for s in segs if s.fd >= 0 and os.fstat(s.fd).st_nlink == 0]
         for seg in lost:
-            log.error("umbp: SSD segment %s was deleted by someone else; its objects are now misses", seg.path)
+            log.error(
+                "umbp: SSD segment %s was deleted by someone else; its objects are now misses", seg.path
+            )
             self._delete_segment(shard, seg)
         with self._lock:
             self._counters["segments_lost"] += len(lost)

@@ -45,8 +45,10 @@ class StagingMixin:
     def _fits(self, nbytes: int, key_len: int) -> bool:
         """Whether an object fits both the staging queue and a directory's capacity (its seal included)."""
         rec = record_bytes(nbytes)
-        return (_staging_pages(nbytes) * BLOCK <= self._queue_bytes
-                and rec + seal_bytes(_ENTRY_BYTES + key_len) <= self._shards[0].capacity)
+        return (
+            _staging_pages(nbytes) * BLOCK <= self._queue_bytes
+            and rec + seal_bytes(_ENTRY_BYTES + key_len) <= self._shards[0].capacity
+        )
 
     def _check_fits(self, key: str, kb: bytes, nbytes: int) -> None:
         """_fits, or the error that names the limit the object exceeds."""
@@ -63,9 +65,9 @@ class StagingMixin:
             "directory; raise capacity_bytes"
         )
 
-
-    def _stage(self, keys: Sequence[str], blobs: list[bytes], srcs: list[np.ndarray],
-               out: list[bool]) -> list[tuple[int, _Item]]:
+    def _stage(
+        self, keys: Sequence[str], blobs: list[bytes], srcs: list[np.ndarray], out: list[bool]
+    ) -> list[tuple[int, _Item]]:
         """Under one lock: answer duplicates, refuse what cannot be taken now, take staging for the rest.
         Objects of one size get one run of staging, record after record, when the arena has it: then
         _copy_in sums them together and the writer frees them together."""
@@ -96,7 +98,11 @@ class StagingMixin:
                 starts = None
             refused = set()  # page counts no free run has left (nothing is freed while the lock is held)
             for k, (i, shard, npages) in enumerate(wanted):
-                start = (None if npages in refused else self._alloc.alloc(npages)) if starts is None else starts[k]
+                start = (
+                    (None if npages in refused else self._alloc.alloc(npages))
+                    if starts is None
+                    else starts[k]
+                )
                 if start is None:
                     refused.add(npages)
                     c["dropped_backpressure"] += 1
@@ -113,8 +119,13 @@ class StagingMixin:
                 staged.append((i, it))
         return staged
 
-    def _copy_in(self, staged: list[tuple[int, _Item]], srcs: list[np.ndarray], checksums: Sequence[int] | None,
-                 out: list[bool]) -> None:
+    def _copy_in(
+        self,
+        staged: list[tuple[int, _Item]],
+        srcs: list[np.ndarray],
+        checksums: Sequence[int] | None,
+        out: list[bool],
+    ) -> None:
         """Copy each staged object into its staging pages, take its psum64 and queue it, run by run (~1 MiB),
         so the writer starts on the first run while later ones are still copied (a 16 MiB put used to
         keep the disk idle until its last copy). Runs are dealt round-robin to copy_threads (the caller
@@ -135,7 +146,11 @@ class StagingMixin:
                 queued[r] = True
 
         total = sum(it.nbytes for _i, it in staged)
-        n = 1 if self._copy_pool is None or len(runs) < 2 or total < 2 * _SUM_RUN_BYTES else self._copy_threads
+        n = (
+            1
+            if self._copy_pool is None or len(runs) < 2 or total < 2 * _SUM_RUN_BYTES
+            else self._copy_threads
+        )
         shares = [range(t, len(runs), n) for t in range(min(n, len(runs)))]
         try:
             run_split(self._copy_pool, work, shares)
@@ -155,8 +170,12 @@ class StagingMixin:
             it = staged[i][1]
             j = i + 1
             limit = i + max(1, _SUM_RUN_BYTES // it.nbytes) if it.nbytes else j  # an empty payload goes alone
-            while (j < len(staged) and j < limit and staged[j][1].length == it.length
-                   and staged[j][1].start == staged[j - 1][1].start + it.npages):
+            while (
+                j < len(staged)
+                and j < limit
+                and staged[j][1].length == it.length
+                and staged[j][1].start == staged[j - 1][1].start + it.npages
+            ):
                 j += 1
             runs.append((i, j))
             i = j
@@ -186,11 +205,14 @@ class StagingMixin:
                 region[n:] = 0
         if j - i > 1:
             run = self._staging[it.start * BLOCK : (it.start + (j - i) * it.npages) * BLOCK]
-            for (_k, item), digest in zip(staged[i:j], psums_of_records(block_rows(run), j - i, n), strict=True):
+            for (_k, item), digest in zip(
+                staged[i:j], psums_of_records(block_rows(run), j - i, n), strict=True
+            ):
                 item.checksum = digest
 
-    def _enqueue_staged(self, staged: list[tuple[int, _Item]], checksums: Sequence[int] | None,
-                        out: list[bool]) -> None:
+    def _enqueue_staged(
+        self, staged: list[tuple[int, _Item]], checksums: Sequence[int] | None, out: list[bool]
+    ) -> None:
         """Under one lock: queue copied items, one wake-up per directory. An item removed while it
         was copied, or whose bytes do not match the caller's checksum, is dropped (False)."""
         woken = set()

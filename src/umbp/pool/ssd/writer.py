@@ -50,8 +50,12 @@ class WriterMixin:
         next_check = time.monotonic() + self._health_interval
         while True:
             with self._lock:
-                while (not shard.queue and not shard.inflight and not self._stopping
-                       and time.monotonic() < next_check):
+                while (
+                    not shard.queue
+                    and not shard.inflight
+                    and not self._stopping
+                    and time.monotonic() < next_check
+                ):
                     shard.cv.wait(max(next_check - time.monotonic(), 0.001))
                 if not shard.queue and not shard.inflight and self._stopping:
                     return
@@ -188,8 +192,20 @@ class WriterMixin:
             seqs = list(range(shard.next_seq, shard.next_seq + len(group)))
             shard.next_seq += len(group)
         iov, image = self._images(group, seqs, head)
-        self._submit(shard, _Write(seg, group, seqs, offset, total, ebytes,
-                                   shard.io.submit(self._pwrite, shard, seg, iov, offset), image, head=head))
+        self._submit(
+            shard,
+            _Write(
+                seg,
+                group,
+                seqs,
+                offset,
+                total,
+                ebytes,
+                shard.io.submit(self._pwrite, shard, seg, iov, offset),
+                image,
+                head=head,
+            ),
+        )
 
     def _place(self, shard: _Shard, group: list[_Item], total: int, ebytes: int) -> _Segment | None:
         """The segment for a group once nothing is in flight: reclaim space first if needed; None (the
@@ -213,9 +229,14 @@ class WriterMixin:
         """The group's head (packed into a buffer of its own, as the write may outlive this call) and its
         payloads, as few buffers as possible: payloads staged side by side go as one."""
         image = aligned_buffer(head)
-        pack_group(memoryview(image), [it.key_bytes for it in group],
-                   [DATA if it.kind == _PUT else TOMBSTONE for it in group], seqs,
-                   [it.length for it in group], [it.checksum for it in group])
+        pack_group(
+            memoryview(image),
+            [it.key_bytes for it in group],
+            [DATA if it.kind == _PUT else TOMBSTONE for it in group],
+            seqs,
+            [it.length for it in group],
+            [it.checksum for it in group],
+        )
         staging = self._staging_view_all
         spans: list[tuple[int, int]] = []  # (start, end) in staging, merged while adjacent
         for it in group:
@@ -269,7 +290,12 @@ class WriterMixin:
 
     def _seal_if_left(self, shard: _Shard, seg: _Segment) -> None:
         """Seal seg (in the background) once it is no longer active and no write to it is in flight."""
-        if seg is not shard.active and not seg.sealed and not seg.dead and all(w.seg is not seg for w in shard.inflight):
+        if (
+            seg is not shard.active
+            and not seg.sealed
+            and not seg.dead
+            and all(w.seg is not seg for w in shard.inflight)
+        ):
             self._seal_later(shard, seg)
 
     @staticmethod
@@ -350,8 +376,12 @@ class WriterMixin:
             for it, seq in zip(w.group, w.seqs, strict=True):
                 put = it.kind == _PUT
                 if whole:
-                    entries.append((it.key, RecordInfo(number, pos, it.length, it.checksum, seq,
-                                                       DATA if put else TOMBSTONE)))
+                    entries.append(
+                        (
+                            it.key,
+                            RecordInfo(number, pos, it.length, it.checksum, seq, DATA if put else TOMBSTONE),
+                        )
+                    )
                     ebytes += entry_bytes(it.key_bytes)
                     tombs += not put
                     if put and not it.cancelled:
@@ -398,5 +428,8 @@ class WriterMixin:
         with self._lock:
             if not shard.failed:
                 shard.failed = why
-                log.error("umbp: SSD directory %s disabled: %s (reads of intact records continue)",
-                          shard.directory, why)
+                log.error(
+                    "umbp: SSD directory %s disabled: %s (reads of intact records continue)",
+                    shard.directory,
+                    why,
+                )
