@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 # The SSD tier and the tier composition (docs/ssd.md).
+from umbp.pool.composition import TierStack  # noqa: E402
 from umbp.pool.ssd import (  # noqa: E402
     RecordInfo,
     SsdDirectoryError,
@@ -58,4 +59,4 @@ from umbp.pool.ssd import (  # noqa: E402
 )
 from umbp.pool.tiered import TieredPool  # noqa: E402
 
-__all__ += ["RecordInfo", "SsdDirectoryError", "SsdError", "SsdLockedError", "SsdTier", "TieredPool", "scan_directory"]
+__all__ += ["RecordInfo", "SsdDirectoryError", "SsdError", "SsdLockedError", "SsdTier", "TierStack", "TieredPool", "scan_directory"]

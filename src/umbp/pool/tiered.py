@@ -3,10 +3,12 @@
 * put goes to the first tier that can hold the object (normally DRAM); a key present in any tier is a
   no-op, as for every Pool.
 * When DRAM evicts an object, its bytes are handed to the next tier (demotion) before the DRAM pages are
-  reused. For an SsdTier this is a copy into its staging buffer with the DRAM psum64 checked on the way
-  (a DRAM copy that went bad is dropped, never demoted); a full staging buffer drops the object
-  (counted), it never blocks. A tier with `put_async` (the shared Redis tier) gets the same checked copy
-  through its write queue, so no network round trip runs under DramPool's lock.
+  reused, through the lower tier's `write_behind` (the composition in umbp.pool.composition). For an
+  SsdTier this is a copy into its staging buffer with the DRAM psum64 checked on the way (a DRAM copy
+  that went bad is dropped, never demoted); a full staging buffer drops the object (counted), it never
+  blocks. A tier with `async_writes` (the shared Redis tier) gets the same checked copy through its
+  write queue, so no network round trip runs under DramPool's lock. Which tier demotes, how large an
+  object a tier holds and how large a burst it takes are the tiers' declared capabilities (Pool).
 * get_into tries the tiers in order and serves the first intact copy; a hit below the first tier is
   copied into the first tier (promotion). The SSD copy stays (tiers are inclusive), so evicting the
   promoted object again costs no second SSD write.
@@ -22,14 +24,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from umbp.pool.base import Pool
 from umbp.pool.buffers import as_u8
+from umbp.pool.composition import TierStack
 from umbp.pool.dram.index import Slot
-from umbp.pool.dram.tier import DramPool
 from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, UmbpError, human_bytes
-from umbp.pool.ssd.tier import SsdTier
+
+if TYPE_CHECKING:
+    from umbp.pool.dram.tier import DramPool
 
 EvictCallback = Callable[[list[tuple[str, Slot]]], None]
 
@@ -38,22 +42,6 @@ def install_evict_hook(dram: DramPool, callback: EvictCallback) -> None:
     """Call callback([(key, slot), ...]) with the objects `dram` evicts while their bytes are intact: once
     per put batch that evicted anything (see DramIndex.batched_evictions)."""
     dram.index.on_evict = callback
-
-
-def _intake_bytes(tier: Pool) -> int | None:
-    """What a tier takes in one call before its writer drains any of it (None: not bounded that way)."""
-    if isinstance(tier, SsdTier):
-        return tier.queue_bytes
-    config = getattr(tier, "config", None)
-    return getattr(config, "write_queue_bytes", None)
-
-
-def _max_object_bytes(tier: Pool) -> int | None:
-    if isinstance(tier, SsdTier):
-        return tier.max_object_bytes
-    if isinstance(tier, DramPool):
-        return tier.capacity_bytes
-    return None
 
 
 class TieredPool(Pool):
@@ -69,9 +57,10 @@ class TieredPool(Pool):
             ("demotions", "demotions_dropped", "demotion_errors", "promotions", "promotions_failed"), 0)
         self._hits = [0] * len(self.tiers)
         self._misses = 0
-        if demote and len(self.tiers) > 1 and isinstance(self.tiers[0], DramPool):
+        self.lower = TierStack(self.tiers[1:])
+        if demote and self.lower and self.tiers[0].demotes_evictions:
             install_evict_hook(self.tiers[0], self._demote)
-            intake = _intake_bytes(self.tiers[1])
+            intake = self.lower.intake_bytes
             if intake is not None:  # DRAM's watermark burst (10% of it by default) must not overflow it
                 index = self.tiers[0].index
                 index.max_evict_pages = max(1, intake // 2 // index.alignment)
@@ -91,27 +80,11 @@ class TieredPool(Pool):
                 self._demote_part([k for k, _ in part], [arena.view(s.offset, s.nbytes) for _, s in part], sums)
 
     def _demote_part(self, keys: list[str], srcs: list, sums: list[int] | None) -> None:
-        lower = self.tiers[1]
-        try:
-            if hasattr(lower, "put_async"):  # a networked tier: queue a checked copy, no I/O under DRAM's lock
-                ok = lower.put_async(keys, srcs, checksums=sums)
-            elif isinstance(lower, SsdTier):
-                ok = lower.put(keys, srcs, checksums=sums)
-            else:
-                ok = lower.put(keys, srcs)
-        except ObjectTooLargeError:  # one of them can never fit below: the others must still go down
-            if len(keys) == 1:
-                self._count("demotion_errors")
-                return
-            for i, key in enumerate(keys):
-                self._demote_part([key], [srcs[i]], None if sums is None else [sums[i]])
-            return
-        except UmbpError:  # the lower tier is closed
-            self._count("demotion_errors", len(keys))
-            return
+        ok, errors = self.lower.write_behind(self.lower.tiers[0], keys, srcs, sums)
         stored = sum(ok)
         self._count("demotions", stored)
-        self._count("demotions_dropped", len(ok) - stored)
+        self._count("demotions_dropped", len(ok) - stored - errors)
+        self._count("demotion_errors", errors)
 
     # ---- Pool API ------------------------------------------------------------------------------------
 
@@ -137,7 +110,7 @@ class TieredPool(Pool):
         out = self.exists(keys)
         todo = [i for i, present in enumerate(out) if not present]
         for tier in self.tiers:
-            limit = _max_object_bytes(tier)
+            limit = tier.max_object_bytes
             here = [i for i in todo if limit is None or sizes[i] <= limit]
             if here:
                 for i, ok in zip(here, tier.put([keys[i] for i in here], [buffers[i] for i in here]), strict=True):
@@ -146,7 +119,7 @@ class TieredPool(Pool):
         return out
 
     def _check_fits_somewhere(self, keys: Sequence[str], sizes: list[int]) -> None:
-        limits = [_max_object_bytes(t) for t in self.tiers]
+        limits = [t.max_object_bytes for t in self.tiers]
         if None in limits:
             return
         largest = max(limits)
@@ -182,7 +155,7 @@ class TieredPool(Pool):
     def _promote_hits(self, keys: list[str], buffers: list[Any]) -> None:
         """Copy lower-tier hits (now verified in the caller's buffers) into the first tier."""
         first = self.tiers[0]
-        limit = _max_object_bytes(first)
+        limit = first.max_object_bytes
         sizes = [as_u8(b, key=k, what="buffer", writable=False).size for k, b in zip(keys, buffers)]
         fit = [i for i, n in enumerate(sizes) if limit is None or n <= limit]
         ok = first.put([keys[i] for i in fit], [buffers[i] for i in fit]) if fit else []
@@ -201,7 +174,7 @@ class TieredPool(Pool):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every tier with a write queue (SsdTier, RedisTier) to drain."""
-        return all([t.flush(timeout) for t in self.tiers if hasattr(t, "flush")])
+        return all([t.flush(timeout) for t in self.tiers])
 
     def stats(self) -> dict[str, Any]:
         tiers = [t.stats() for t in self.tiers]

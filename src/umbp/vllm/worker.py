@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from umbp.identity import RankCoord, object_key
-from umbp.pool import Arena
+from umbp.pool import Arena, Pool
+from umbp.pool.composition import TierStack
 from umbp.pool.psum import checksum
 from umbp.transfer import Handle, Moves, make_engine
 from umbp.vllm.config import ARENA_PAGE, UMBPConfig
@@ -109,8 +110,7 @@ class WorkerSide:
         self.rank = rank if rank is not None else current_rank()
         self.groups: dict[int, GroupPages] = {}
         self.arena: Arena | None = None
-        self.ssd = None  # umbp.pool.SsdTier for this rank, when ssd_dirs is configured
-        self.remote = None  # umbp.pool.remote.tier.RedisTier, when a shared tier is configured
+        self.lower = TierStack([])  # the tiers below the arena: this rank's SSD tier, the shared tier
         self.ssd_saved: dict[int, set[str]] = {}
         self.slots: dict[int, tuple[str, int]] = {}  # arena offset -> (rank-local key, checksum)
         self.saved: dict[int, set[str]] = {}
@@ -153,13 +153,14 @@ class WorkerSide:
         layers = {g: [(layer.tensor, layer.block_dim) for layer in p.layers] for g, p in self.groups.items()}
         self.engine = make_engine(self.arena, layers)  # Triton kernels on CUDA, staged copies on CPU
         self._warm_up()
+        ssd = None
         if self.cfg.ssd_dirs:
             from umbp.pool.ssd.tier import SsdTier
 
             dirs = [rank_dir(d, self.layout.namespace, self.rank) for d in self.cfg.ssd_dirs]
-            self.ssd = SsdTier(dirs, self.cfg.ssd_bytes, track_evicted=True, prefault=False)
-        self.remote = self.cfg.remote_tier()
-        if self.ssd is not None or self.remote is not None:
+            ssd = SsdTier(dirs, self.cfg.ssd_bytes, track_evicted=True, prefault=False)
+        self.lower = TierStack([ssd, self.cfg.remote_tier()])
+        if self.lower:
             self.feeder = ThreadPoolExecutor(1, thread_name_prefix="umbp-tier-feed")
             atexit.register(self.close)  # queued writes must reach the disk/server without a clean shutdown
         logger.info(
@@ -181,6 +182,16 @@ class WorkerSide:
             return
         if self.engine.backend == "kernel":
             logger.info("umbp: transfer kernels ready in %.2f s", time.perf_counter() - t0)
+
+    @property
+    def ssd(self) -> Pool | None:
+        """This rank's own restart-surviving tier (the SSD tier), when one is configured."""
+        return self.lower.persistent
+
+    @property
+    def remote(self) -> Pool | None:
+        """The tier every rank and instance shares (Redis/Valkey), when one is configured."""
+        return self.lower.shared
 
     def rank_key(self, group: int, prefix_hash: bytes) -> str:
         return object_key(self.layout.namespace, self.rank, group, prefix_hash)
@@ -344,9 +355,9 @@ class WorkerSide:
                     ) -> tuple[list[bool] | None, list[bool] | None]:
         """On the feeder thread: queue the objects' writes (each tier copies and checks the bytes against
         the digests the save computed). Touches only the tiers, which are thread-safe."""
-        ssd_queued = self.ssd.put(keys, views, checksums=digests) if ssd and self.ssd is not None else None
-        remote = self.remote
-        remote_sent = remote.put_async(keys, views, checksums=digests) if remote is not None else None
+        disk, remote = self.ssd, self.remote
+        ssd_queued = disk.write_behind(keys, views, checksums=digests) if ssd and disk is not None else None
+        remote_sent = remote.write_behind(keys, views, checksums=digests) if remote is not None else None
         return ssd_queued, remote_sent
 
     # ---------------------------------------------------------------- loads
@@ -582,9 +593,4 @@ class WorkerSide:
         if self.io is not None:
             self.io.shutdown(wait=True)
             self.io = None
-        for name in ("ssd", "remote"):
-            tier = getattr(self, name)
-            if tier is not None:
-                tier.flush(timeout=30)
-                tier.close()
-                setattr(self, name, None)
+        self.lower.close(flush_timeout=30)

@@ -67,6 +67,8 @@ OPTIONS: dict[str, str] = DramOptions.option_help()  # name -> help, for callers
 class DramPool(Pool):
     """The DRAM tier. See docs/pool.md for options, errors and the benchmark."""
 
+    demotes_evictions = True  # DramIndex.on_evict sees each evicted object's slot before reuse
+
     def __init__(
         self,
         capacity_bytes: int,
@@ -120,6 +122,10 @@ class DramPool(Pool):
 
     @property
     def capacity_bytes(self) -> int:
+        return self._index.capacity_bytes
+
+    @property
+    def max_object_bytes(self) -> int:
         return self._index.capacity_bytes
 
     # ---- Pool API ------------------------------------------------------------------------------------

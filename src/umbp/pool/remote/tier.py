@@ -159,6 +159,9 @@ class _Quarantine:
 class RedisTier(ReaderMixin, WriterMixin, Pool):
     """The shared tier. Thread-safe; one instance per process (scheduler or worker)."""
 
+    shared = True
+    async_writes = True
+
     def __init__(self, config: RemoteConfig | None = None) -> None:
         self.config = cfg = (config or RemoteConfig()).validate()
         self._backend: Standalone | Cluster = Cluster(cfg) if cfg.cluster else Standalone(cfg)

@@ -224,6 +224,16 @@ class WriterMixin:
         expected = checksums if checksums is not None else [None] * len(keys)
         return [self._enqueue(k, s, c) for k, s, c in zip(keys, srcs, expected, strict=True)]
 
+    @property
+    def intake_bytes(self) -> int:
+        return self.config.write_queue_bytes
+
+    def write_behind(
+        self, keys: Sequence[str], buffers: Sequence[Any], checksums: Sequence[int] | None = None
+    ) -> list[bool]:
+        """`put_async`: a checked copy into the write queue; the background writer sends it."""
+        return self.put_async(keys, buffers, checksums=checksums)
+
     def _enqueue(self, key: str, src: np.ndarray, expected: int | None) -> bool:
         state, copy, pages = self._writer.reserve(key, src.size)
         if state == "dup":

@@ -99,6 +99,8 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
     directories; queue_bytes bounds the staging buffer (the most bytes waiting to be written). See
     docs/ssd.md for every option and counter."""
 
+    persistent = True
+
     def __init__(
         self,
         dirs: Sequence[str] | str,
@@ -298,6 +300,16 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
         """The largest payload put() accepts (for any key up to MAX_KEY_BYTES)."""
         room = min(self._queue_bytes, self._shards[0].capacity - seal_bytes(_ENTRY_BYTES + MAX_KEY_BYTES) - BLOCK)
         return max(room, 0) // BLOCK * BLOCK
+
+    @property
+    def intake_bytes(self) -> int:
+        return self._queue_bytes
+
+    def write_behind(
+        self, keys: Sequence[str], buffers: Sequence[Any], checksums: Sequence[int] | None = None
+    ) -> list[bool]:
+        """`put`: it stages the bytes (checking `checksums`) and returns; the writer thread writes them."""
+        return self.put(keys, buffers, checksums=checksums)
 
     # ---- Pool API ------------------------------------------------------------------------------------
 
