@@ -26,9 +26,9 @@ def main() -> None:
 
     T._stand_in_vllm()
     from umbp.identity import RankCoord
-    from umbp.transfer import layouts as L
+    from umbp.transfer import model_layouts as L
     from umbp.vllm.config import UMBPConfig
-    from umbp.vllm.layout import Layout
+    from umbp.vllm.kv_layout import Layout
     from umbp.vllm.metadata import PageMove, SaveJob, UMBPConnectorMetadata
     from umbp.vllm.worker import WorkerSide
 

@@ -10,7 +10,7 @@ import torch
 
 from umbp.pool import Arena
 from umbp.transfer import Moves, layer_geometry, make_engine
-from umbp.transfer import layouts as L
+from umbp.transfer import model_layouts as L
 from umbp.transfer.geometry import GroupGeometry
 
 

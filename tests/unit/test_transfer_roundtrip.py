@@ -21,7 +21,7 @@ import torch
 from umbp.pool import Arena
 from umbp.pool.psum import checksum_u8
 from umbp.transfer import Moves, make_engine, triton_available
-from umbp.transfer import layouts as L
+from umbp.transfer import model_layouts as L
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

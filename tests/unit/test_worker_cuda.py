@@ -73,9 +73,9 @@ def make_worker(before_register=None):
     before_register(groups) runs before register() does."""
     _stand_in_vllm()
     from umbp.identity import RankCoord
-    from umbp.transfer import layouts as L
+    from umbp.transfer import model_layouts as L
     from umbp.vllm.config import UMBPConfig
-    from umbp.vllm.layout import Layout
+    from umbp.vllm.kv_layout import Layout
     from umbp.vllm.worker import WorkerSide
 
     num_blocks = 24

@@ -25,7 +25,7 @@ from sched_harness import GroupDef, build, shard_slot  # noqa: E402
 from test_connector_scheduler import PROMPT, compute_then_drop, restore  # noqa: E402
 
 from umbp.identity import ParallelSizes, RankCoord, all_ranks  # noqa: E402
-from umbp.vllm.layout import UnsupportedLayout, check_parallel  # noqa: E402
+from umbp.vllm.kv_layout import UnsupportedLayout, check_parallel  # noqa: E402
 from umbp.vllm.scheduler import logical_key  # noqa: E402
 
 NO_LEAKS = {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0}
@@ -247,7 +247,7 @@ def test_interleave_in_the_namespace_is_what_the_workers_use(tmp_path):
     (a deprecated dcp_kv_cache_interleave_size wins; beside NIXL, the smallest per-rank block size)."""
     from types import SimpleNamespace
 
-    from umbp.vllm.layout import dcp_interleave
+    from umbp.vllm.kv_layout import dcp_interleave
 
     h = make(tmp_path, "dcp4-interleave4")
     cfg, kv = h.vllm_config, h.kv_cache_config

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from umbp.replay.deployments import GroupConfig, LayoutError, ReplayLayout, load_layout
 from umbp.replay.generate import AgenticProfile, generate
-from umbp.replay.layouts import GroupConfig, LayoutError, ReplayLayout, load_layout
 from umbp.replay.trace import Segment, TokenCache, Turn, parse_line, read_trace, write_trace
 
 pytestmark = pytest.mark.vllm

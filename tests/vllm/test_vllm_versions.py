@@ -37,7 +37,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 from umbp.hybrid import FullAttention, RecurrentState, SlidingWindow, longest_hit  # noqa: E402
 from umbp.vllm import compat  # noqa: E402
-from umbp.vllm.layout import umbp_group  # noqa: E402
+from umbp.vllm.kv_layout import umbp_group  # noqa: E402
 
 HAS_DRAFT = "is_draft" in {f.name for f in dataclasses.fields(FullAttentionSpec)}
 HAS_LOOKAHEAD = compat.has_lookahead_hashes()

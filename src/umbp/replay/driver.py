@@ -26,8 +26,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from umbp.hybrid import Space, hit_alignment
 from umbp.replay import oracle
+from umbp.replay.deployments import ReplayLayout
 from umbp.replay.engine import Engine, build_engine
-from umbp.replay.layouts import ReplayLayout
 from umbp.replay.simworker import SimWorkers
 from umbp.replay.trace import Segment, TokenCache, Turn, sessions
 from umbp.vllm.compat import hash_lookahead_tokens, runner_output

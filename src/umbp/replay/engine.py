@@ -44,7 +44,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from umbp.replay.connector import ReplayConnector  # noqa: E402
-from umbp.replay.layouts import GroupConfig, ReplayLayout  # noqa: E402
+from umbp.replay.deployments import GroupConfig, ReplayLayout  # noqa: E402
 from umbp.vllm.compat import hash_lookahead_tokens, request_block_hasher  # noqa: E402
 
 BF16 = 2

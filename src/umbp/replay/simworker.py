@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from vllm.v1.outputs import KVConnectorOutput
 
-from umbp.replay.layouts import TimingConfig
+from umbp.replay.deployments import TimingConfig
 from umbp.vllm.metadata import UMBPConnectorMetadata, UMBPWorkerMetadata
 
 

@@ -40,7 +40,7 @@ def build_model(device: str = "cuda") -> tuple[Any, dict[str, Any]]:
     import torch
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-    from umbp.transfer.layouts import GRANITE_4_0_H_350M
+    from umbp.transfer.model_layouts import GRANITE_4_0_H_350M
 
     kw = dict(GRANITE_4_0_H_350M)
     # transformers 5 names the Mamba layers "linear_attention" (anything else is attention)
@@ -106,8 +106,8 @@ class Restore:
         import numpy as np
 
         from umbp.pool import Arena
-        from umbp.transfer import layouts as L
         from umbp.transfer import make_engine
+        from umbp.transfer import model_layouts as L
 
         self.sizes = L.granite_sizes()
         self.bs = self.sizes["block_size"]

@@ -169,7 +169,7 @@ def measure(layout: Any, requests: int, prompt: int, steps: int, workdir: Path) 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from umbp.replay.layouts import LayoutError, load_layout
+        from umbp.replay.deployments import LayoutError, load_layout
     except ImportError as exc:
         print(f"umbp bench sched: needs vLLM ({exc})", file=sys.stderr)
         return 2

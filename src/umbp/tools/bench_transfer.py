@@ -253,7 +253,7 @@ def _env() -> dict[str, Any]:
 
 
 def _layouts(page: int, nblocks: int, device: str) -> dict:
-    from umbp.transfer import layouts as L
+    from umbp.transfer import model_layouts as L
 
     return {0: L.attention(4, nblocks, page // 1024, 4, 64, device=device)}  # Granite attention: 1 KiB/token
 
@@ -345,7 +345,7 @@ _RUNS = {"scattered": "", "runs": ", slots in runs"}
 
 def _granite_rows(args: argparse.Namespace, arena: Any, payload: int, reps: int,
                   slots: str = "scattered") -> list[dict]:
-    from umbp.transfer import layouts as L
+    from umbp.transfer import model_layouts as L
 
     s = L.granite_sizes()
     nobj = max(1, payload // (s["page_bytes"] * s["attention_layers"]))

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from umbp.replay.layouts import LayoutError, load_layout
+    from umbp.replay.deployments import LayoutError, load_layout
 
     try:
         layouts = [_overrides(load_layout(name), args) for name in (args.layout or ["kimi-k3", "granite-4.0-h"])]

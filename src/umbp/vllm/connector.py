@@ -23,7 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from umbp.pool import native
 from umbp.vllm.compose import apply_load_failure_policy, register_with_vllm
 from umbp.vllm.config import UMBPConfig
-from umbp.vllm.layout import describe
+from umbp.vllm.kv_layout import describe
 from umbp.vllm.logs import attach_to_vllm_logging
 from umbp.vllm.metadata import UMBPConnectorMetadata
 from umbp.vllm.scheduler import SchedulerSide

@@ -29,7 +29,7 @@ from umbp.identity import object_key
 from umbp.pool import DramIndex
 from umbp.vllm.config import ARENA_PAGE, ConfigError, UMBPConfig
 from umbp.vllm.handoff import Consumer, Producer
-from umbp.vllm.layout import Layout
+from umbp.vllm.kv_layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.stats import UMBPStats
 from umbp.vllm.tail_hashes import tail_prefix_hash

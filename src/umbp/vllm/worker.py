@@ -23,7 +23,7 @@ from umbp.pool.composition import TierStack
 from umbp.pool.psum import checksum
 from umbp.transfer import Handle, Moves, make_engine
 from umbp.vllm.config import ARENA_PAGE, UMBPConfig
-from umbp.vllm.layout import Layout
+from umbp.vllm.kv_layout import Layout
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.pages import GroupPages, group_pages
 from umbp.vllm.stats import UMBPStats

@@ -1,4 +1,4 @@
-"""KV-cache layouts for `umbp replay`: the cache groups, the GPU pool, the transfer and step-time model.
+"""The deployments `umbp replay` models (each a "layout"): cache groups, GPU pool, transfer and step-time model.
 
 A layout is a small config (built in, or a JSON file with the same fields). Bytes are per rank: every
 rank holds its shard of every object at the same arena slot, so transfers run in parallel across ranks
