@@ -1,7 +1,7 @@
 """Probe (not a test; see bench/results/archive/2026-12-01-ssd-23-write-pipeline.txt): where a stream of small SSD
 puts loses time, with the disk taken out of the picture. The real SsdTier runs `umbp bench ssd`'s write
 loop (192 MiB of 64 KiB objects, 16 MiB per put call, a refused put retried when there is room), but its
-`_pwritev` is a simulated queued device of --rate bytes/s: each write starts when the previous one ends
+`io_hooks.pwritev` is a simulated queued device of --rate bytes/s: each write starts when the previous one ends
 and sleeps, without the GIL, until it would finish. Per pass it prints the write ratio (the 4 KiB header
 per record caps it at 0.94), how long the disk sat idle after the first write, how often puts were
 refused (the writer behind), and each thread's CPU per object (from /proc/self/task/*/schedstat).

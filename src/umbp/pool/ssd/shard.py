@@ -143,6 +143,6 @@ class _Shard:
     failed: str = ""
     thread: threading.Thread | None = None
     io: ThreadPoolExecutor | None = (
-        None  # runs the writes the writer thread plans (_WRITE_DEPTH at once) and seals
+        None  # runs the writes the writer thread plans (io_hooks.WRITE_DEPTH at once) and seals
     )
     inflight: deque[_Write] = field(default_factory=deque)  # oldest first; touched by the writer thread only
