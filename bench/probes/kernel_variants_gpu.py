@@ -18,7 +18,7 @@ def main() -> None:
     import test_worker_cuda as T  # its stand-ins for the few vLLM classes the worker imports
 
     T._stand_in_vllm()
-    from umbp.transfer import kernels
+    from umbp.transfer import triton_kernels as kernels
     from umbp.vllm.metadata import PageMove, SaveJob, UMBPConnectorMetadata
 
     def variants() -> int:

@@ -115,7 +115,7 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     import numpy as np
 
     from umbp.transfer import Moves
-    from umbp.transfer.kernel import KernelEngine, _plan_runs, _sorted_runs
+    from umbp.transfer.kernel_engine import KernelEngine, _plan_runs, _sorted_runs
 
     geom = SimpleNamespace(object_bytes=60 << 10)
 
@@ -158,7 +158,7 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
     import numpy as np
 
     from umbp.transfer import Moves
-    from umbp.transfer.kernel import KernelEngine
+    from umbp.transfer.kernel_engine import KernelEngine
 
     obj, cap = 64 << 10, 128 << 20
 
@@ -203,7 +203,7 @@ def test_table_pool_hands_a_buffer_out_once():
     (a scratch script that did this faulted on the H200 with a misaligned address)."""
     import torch
 
-    from umbp.transfer.kernel import _TablePool
+    from umbp.transfer.kernel_engine import _TablePool
 
     pool = _TablePool()
     buf = torch.empty(1 << 17, dtype=torch.int64)
@@ -221,7 +221,7 @@ def test_table_pool_never_drops_a_buffer_the_device_still_reads():
     kernel). Buffers the device is done with are pruned to KEEP."""
     import torch
 
-    from umbp.transfer.kernel import _TablePool
+    from umbp.transfer.kernel_engine import _TablePool
 
     class Event:
         def __init__(self) -> None:

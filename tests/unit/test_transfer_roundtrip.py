@@ -304,7 +304,7 @@ def test_a_batch_failing_half_way_leaves_nothing_running(direction: str, monkeyp
     caller reports a failed load and vLLM frees the blocks, which the next forward writes, so the rounds
     already queued must be over when the exception arrives. The device is held back so that, without
     the drain, round 0 would still be pending at the raise."""
-    from umbp.transfer.kernel import KernelEngine
+    from umbp.transfer.kernel_engine import KernelEngine
 
     groups = {0: L.attention(2, 256, 64, 2, 64, device="cuda")}  # 32 KiB pages, 64 KiB objects
     obj = _object(groups[0], 0).size

@@ -220,7 +220,7 @@ def test_no_kernel_compiles_after_the_warm_up():
     of every group, in batches of other shapes, meet no new one (which would compile and then wait for the
     GPU in the middle of serving), and the null block used to warm up keeps its bytes."""
     _stand_in_vllm()
-    from umbp.transfer import kernels
+    from umbp.transfer import triton_kernels as kernels
     from umbp.vllm.metadata import PageMove, SaveJob, UMBPConnectorMetadata
 
     caches = getattr(kernels.copy_objects, "device_caches", None)

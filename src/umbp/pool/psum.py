@@ -33,7 +33,7 @@ power of x directly; this module looks each byte's term up in a table (8 MiB, bu
 The fused copy works chunk by chunk (256 KiB, half of a core's L2) so the checksum reads data the copy
 has just brought into cache instead of reading DRAM a second time. Both directions sum the arena side,
 so put and get compute the same value for the same stored bytes. Large numpy copies and reductions
-release the GIL. The C extension (umbp.pool._native) and the GPU copy kernel (umbp.transfer.kernels)
+release the GIL. The C extension (umbp.pool._native) and the GPU copy kernel (umbp.transfer.triton_kernels)
 compute the same value; this module is the reference and the fallback.
 """
 

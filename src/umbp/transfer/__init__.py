@@ -46,7 +46,7 @@ def make_engine(arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, 
         cuda = devices == {"cuda"}
         backend = "kernel" if cuda and arena.pinned and triton_available() else "staged"
     if backend == "kernel":
-        from umbp.transfer.kernel import KernelEngine
+        from umbp.transfer.kernel_engine import KernelEngine
 
         return KernelEngine(arena, groups, **options)
     if backend == "staged":

@@ -1,5 +1,5 @@
 """The kernel path: one Triton launch per direction moves a whole batch between GPU pages and the
-page-locked arena (see kernels.py for why), on the engine's own CUDA streams.
+page-locked arena (see triton_kernels.py for why), on the engine's own CUDA streams.
 
 save:  KV pages --kernel--> arena slots (+ per-piece checksums) -> per-object digests -> host (async)
 load:  arena slots --kernel--> KV pages                                       (no digests given)
@@ -76,7 +76,7 @@ class KernelEngine(TransferEngine):
         cuda = self.device.type == "cuda"
         if cuda and not arena.pinned:
             raise ValueError("umbp: the kernel path needs a page-locked arena (Arena(pinned=True))")
-        from umbp.transfer import kernels  # imports Triton
+        from umbp.transfer import triton_kernels as kernels  # imports Triton
 
         if not cuda and not kernels.interpreting():
             raise ValueError("umbp: the kernel path on CPU tensors runs only under TRITON_INTERPRET=1 (tests); "
@@ -107,7 +107,7 @@ class KernelEngine(TransferEngine):
         rows = max((geom.object_bytes for geom in self.groups.values()), default=0) // ROW_BYTES + 2
         ktab = lane_table(LANES * rows)[: LANES * rows]  # psum64's lane weights for every row of an object
         self.ktab = torch.from_numpy(ktab.view(np.int64).copy()).to(self.device)
-        # rows of a checksum tile (kernels.py): enough for the longest piece wherever it starts, a power of
+        # rows of a checksum tile (triton_kernels.py): enough for the longest piece wherever it starts, a power of
         # two, at most 16. A tile is computed whole, so a taller one than needed wastes work on masked rows
         longest = max((int(geom.template.nbytes.max()) for geom in self.groups.values() if geom.template.nbytes.size),
                       default=ROW_BYTES)
@@ -450,7 +450,7 @@ class KernelEngine(TransferEngine):
         return all(int(np.bitwise_or.reduce(s)) % 16 == 0 for s in sides if s.size)
 
     def _plan(self, batch: Batch, rows: list[list[np.ndarray]], sums: bool, stream) -> _Plan:
-        """The launch's plan (see kernels.py): a segment per Moves, each object's block id and its
+        """The launch's plan (see triton_kernels.py): a segment per Moves, each object's block id and its
         addresses on each side in `rows` (per Moves, one address per object), zeroed checksum words. Built
         in place in page-locked memory and brought to the device by _fetch."""
         nseg, counts = len(batch), np.array([ids.size for _g, _m, ids, _o in batch], np.int64)
@@ -545,7 +545,7 @@ class KernelEngine(TransferEngine):
 
 
 class _Plan:
-    """A launch's plan on the device (layout: kernels.py). `sums()`: each object's pieces' checksum
+    """A launch's plan on the device (layout: triton_kernels.py). `sums()`: each object's pieces' checksum
     terms xored together, i.e. its psum64 less the length term, which the host xors in (DeviceHandle,
     _expected), so the device needs no extra op per group."""
 
@@ -570,7 +570,7 @@ class _Plan:
 
 
 def _templates(groups: Mapping[int, Any], device: torch.device) -> tuple[torch.Tensor, dict[int, int]]:
-    """Every group's piece template in one int64 [4, pieces] device table (see kernels.py), and the
+    """Every group's piece template in one int64 [4, pieces] device table (see triton_kernels.py), and the
     column where each group's pieces start."""
     toff, cols, at = {}, [], 0
     for g, geom in groups.items():

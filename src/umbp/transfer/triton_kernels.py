@@ -12,7 +12,7 @@ polynomial is sparse); after the 8 steps each chain is multiplied once by its we
 (atomic xor: pieces of one object run in different programs). Launches without a checksum keep the
 plain contiguous loop.
 
-The kernel also serves the DMA path (kernel.py): there it only moves pages between the KV tensors and a
+The kernel also serves the DMA path (kernel_engine.py): there it only moves pages between the KV tensors and a
 contiguous device staging buffer, at HBM speed, and the copy engines move staging <-> arena.
 
 Where each piece goes is worked out on the device, from two tables:
@@ -23,7 +23,7 @@ Where each piece goes is worked out on the device, from two tables:
   first piece, first object, pieces per object, template column), then per object of the launch its
   block id and its rows (flat addresses of its bytes in the arena or in staging), then one word per
   object for its checksum. It is built on the host in page-locked memory and brought to the device by
-  `fetch_words` (SM loads and stores, not a copy-engine copy: see kernel.py). Per object, not per piece: a round of
+  `fetch_words` (SM loads and stores, not a copy-engine copy: see kernel_engine.py). Per object, not per piece: a round of
   16 KiB pages has 8x fewer words to build than a table of pieces (the host's main cost per call).
 
 This module imports Triton, so only the kernel path imports it. With TRITON_INTERPRET=1 set before Triton
