@@ -64,13 +64,51 @@ def make_tls_files(workdir: Path) -> TlsFiles:
     def ossl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=umbp-test-ca",
-         "-keyout", "ca.key", "-out", "ca.crt")
-    ossl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key",
-         "-out", "server.csr")
+    ossl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=umbp-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
+    ossl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    ossl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-         "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
+    ossl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.crt",
+    )
     return TlsFiles(d / "ca.crt", d / "server.crt", d / "server.key")
 
 
@@ -93,12 +131,36 @@ class RedisServer:
 
     def argv(self) -> list[str]:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        argv = ["redis-server", "--bind", HOST, "--protected-mode", "yes", "--save", "", "--appendonly", "no",
-                "--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log")]
+        argv = [
+            "redis-server",
+            "--bind",
+            HOST,
+            "--protected-mode",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            str(self.workdir / "redis.log"),
+        ]
         if self.tls:
-            argv += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
-                     "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
-                     "--tls-auth-clients", "no"]
+            argv += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(self.tls.cert),
+                "--tls-key-file",
+                str(self.tls.key),
+                "--tls-ca-cert-file",
+                str(self.tls.ca),
+                "--tls-auth-clients",
+                "no",
+            ]
         else:
             argv += ["--port", str(self.port)]
         if self.password:
@@ -111,7 +173,9 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                log = (self.workdir / "redis.log").read_text() if (self.workdir / "redis.log").exists() else ""
+                log = (
+                    (self.workdir / "redis.log").read_text() if (self.workdir / "redis.log").exists() else ""
+                )
                 raise RuntimeError(f"redis-server on port {self.port} exited: {err}{log[-2000:]}")
             if self.ping():
                 return self
@@ -157,8 +221,9 @@ class RedisServer:
             c.close()
 
 
-def start_server(workdir: Path, *extra: str, password: str | None = None, tls: TlsFiles | None = None
-                 ) -> RedisServer:
+def start_server(
+    workdir: Path, *extra: str, password: str | None = None, tls: TlsFiles | None = None
+) -> RedisServer:
     return RedisServer(workdir, extra=extra, password=password, tls=tls).start()
 
 
@@ -198,10 +263,23 @@ def start_cluster(workdir: Path, masters: int = 3, timeout: float = 20.0) -> Clu
     try:
         for i in range(masters):
             bus = free_port()
-            servers.append(start_server(
-                workdir / f"node{i}", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-port", str(bus), "--cluster-node-timeout", "1000",
-                "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "no"))
+            servers.append(
+                start_server(
+                    workdir / f"node{i}",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-port",
+                    str(bus),
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-require-full-coverage",
+                    "no",
+                    "--cluster-allow-reads-when-down",
+                    "no",
+                )
+            )
         _assign_slots(servers)
         _wait_cluster_ok(servers, timeout)
     except BaseException:

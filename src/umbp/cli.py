@@ -12,16 +12,43 @@ import umbp
 # subcommand path -> (module, help). The module provides add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "pool"): ("umbp.tools.bench_pool", "DRAM pool put/get throughput vs a plain numpy copy"),
-    ("bench", "transfer"): ("umbp.tools.bench_transfer", "GPU pages <-> page-locked arena vs a 1 GiB pinned copy (CUDA)"),
-    ("bench", "restore"): ("umbp.tools.bench_restore", "prefill vs restore of N tokens, Granite-4.0-H-350M (CUDA)"),
-    ("bench", "remote"): ("umbp.tools.bench_remote", "shared Redis tier: 8,192-key lookup, put/get vs redis-benchmark"),
-    ("bench", "index"): ("umbp.tools.bench_index", "the scheduler's DRAM index at 1-30 M objects: us/op, bytes/object, pauses"),
-    ("bench", "sched"): ("umbp.tools.bench_sched", "what umbp's connector adds to vLLM's scheduler step (real Scheduler, no model)"),
-    ("bench", "ssd"): ("umbp.tools.bench_ssd", "SSD tier write/read throughput vs the disk's sequential bandwidth"),
-    ("chaos",): ("umbp.tools.chaos", "a fault campaign through real vLLM: every tier damaged, every output checked"),
-    ("demo",): ("umbp.tools.demo", "the hybrid restore at a boundary inside an attention block, on real vLLM (tiny random-weight model)"),
+    ("bench", "transfer"): (
+        "umbp.tools.bench_transfer",
+        "GPU pages <-> page-locked arena vs a 1 GiB pinned copy (CUDA)",
+    ),
+    ("bench", "restore"): (
+        "umbp.tools.bench_restore",
+        "prefill vs restore of N tokens, Granite-4.0-H-350M (CUDA)",
+    ),
+    ("bench", "remote"): (
+        "umbp.tools.bench_remote",
+        "shared Redis tier: 8,192-key lookup, put/get vs redis-benchmark",
+    ),
+    ("bench", "index"): (
+        "umbp.tools.bench_index",
+        "the scheduler's DRAM index at 1-30 M objects: us/op, bytes/object, pauses",
+    ),
+    ("bench", "sched"): (
+        "umbp.tools.bench_sched",
+        "what umbp's connector adds to vLLM's scheduler step (real Scheduler, no model)",
+    ),
+    ("bench", "ssd"): (
+        "umbp.tools.bench_ssd",
+        "SSD tier write/read throughput vs the disk's sequential bandwidth",
+    ),
+    ("chaos",): (
+        "umbp.tools.chaos",
+        "a fault campaign through real vLLM: every tier damaged, every output checked",
+    ),
+    ("demo",): (
+        "umbp.tools.demo",
+        "the hybrid restore at a boundary inside an attention block, on real vLLM (tiny random-weight model)",
+    ),
     ("explain",): ("umbp.tools.explain", "why did a hybrid restore stop at T?"),
-    ("replay",): ("umbp.tools.replay", "agentic traces on vLLM's real scheduler with umbp vs an oracle (no model)"),
+    ("replay",): (
+        "umbp.tools.replay",
+        "agentic traces on vLLM's real scheduler with umbp vs an oracle (no model)",
+    ),
     ("stats",): ("umbp.tools.stats", "what umbp's SSD and shared tiers hold; a running vLLM's umbp counters"),
 }
 

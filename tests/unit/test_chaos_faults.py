@@ -53,9 +53,17 @@ def proxied(tmp_path):
 
     server = start_server(tmp_path / "redis")
     proxy = ManglingProxy(server.port)
-    tier = RedisTier(RemoteConfig.from_options({
-        "url": proxy.url, "timeout_s": 0.3, "connect_timeout_s": 0.3, "retry_interval_s": 0.05,
-        "quarantine_s": 0}))
+    tier = RedisTier(
+        RemoteConfig.from_options(
+            {
+                "url": proxy.url,
+                "timeout_s": 0.3,
+                "connect_timeout_s": 0.3,
+                "retry_interval_s": 0.05,
+                "quarantine_s": 0,
+            }
+        )
+    )
     yield tier, proxy
     tier.close()
     proxy.close()

@@ -60,7 +60,12 @@ def _words(data: np.ndarray) -> np.ndarray:
 
 SIZES = st.sampled_from([8, 77, ROW_BYTES, ROW_BYTES + 13, 3 * ROW_BYTES, 5 * ROW_BYTES + 800])
 # the path fixture holds for the whole test; each example only reads it
-FEW = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FEW = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 @FEW
@@ -73,8 +78,13 @@ def test_single_bit_flip(path, n, seed, where, bit):
 
 
 @FEW
-@given(seed=st.integers(0, 2**32), row=st.integers(0, 2), i=st.integers(0, ROW_WORDS - 1),
-       j=st.integers(0, ROW_WORDS - 1), delta_bits=st.integers(0, 63))
+@given(
+    seed=st.integers(0, 2**32),
+    row=st.integers(0, 2),
+    i=st.integers(0, ROW_WORDS - 1),
+    j=st.integers(0, ROW_WORDS - 1),
+    delta_bits=st.integers(0, 63),
+)
 def test_swap_of_two_words_in_a_row(path, seed, row, i, j, delta_bits):
     """Two different words of one row swapped: format 1 never saw this (same row sum). The words differ
     in one chosen bit only in half the examples (the hardest case for an additive sum: a 2**63 delta)."""
@@ -217,9 +227,12 @@ def test_every_path_gives_the_same_digest(n, seed):
             region = np.zeros(n, np.uint8)
             out = np.empty(n, np.uint8)
             with ThreadPoolExecutor(2) as pool:
-                got[p] = (checksum(data), copy_with_checksum(region, data, True),
-                          copy_with_checksum(region, out, False),
-                          copy_many([(region, data), (region[: n // 2], data[: n // 2])], True, pool, threads=3)[0])
+                got[p] = (
+                    checksum(data),
+                    copy_with_checksum(region, data, True),
+                    copy_with_checksum(region, out, False),
+                    copy_many([(region, data), (region[: n // 2], data[: n // 2])], True, pool, threads=3)[0],
+                )
             assert np.array_equal(out, data)
     finally:
         native.lib = lib

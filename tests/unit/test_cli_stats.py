@@ -48,7 +48,10 @@ def test_ssd_rank_directories(tmp_path, capsys):
     assert rc == 0
     (report,) = json.loads(out)["tiers"]
     shards = {s["rank"]: s for s in report["shards"]}
-    assert shards["tp0:pcp0:dcp0:pp0"]["objects"] == 5 and shards["tp0:pcp0:dcp0:pp0"]["groups"] == {"g0": 3, "g1": 2}
+    assert shards["tp0:pcp0:dcp0:pp0"]["objects"] == 5 and shards["tp0:pcp0:dcp0:pp0"]["groups"] == {
+        "g0": 3,
+        "g1": 2,
+    }
     assert shards["tp1:pcp0:dcp0:pp0"]["payload_bytes"] == 2 * 10_000
     assert all(s["segments"] >= 1 and s["disk_bytes"] > s["payload_bytes"] for s in shards.values())
     assert report["complete"] == {NS: {"objects": 2, "ranks": 2}}
@@ -81,7 +84,10 @@ def test_remote_tier(tmp_path, capsys):
         assert rc == 0
         (report,) = json.loads(out)["tiers"]
         shards = {s["rank"]: s for s in report["shards"]}
-        assert shards["tp0:pcp0:dcp0:pp0"]["objects"] == 5 and shards["tp0:pcp0:dcp0:pp0"]["payload_bytes"] == 25_000
+        assert (
+            shards["tp0:pcp0:dcp0:pp0"]["objects"] == 5
+            and shards["tp0:pcp0:dcp0:pp0"]["payload_bytes"] == 25_000
+        )
         assert shards["tp0:pcp0:dcp0:pp0"]["markers_without_value"] == 1
         assert report["complete"] == {NS: {"objects": 5, "ranks": 2}} and report["foreign"] == 1
         rc, out, _ = _stats(capsys, "--remote", server.url, "--no-sizes", "--max-keys", "3")

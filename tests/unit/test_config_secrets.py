@@ -23,7 +23,9 @@ def _ok_configs(monkeypatch):
     return [
         {"remote": "redis://:" + quote(PASSWORD, safe="") + "@127.0.0.1:6379/0"},
         {"remote": "redis://alice:" + quote(PASSWORD, safe="") + "@127.0.0.1:6379/0"},
-        {"remote": "redis://:" + PASSWORD + "@127.0.0.1:6379/0"},  # unencoded: the user info ends at the last @
+        {
+            "remote": "redis://:" + PASSWORD + "@127.0.0.1:6379/0"
+        },  # unencoded: the user info ends at the last @
         {"remote": {"url": "redis://:" + PASSWORD + "@h:1", "password": PASSWORD}},
         {"remote": {"url": "redis://127.0.0.1:6379/0", "password": PASSWORD}},
         {"remote": {"url": "redis://127.0.0.1:6379/0", "password_env": "UMBP_TEST_REDIS_PW"}},

@@ -280,11 +280,16 @@ def test_idle_follows_every_change_of_the_planner():
     planner.mark_failed(plans)
     assert not planner.idle(64, 64)
     assert planner.step(computed_tokens=64, hashed_tokens=64, block_ids=([5, 6, 7, 8], [9], [10])) == plans
-    planner.step(computed_tokens=70, hashed_tokens=64, block_ids=([5, 6, 7, 8, 11], [9, 12], [13]),
-                 offloads=[(2, 13, 64)])
+    planner.step(
+        computed_tokens=70,
+        hashed_tokens=64,
+        block_ids=([5, 6, 7, 8, 11], [9, 12], [13]),
+        offloads=[(2, 13, 64)],
+    )
     assert planner.idle(70, 64) and not planner.idle(80, 80)  # the sliding window's block [64, 80)
-    planner.step(computed_tokens=80, hashed_tokens=80, block_ids=([5, 6, 7, 8, 11], [9, 12], [13]),
-                 finished=True)
+    planner.step(
+        computed_tokens=80, hashed_tokens=80, block_ids=([5, 6, 7, 8, 11], [9, 12], [13]), finished=True
+    )
     assert planner.idle(10**6, 10**6)
 
 
@@ -494,11 +499,17 @@ def simulate_request(
 
 
 def _state(planner: RequestStorePlanner) -> tuple:
-    return (set(planner._planned), set(planner._pending_pages), list(planner._next_block), dict(planner.counters))
+    return (
+        set(planner._planned),
+        set(planner._pending_pages),
+        list(planner._next_block),
+        dict(planner.counters),
+    )
 
 
-def replay(planner: RequestStorePlanner, hist: History, groups: list, unit: int,
-           skip_idle: bool = False) -> list[StorePlan]:
+def replay(
+    planner: RequestStorePlanner, hist: History, groups: list, unit: int, skip_idle: bool = False
+) -> list[StorePlan]:
     """Feed the history to the planner; every plan must be true for the step that produced it. Where
     idle() says so, the step must plan nothing and change nothing; `skip_idle` then leaves it out, as
     the connector does."""
@@ -512,8 +523,14 @@ def replay(planner: RequestStorePlanner, hist: History, groups: list, unit: int,
             if skip_idle:
                 continue
             before = _state(planner)
-            assert planner.step(computed_tokens=step.computed_tokens, hashed_tokens=step.hashed_tokens,
-                                block_ids=step.block_ids) == []
+            assert (
+                planner.step(
+                    computed_tokens=step.computed_tokens,
+                    hashed_tokens=step.hashed_tokens,
+                    block_ids=step.block_ids,
+                )
+                == []
+            )
             assert _state(planner) == before, "idle() said the step would change nothing"
             continue
         out = planner.step(

@@ -72,7 +72,9 @@ def test_dcp_partitions_tp_ranks():
     assert [r.dcp for r in ranks] == [0, 1, 0, 1]
 
 
-@pytest.mark.parametrize("bad", ["nope", "umbp:v1:xyz:tp0:pcp0:dcp0:pp0:g0:00", "umbp:v9:" + "0" * 32 + ":tp0:pcp0:dcp0:pp0:g0:00"])
+@pytest.mark.parametrize(
+    "bad", ["nope", "umbp:v1:xyz:tp0:pcp0:dcp0:pp0:g0:00", "umbp:v9:" + "0" * 32 + ":tp0:pcp0:dcp0:pp0:g0:00"]
+)
 def test_bad_keys_get_a_clear_error(bad):
     with pytest.raises(ValueError, match="umbp"):
         parse_key(bad)

@@ -15,8 +15,9 @@ HIDE = "import sys; sys.modules['umbp.pool._native'] = None; "  # as if the exte
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("UMBP_")}
-    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_umbp_native_0_selects_the_python_paths_even_when_required():

@@ -192,7 +192,16 @@ class _IndexModel:
 
 
 # op weights: reserve and finish dominate so the arena fills and eviction, pins and deferred frees happen
-_OPS = ["reserve"] * 6 + ["reserve_many"] * 2 + ["finish"] * 5 + ["pin"] * 3 + ["unpin"] * 3 + ["lookup"] * 2 + ["remove"] * 2 + ["clear"]
+_OPS = (
+    ["reserve"] * 6
+    + ["reserve_many"] * 2
+    + ["finish"] * 5
+    + ["pin"] * 3
+    + ["unpin"] * 3
+    + ["lookup"] * 2
+    + ["remove"] * 2
+    + ["clear"]
+)
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
@@ -211,7 +220,9 @@ def test_index_invariants_hold_under_random_calls(capacity_pages, marks, ops):
         if op == "reserve" and nbytes <= model.index.capacity_bytes:
             model.reserve(key, nbytes)
         elif op == "reserve_many" and nbytes <= model.index.capacity_bytes:
-            model.reserve_many([key] + [KEYS[(KEYS.index(key) + j) % len(KEYS)] for j in (dice + 1, dice + 3)], nbytes)
+            model.reserve_many(
+                [key] + [KEYS[(KEYS.index(key) + j) % len(KEYS)] for j in (dice + 1, dice + 3)], nbytes
+            )
         elif op == "finish":
             model.finish(nbytes, commit=dice != 0)
         elif op == "pin":
@@ -230,7 +241,9 @@ def test_index_invariants_hold_under_random_calls(capacity_pages, marks, ops):
 # ---- DramIndex examples -------------------------------------------------------------------------------------
 
 
-def _filled(capacity_objects: int, high: float = 1.0, low: float = 1.0, count: int | None = None) -> DramIndex:
+def _filled(
+    capacity_objects: int, high: float = 1.0, low: float = 1.0, count: int | None = None
+) -> DramIndex:
     index = DramIndex(capacity_objects * 4096, high, low)
     for i in range(capacity_objects if count is None else count):
         index.reserve(f"k{i}", 4096)

@@ -18,7 +18,9 @@ def test_bench_pool_quick_writes_json(tmp_path, capsys):
     for r in report["results"]:
         assert r["pool_gbps"] > 0 and r["numpy_gbps"] > 0 and r["ratio"] > 0
         assert len(r["ratios"]) == report["config"]["reps"]
-        assert r["verdict"] == ("info" if r["size_bytes"] < 256 << 10 else ("PASS" if r["ratio"] >= 0.9 else "MISS"))
+        assert r["verdict"] == (
+            "info" if r["size_bytes"] < 256 << 10 else ("PASS" if r["ratio"] >= 0.9 else "MISS")
+        )
     assert report["exists"]["keys_per_s"] > 0 and report["exists"]["verdict"] in ("PASS", "MISS")
     assert report["exists"]["present"] == report["exists"]["keys"] // 2
     assert report["checksum"]["name"] == "psum64" and report["checksum"]["cache_hot_gbps"] > 0

@@ -50,7 +50,10 @@ def test_every_changed_byte_is_detected():
 def test_position_and_length_matter():
     data = _data(4 * ROW_BYTES, seed=2)
     swapped = data.copy()
-    swapped[:ROW_BYTES], swapped[ROW_BYTES : 2 * ROW_BYTES] = data[ROW_BYTES : 2 * ROW_BYTES], data[:ROW_BYTES]
+    swapped[:ROW_BYTES], swapped[ROW_BYTES : 2 * ROW_BYTES] = (
+        data[ROW_BYTES : 2 * ROW_BYTES],
+        data[:ROW_BYTES],
+    )
     assert checksum(swapped) != checksum(data)  # two pages swapped
     assert checksum(b"a") != checksum(b"a\0")  # zero padding is not ambiguous
     assert checksum(b"") != checksum(b"\0")
@@ -108,7 +111,9 @@ def test_threaded_batch_copy_matches_one_shot():
         regions.append(arena[off : off + n])
         off += -(-n // 8) * 8
     with ThreadPoolExecutor(3) as pool:
-        assert copy_many(list(zip(regions, srcs, strict=True)), True, pool, threads=4) == [checksum(s) for s in srcs]
+        assert copy_many(list(zip(regions, srcs, strict=True)), True, pool, threads=4) == [
+            checksum(s) for s in srcs
+        ]
         outs = [np.empty(n, np.uint8) for n in sizes]
         assert copy_many(list(zip(regions, outs, strict=True)), False, pool, 4) == [checksum(s) for s in srcs]
     assert all(np.array_equal(o, s) for o, s in zip(outs, srcs, strict=True))

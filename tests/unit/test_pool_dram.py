@@ -13,6 +13,7 @@ KiB = 1024
 
 pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
 
+
 def _blob(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
@@ -42,7 +43,10 @@ def test_round_trip_sizes(pool, n):
 
 def test_round_trip_buffer_kinds(pool):
     data = np.arange(3000, dtype=np.float32)
-    assert pool.put(["np", "mv", "ba"], [data, memoryview(data.tobytes()), bytearray(data.tobytes())]) == [True] * 3
+    assert (
+        pool.put(["np", "mv", "ba"], [data, memoryview(data.tobytes()), bytearray(data.tobytes())])
+        == [True] * 3
+    )
     out_np = np.empty(3000, np.float32)
     out_u8 = np.empty((100, 120), np.uint8)
     out_mv = memoryview(bytearray(12000))
@@ -119,8 +123,16 @@ def test_checksum_corruption_is_a_counted_miss_and_drops_the_object(pool):
 
 
 def test_from_options_builds_an_equivalent_pool():
-    pool = DramPool.from_options({"dram_gb": 1 / 1024, "high_watermark": 0.9, "low_watermark": 0.7,
-                                  "pinned": "false", "alignment": 512, "prefault": False})
+    pool = DramPool.from_options(
+        {
+            "dram_gb": 1 / 1024,
+            "high_watermark": 0.9,
+            "low_watermark": 0.7,
+            "pinned": "false",
+            "alignment": 512,
+            "prefault": False,
+        }
+    )
     stats = pool.stats()
     assert stats["capacity_bytes"] == 1 << 20 and stats["alignment"] == 512
     assert (stats["high_watermark"], stats["low_watermark"]) == (0.9, 0.7)
@@ -130,13 +142,19 @@ def test_from_options_builds_an_equivalent_pool():
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     ops=st.lists(
-        st.tuples(st.sampled_from(["put", "put", "get", "get", "remove"]), st.integers(0, 11),
-                  st.integers(1, 20 * KiB)),
-        min_size=10, max_size=60,
+        st.tuples(
+            st.sampled_from(["put", "put", "get", "get", "remove"]),
+            st.integers(0, 11),
+            st.integers(1, 20 * KiB),
+        ),
+        min_size=10,
+        max_size=60,
     )
 )
 def test_get_returns_exactly_what_was_put_or_a_miss(ops):
-    pool = DramPool(capacity_bytes=64 * KiB, high_watermark=0.9, low_watermark=0.6, pinned=False, alignment=512)
+    pool = DramPool(
+        capacity_bytes=64 * KiB, high_watermark=0.9, low_watermark=0.6, pinned=False, alignment=512
+    )
     model: dict[str, bytes] = {}  # the bytes a key holds if the pool still has it
     for version, (op, k, n) in enumerate(ops):
         key = f"k{k}"

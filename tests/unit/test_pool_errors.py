@@ -48,16 +48,22 @@ def test_object_larger_than_arena(pool):
 
 @pytest.mark.parametrize("capacity", [0, -5])
 def test_zero_or_negative_capacity(capacity):
-    with pytest.raises(CapacityError, match=rf"DRAM pool option 'capacity_bytes' must be an integer >= 1 .*got {capacity}$"):
+    with pytest.raises(
+        CapacityError, match=rf"DRAM pool option 'capacity_bytes' must be an integer >= 1 .*got {capacity}$"
+    ):
         DramPool(capacity_bytes=capacity)
     with pytest.raises(CapacityError, match="capacity_bytes must be > 0"):
         DramIndex(capacity)
-    with pytest.raises(CapacityError, match=rf"DRAM pool option 'dram_gb' must be a finite number > 0.*got {capacity}$"):
+    with pytest.raises(
+        CapacityError, match=rf"DRAM pool option 'dram_gb' must be a finite number > 0.*got {capacity}$"
+    ):
         DramPool.from_options({"dram_gb": capacity})
 
 
 def test_capacity_of_the_wrong_type_or_below_one_page():
-    with pytest.raises(OptionValueError, match="'capacity_bytes' must be an integer >= 1 and <= 2\\*\\*50, got '8G'"):
+    with pytest.raises(
+        OptionValueError, match="'capacity_bytes' must be an integer >= 1 and <= 2\\*\\*50, got '8G'"
+    ):
         DramPool(capacity_bytes="8G")
     with pytest.raises(CapacityError, match="smaller than one 4096-byte page"):
         DramIndex(100)
@@ -76,7 +82,9 @@ def test_buffer_size_mismatch_names_key_and_sizes(pool):
 
 
 def test_key_and_buffer_counts_differ(pool):
-    with pytest.raises(BufferSizeError, match="put got 2 keys but 1 buffers; pass exactly one buffer per key"):
+    with pytest.raises(
+        BufferSizeError, match="put got 2 keys but 1 buffers; pass exactly one buffer per key"
+    ):
         pool.put(["a", "b"], [b"1"])
     with pytest.raises(BufferSizeError, match="get_into got 1 keys but 0 buffers"):
         pool.get_into(["kept"], [])
@@ -99,20 +107,29 @@ def test_unknown_option_is_named_with_the_valid_ones():
         DramPool.from_options({"dram_gbs": 1, "colour": "blue"})
     msg = str(err.value)
     assert msg.startswith("umbp: unknown DRAM pool option(s) 'colour', 'dram_gbs' (did you mean 'dram_gb'?)")
-    assert "valid options: capacity_bytes, dram_gb, high_watermark, low_watermark, pinned, alignment, prefault" in msg
+    assert (
+        "valid options: capacity_bytes, dram_gb, high_watermark, low_watermark, pinned, alignment, prefault"
+        in msg
+    )
     assert isinstance(err.value, ValueError)
 
 
 def test_bad_option_values():
-    with pytest.raises(OptionValueError, match=r"'low_watermark' \(0.9\) must not exceed 'high_watermark' \(0.5\)"):
+    with pytest.raises(
+        OptionValueError, match=r"'low_watermark' \(0.9\) must not exceed 'high_watermark' \(0.5\)"
+    ):
         DramPool(capacity_bytes=MiB, high_watermark=0.5, low_watermark=0.9)
     with pytest.raises(OptionValueError, match="'pinned' must be 'auto', true or false, got 'yes please'"):
         DramPool(capacity_bytes=MiB, pinned="yes please")
-    with pytest.raises(OptionValueError, match="give DRAM pool option 'dram_gb' or 'capacity_bytes', not both"):
+    with pytest.raises(
+        OptionValueError, match="give DRAM pool option 'dram_gb' or 'capacity_bytes', not both"
+    ):
         DramPool.from_options({"dram_gb": 1, "capacity_bytes": 1 << 30})
     with pytest.raises(OptionValueError, match=r"'capacity_bytes' \(or 'dram_gb' in GiB\) is required"):
         DramPool.from_options({})
-    with pytest.raises(OptionValueError, match="'dram_gb' must be a finite number > 0 and <= 2\\*\\*20, got 'lots'"):
+    with pytest.raises(
+        OptionValueError, match="'dram_gb' must be a finite number > 0 and <= 2\\*\\*20, got 'lots'"
+    ):
         DramPool.from_options({"dram_gb": "lots"})
     with pytest.raises(OptionValueError, match="'copy_threads' must be an integer >= 1 and <= 256, got 0"):
         DramPool(capacity_bytes=MiB, copy_threads=0)

@@ -41,8 +41,26 @@ def _snapshot(index) -> tuple:
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["put", "put", "put", "touch", "reserve", "reserve_many", "commit", "abort", "pin", "unpin",
-                         "remove", "lookup", "touch", "clear", "slot_of", "state"]),
+        st.sampled_from(
+            [
+                "put",
+                "put",
+                "put",
+                "touch",
+                "reserve",
+                "reserve_many",
+                "commit",
+                "abort",
+                "pin",
+                "unpin",
+                "remove",
+                "lookup",
+                "touch",
+                "clear",
+                "slot_of",
+                "state",
+            ]
+        ),
         st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
         st.sampled_from([ALIGN, ALIGN, 2 * ALIGN, 0, 3 * ALIGN - 1]),
         st.integers(0, 2**64 - 1) | st.none(),
@@ -73,7 +91,12 @@ def _apply(index, op, keys, nbytes, checksum):
 
 @pytest.mark.parametrize("use_native", TABLES)
 @settings(max_examples=200, deadline=None)
-@given(ops=OPS, pages=st.integers(2, 6), budget=st.none() | st.integers(1, 6), marks=st.sampled_from([(1.0, 1.0), (0.9, 0.6)]))
+@given(
+    ops=OPS,
+    pages=st.integers(2, 6),
+    budget=st.none() | st.integers(1, 6),
+    marks=st.sampled_from([(1.0, 1.0), (0.9, 0.6)]),
+)
 def test_same_answers_as_the_reference(use_native, ops, pages, budget, marks):
     _native_or_skip(use_native)
     ref = DictIndex(pages * ALIGN, *marks, alignment=ALIGN)

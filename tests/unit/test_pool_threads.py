@@ -45,8 +45,9 @@ def _worker(pool: DramPool, seed: int, errors: list, ops: int) -> None:
 
 @pytest.mark.parametrize("copy_threads", [1, 3])
 def test_concurrent_put_get_remove_is_byte_exact(copy_threads):
-    pool = DramPool(capacity_bytes=2 << 20, high_watermark=0.9, low_watermark=0.6, pinned=False,
-                    copy_threads=copy_threads)
+    pool = DramPool(
+        capacity_bytes=2 << 20, high_watermark=0.9, low_watermark=0.6, pinned=False, copy_threads=copy_threads
+    )
     errors: list[str] = []
     threads = [threading.Thread(target=_worker, args=(pool, seed, errors, 600)) for seed in range(4)]
     for t in threads:

@@ -14,7 +14,9 @@ from umbp.cli import main  # noqa: E402
 def test_bench_remote_quick_writes_json(tmp_path, capsys):
     require_redis()
     out = tmp_path / "bench_remote.json"
-    assert main(["bench", "remote", "--quick", "--working-set-mib", "4", "--reps", "1", "--out", str(out)]) == 0
+    assert (
+        main(["bench", "remote", "--quick", "--working-set-mib", "4", "--reps", "1", "--out", str(out)]) == 0
+    )
     report = json.loads(out.read_text())
     assert report["config"]["quick"] is True and report["server"]["version"]
     lk = report["lookup"]

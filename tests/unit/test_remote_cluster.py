@@ -178,8 +178,17 @@ def test_ask_during_a_migration(tier, cluster):
 
 def test_kill_a_master_mid_run(tmp_path):
     cluster = start_cluster(tmp_path)
-    tier = RedisTier(RemoteConfig.from_options({"urls": cluster.urls, "cluster": True, "quarantine_s": 0,
-                                                "timeout_s": 0.5, "retry_interval_s": 0.3}))
+    tier = RedisTier(
+        RemoteConfig.from_options(
+            {
+                "urls": cluster.urls,
+                "cluster": True,
+                "quarantine_s": 0,
+                "timeout_s": 0.5,
+                "retry_interval_s": 0.3,
+            }
+        )
+    )
     try:
         keys = [okey(i) for i in range(256)]
         data = [blob(20_000, i) for i in range(256)]

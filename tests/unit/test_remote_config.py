@@ -26,8 +26,16 @@ from umbp.pool.remote.tier import RedisTier  # noqa: E402
 
 
 def test_defaults_and_round_trip_of_options():
-    cfg = RemoteConfig.from_options({"url": "redis://10.1.2.3:7000/2", "ttl_s": 60, "quarantine_s": "5",
-                                     "timeout_s": 0.25, "max_connections": 4, "key_prefix": "umbp:t1:"})
+    cfg = RemoteConfig.from_options(
+        {
+            "url": "redis://10.1.2.3:7000/2",
+            "ttl_s": 60,
+            "quarantine_s": "5",
+            "timeout_s": 0.25,
+            "max_connections": 4,
+            "key_prefix": "umbp:t1:",
+        }
+    )
     assert cfg.urls == ("redis://10.1.2.3:7000/2",) and cfg.ttl_s == 60 and cfg.quarantine_s == 5.0
     assert cfg.endpoints[0].name == "10.1.2.3:7000" and cfg.endpoints[0].db == 2
     assert cfg.max_connections == 4 and cfg.key_prefix == "umbp:t1:" and not cfg.cluster and not cfg.tls
@@ -40,15 +48,34 @@ def test_unknown_keys_are_named_with_a_hint():
     assert "'bogus'" in msg and "'quarantine_sec'" in msg and "did you mean 'quarantine_s'" in msg
 
 
-@pytest.mark.parametrize("name, value", [
-    ("timeout_s", 3e6), ("timeout_s", 1e7), ("timeout_s", float("inf")), ("timeout_s", "inf"),
-    ("timeout_s", float("nan")), ("timeout_s", "nan"), ("timeout_s", True), ("connect_timeout_s", 1e9),
-    ("ttl_s", 1e300), ("ttl_s", float("inf")), ("quarantine_s", float("nan")), ("quarantine_s", -0.5),
-    ("retry_interval_s", float("inf")), ("max_connections", True), ("max_connections", 10**12),
-    ("quarantine_max_keys", 0), ("write_queue_bytes", 0), ("write_queue_bytes", 1.5), ("write_batch", False),
-    ("hash_tag_chars", 0), ("min_throughput_mib_s", 0), ("min_throughput_mib_s", float("inf")),
-    ("max_connections", "1e400"),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("timeout_s", 3e6),
+        ("timeout_s", 1e7),
+        ("timeout_s", float("inf")),
+        ("timeout_s", "inf"),
+        ("timeout_s", float("nan")),
+        ("timeout_s", "nan"),
+        ("timeout_s", True),
+        ("connect_timeout_s", 1e9),
+        ("ttl_s", 1e300),
+        ("ttl_s", float("inf")),
+        ("quarantine_s", float("nan")),
+        ("quarantine_s", -0.5),
+        ("retry_interval_s", float("inf")),
+        ("max_connections", True),
+        ("max_connections", 10**12),
+        ("quarantine_max_keys", 0),
+        ("write_queue_bytes", 0),
+        ("write_queue_bytes", 1.5),
+        ("write_batch", False),
+        ("hash_tag_chars", 0),
+        ("min_throughput_mib_s", 0),
+        ("min_throughput_mib_s", float("inf")),
+        ("max_connections", "1e400"),
+    ],
+)
 def test_numbers_out_of_what_the_tier_can_honour_are_refused_by_name(name, value):
     """Values that used to pass and then break every call (a timeout too large for poll(), an infinite
     one), NaN, booleans taken as numbers: one error naming the option, whichever way the config is built."""
@@ -77,26 +104,29 @@ def test_largest_accepted_timeout_still_serves(tmp_path):
         s.stop()
 
 
-@pytest.mark.parametrize("options, fragment", [
-    ({"url": "http://h:1"}, "must start with redis://"),
-    ({"url": "redis://h:99999"}, "bad port"),
-    ({"url": "redis://h:1/x"}, "database number"),
-    ({"url": ""}, "non-empty string"),
-    ({"urls": []}, "non-empty list"),
-    ({"url": "redis://a:1", "urls": ["redis://b:1"]}, "not both"),
-    ({"urls": ["redis://a:1", "redis://b:1"]}, "cluster is false"),
-    ({"urls": ["redis://a:1/3"], "cluster": True}, "only database 0"),
-    ({"timeout_s": 0}, "timeout_s must be a number >= 0.001"),
-    ({"timeout_s": "fast"}, "timeout_s"),
-    ({"max_connections": 2.5}, "an integer"),
-    ({"quarantine_s": -1}, "quarantine_s"),
-    ({"cluster": "maybe"}, "true or false"),
-    ({"ttl_s": True}, "ttl_s"),
-    ({"hash_tag_chars": 5}, "hash_tag_chars must be an integer >= 1 and <= 4"),
-    ({"key_prefix": "umbp:{x}"}, "free of '{' and '}'"),
-    ({"tls_cert_file": "/c.pem"}, "go together"),
-    ({"password_env": "UMBP_TEST_SURELY_UNSET_VAR"}, "not set"),
-])
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"url": "http://h:1"}, "must start with redis://"),
+        ({"url": "redis://h:99999"}, "bad port"),
+        ({"url": "redis://h:1/x"}, "database number"),
+        ({"url": ""}, "non-empty string"),
+        ({"urls": []}, "non-empty list"),
+        ({"url": "redis://a:1", "urls": ["redis://b:1"]}, "not both"),
+        ({"urls": ["redis://a:1", "redis://b:1"]}, "cluster is false"),
+        ({"urls": ["redis://a:1/3"], "cluster": True}, "only database 0"),
+        ({"timeout_s": 0}, "timeout_s must be a number >= 0.001"),
+        ({"timeout_s": "fast"}, "timeout_s"),
+        ({"max_connections": 2.5}, "an integer"),
+        ({"quarantine_s": -1}, "quarantine_s"),
+        ({"cluster": "maybe"}, "true or false"),
+        ({"ttl_s": True}, "ttl_s"),
+        ({"hash_tag_chars": 5}, "hash_tag_chars must be an integer >= 1 and <= 4"),
+        ({"key_prefix": "umbp:{x}"}, "free of '{' and '}'"),
+        ({"tls_cert_file": "/c.pem"}, "go together"),
+        ({"password_env": "UMBP_TEST_SURELY_UNSET_VAR"}, "not set"),
+    ],
+)
 def test_bad_values_have_clear_errors(options, fragment):
     with pytest.raises(OptionValueError, match=None) as e:
         RemoteConfig.from_options(options)
@@ -109,7 +139,10 @@ def test_password_never_shown(monkeypatch):
     assert cfg.username == "alice" and cfg.password == "s3cr3t"
     for text in (repr(cfg), str(cfg.summary())):
         assert "s3cr3t" not in text
-    assert RemoteConfig.from_options({"url": "redis://h:1", "password_env": "UMBP_TEST_PW"}).password == "hunter2"
+    assert (
+        RemoteConfig.from_options({"url": "redis://h:1", "password_env": "UMBP_TEST_PW"}).password
+        == "hunter2"
+    )
     with pytest.raises(OptionValueError) as e:
         RemoteConfig.from_options({"url": "redis://h:1", "password": 123})
     assert "123" not in str(e.value)
@@ -181,14 +214,22 @@ def test_get_window_sends_in_half_windows():
     kib, mib = 1 << 10, 1 << 20
     assert _replay_window([64 * kib] * 16) == [16]  # a batch within the window: one send
     sends = _replay_window([64 * kib] * 1024)  # 64 MiB of small values: refilled half a window at a time
-    assert sends[0] == GET_WINDOW_BYTES // (64 * kib) and len(sends) <= 1 + 1024 // (GET_WINDOW_BYTES // (128 * kib))
+    assert sends[0] == GET_WINDOW_BYTES // (64 * kib) and len(sends) <= 1 + 1024 // (
+        GET_WINDOW_BYTES // (128 * kib)
+    )
     assert _replay_window([4 * mib] * 5) == [1] * 5  # a value as large as the window: one at a time
     assert _replay_window([mib, 8 * mib, mib, kib, 3 * mib]) == [2, 3]  # the big one drains first
     assert _replay_window([7]) == [1]
 
 
-@pytest.mark.parametrize("key, n, digest", [("k", 0, 0), ("umbp:v1:x:tp0:g0:" + "ab" * 32, 65536, (1 << 64) - 1),
-                                            ("ключ", 12345, 0x0123456789ABCDEF)])
+@pytest.mark.parametrize(
+    "key, n, digest",
+    [
+        ("k", 0, 0),
+        ("umbp:v1:x:tp0:g0:" + "ab" * 32, 65536, (1 << 64) - 1),
+        ("ключ", 12345, 0x0123456789ABCDEF),
+    ],
+)
 def test_header_fields_around_the_checksum_rebuild_the_header(key, n, digest):
     """get_into's batched path matches a header as these two pieces with any checksum between."""
     header = pack_header(key, n, digest)

@@ -103,8 +103,11 @@ def test_forked_child_leaves_the_parents_connection_alone(server):
             ok = 0
             try:
                 out = np.empty(4096, np.uint8)
-                ok = int(tier.get_into(["k"], [out]) == [True] and np.array_equal(out, data)
-                         and tier._conns._idle[pool_of(tier)][0] is not parent_conn)
+                ok = int(
+                    tier.get_into(["k"], [out]) == [True]
+                    and np.array_equal(out, data)
+                    and tier._conns._idle[pool_of(tier)][0] is not parent_conn
+                )
             finally:
                 os.write(w, bytes([ok]))
                 os._exit(0)

@@ -37,7 +37,13 @@ class MovedClock:
 
 
 def make_tier(url: str, **opts) -> RedisTier:
-    base = {"url": url, "retry_interval_s": 0.2, "timeout_s": 0.3, "connect_timeout_s": 0.3, "quarantine_s": 0}
+    base = {
+        "url": url,
+        "retry_interval_s": 0.2,
+        "timeout_s": 0.3,
+        "connect_timeout_s": 0.3,
+        "quarantine_s": 0,
+    }
     return RedisTier(RemoteConfig.from_options({**base, **opts}))
 
 
@@ -137,7 +143,10 @@ def test_background_writer_survives_a_dead_server(tmp_path):
         assert tier.put_async(["a"], [b"1"]) == [True]
         assert tier.flush(5)
         server.stop()
-        assert tier.put_async(["b", "c"], [b"2", b"3"]) == [True, True]  # accepted, then dropped by the writer
+        assert tier.put_async(["b", "c"], [b"2", b"3"]) == [
+            True,
+            True,
+        ]  # accepted, then dropped by the writer
         assert tier.flush(5)
         s = tier.stats()
         assert s["puts"] == 1 and s["puts_dropped"] == 2 and s["write_queue_items"] == 0

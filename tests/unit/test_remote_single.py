@@ -90,8 +90,15 @@ def test_round_trip_sizes(tier, n):
 
 def test_round_trip_buffer_kinds(tier):
     data = np.arange(3000, dtype=np.float32)
-    assert tier.put(["np", "mv", "ba"], [data, memoryview(data.tobytes()), bytearray(data.tobytes())]) == [True] * 3
-    out_np, out_u8, out_mv = np.empty(3000, np.float32), np.empty((100, 120), np.uint8), memoryview(bytearray(12000))
+    assert (
+        tier.put(["np", "mv", "ba"], [data, memoryview(data.tobytes()), bytearray(data.tobytes())])
+        == [True] * 3
+    )
+    out_np, out_u8, out_mv = (
+        np.empty(3000, np.float32),
+        np.empty((100, 120), np.uint8),
+        memoryview(bytearray(12000)),
+    )
     assert tier.get_into(["np", "mv", "ba"], [out_np, out_u8, out_mv]) == [True] * 3
     assert np.array_equal(out_np, data) and out_u8.tobytes() == data.tobytes() == bytes(out_mv)
     torch = pytest.importorskip("torch")
@@ -202,8 +209,19 @@ def test_one_batch_mixes_hits_with_every_kind_of_miss(tier, raw):
     assert tier.get_into(keys, [outs[k] for k in keys]) == [k in good for k in keys]
     assert all(np.array_equal(outs[k], v) for k, v in good.items())
     s = tier.stats()
-    assert (s["hits"], s["misses"], s["load_errors"], s["reply_errors"], s["misses_absent"]) == (4, 6, 1, 1, 1)
-    assert (s["header_failures"], s["size_mismatches"], s["checksum_failures"], s["key_mismatches"]) == (1, 1, 1, 1)
+    assert (s["hits"], s["misses"], s["load_errors"], s["reply_errors"], s["misses_absent"]) == (
+        4,
+        6,
+        1,
+        1,
+        1,
+    )
+    assert (s["header_failures"], s["size_mismatches"], s["checksum_failures"], s["key_mismatches"]) == (
+        1,
+        1,
+        1,
+        1,
+    )
     assert s["connection_errors"] == 0 and not s["servers_down"]
     again = np.zeros(good["g2"].size, np.uint8)
     assert tier.get_into(["g2"], [again]) == [True] and np.array_equal(again, good["g2"])
@@ -227,9 +245,20 @@ def test_same_size_batch_mixes_hits_with_every_kind_of_miss(tier, raw):
     assert tier.get_into(keys, [outs[k] for k in keys]) == [k in good for k in keys]
     assert all(np.array_equal(outs[k], v) for k, v in good.items())
     s = tier.stats()
-    assert (s["hits"], s["misses"], s["load_errors"], s["reply_errors"], s["misses_absent"]) == (4, 7, 1, 1, 1)
-    assert (s["header_failures"], s["size_mismatches"], s["checksum_failures"], s["key_mismatches"],
-            s["version_mismatches"]) == (1, 1, 1, 1, 1)
+    assert (s["hits"], s["misses"], s["load_errors"], s["reply_errors"], s["misses_absent"]) == (
+        4,
+        7,
+        1,
+        1,
+        1,
+    )
+    assert (
+        s["header_failures"],
+        s["size_mismatches"],
+        s["checksum_failures"],
+        s["key_mismatches"],
+        s["version_mismatches"],
+    ) == (1, 1, 1, 1, 1)
     assert s["corrupt_removed"] == 1 and raw.exists("umbp:d:bad") == 0
     assert s["connection_errors"] == 0 and not s["servers_down"]
     again = np.zeros(n, np.uint8)
@@ -438,7 +467,9 @@ def test_put_interrupted_mid_batch_drops_the_connection(server, monkeypatch):
         present = tier.exists(["i0", "i1", "i2"])
         assert present[1:] == [False, False]
         out = np.empty(data[0].size, np.uint8)
-        assert tier.get_into(["i0"], [out]) == [present[0]] and (not present[0] or np.array_equal(out, data[0]))
+        assert tier.get_into(["i0"], [out]) == [present[0]] and (
+            not present[0] or np.array_equal(out, data[0])
+        )
         s = tier.stats()
         assert s["reply_errors"] == 0 and s["pool_exhausted"] == 0
     finally:
@@ -467,14 +498,19 @@ def test_put_async_with_checksums_publishes_only_matching_bytes(tier):
 
     good, changed = blob(100_000, 5), blob(100_000, 6)
     digest = checksum(good)
-    assert tier.put_async(["ck-good", "ck-changed"], [good, changed], checksums=[digest, digest]) == [True, False]
+    assert tier.put_async(["ck-good", "ck-changed"], [good, changed], checksums=[digest, digest]) == [
+        True,
+        False,
+    ]
     assert tier.flush(10)
     out = np.empty(100_000, np.uint8)
     assert tier.get_into(["ck-good"], [out]) == [True] and np.array_equal(out, good)
     assert tier.exists(["ck-changed"]) == [False]
     s = tier.stats()
     assert s["puts_dropped_checksum"] == 1 and s["puts_dropped"] == 1 and s["write_queue_bytes"] == 0
-    assert tier.put_async(["ck-changed"], [good], checksums=[digest]) == [True]  # its reservation was given back
+    assert tier.put_async(["ck-changed"], [good], checksums=[digest]) == [
+        True
+    ]  # its reservation was given back
     with pytest.raises(BufferSizeError, match="checksums"):
         tier.put_async(["a", "b"], [good, good], checksums=[digest])
 
@@ -539,7 +575,9 @@ def test_put_async_reuses_its_queue_memory_without_mixing_objects(server):
 
 
 def test_put_async_full_queue_drops_and_counts(server):
-    t = RedisTier(RemoteConfig.from_options({"url": server.url, "write_queue_bytes": 100_000, "timeout_s": 5}))
+    t = RedisTier(
+        RemoteConfig.from_options({"url": server.url, "write_queue_bytes": 100_000, "timeout_s": 5})
+    )
     server.pause(0.5)  # the writer's SETs wait: the queue cannot drain
     first = t.put_async(["q1"], [bytes(64_000)])
     second = t.put_async(["q2"], [bytes(64_000)])
@@ -583,7 +621,9 @@ def test_password_auth(tmp_path):
         good = RedisTier(RemoteConfig.from_options({"url": s.url}))
         assert good.put(["k"], [b"v"]) == [True] and good.exists(["k"]) == [True]
         good.close()
-        bad = RedisTier(RemoteConfig.from_options({"url": f"redis://127.0.0.1:{s.port}/0", "password": "wrong"}))
+        bad = RedisTier(
+            RemoteConfig.from_options({"url": f"redis://127.0.0.1:{s.port}/0", "password": "wrong"})
+        )
         assert bad.exists(["k"]) == [False] and bad.put(["x"], [b"v"]) == [False]
         st = bad.stats()
         assert st["connection_errors"] >= 1 and "wrong" not in str(st) and "pw-123" not in str(st)
@@ -599,8 +639,11 @@ def test_acl_user_limited_to_the_prefix(tmp_path, monkeypatch):
         admin.execute_command("ACL", "SETUSER", "umbp-app", "on", ">app-pw", "~umbp:*", "+@all")
         admin.close()
         monkeypatch.setenv("UMBP_TEST_REDIS_PW", "app-pw")
-        t = RedisTier(RemoteConfig.from_options({"url": s.url, "username": "umbp-app",
-                                                 "password_env": "UMBP_TEST_REDIS_PW"}))
+        t = RedisTier(
+            RemoteConfig.from_options(
+                {"url": s.url, "username": "umbp-app", "password_env": "UMBP_TEST_REDIS_PW"}
+            )
+        )
         assert t.put(["k"], [b"v"]) == [True]
         out = bytearray(1)
         assert t.exists(["k"]) == [True] and t.get_into(["k"], [out]) == [True] and out == b"v"
@@ -623,7 +666,9 @@ def test_tls(tmp_path):
         untrusted = RedisTier(RemoteConfig.from_options({"url": s.url}))  # system CAs: the cert is refused
         assert untrusted.exists(["k"]) == [False] and untrusted.stats()["connection_errors"] >= 1
         untrusted.close()
-        plain = RedisTier(RemoteConfig.from_options({"url": f"redis://127.0.0.1:{s.port}/0", "timeout_s": 0.5}))
+        plain = RedisTier(
+            RemoteConfig.from_options({"url": f"redis://127.0.0.1:{s.port}/0", "timeout_s": 0.5})
+        )
         assert plain.exists(["k"]) == [False]  # plain text against a TLS port: a miss, not a hang or crash
         plain.close()
     finally:
@@ -635,9 +680,15 @@ def test_matches_a_dict_model(server):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    ops = st.lists(st.tuples(st.sampled_from(["put", "get", "exists", "remove"]), st.integers(0, 5),
-                             st.binary(max_size=3000)), max_size=25)
-    tier = RedisTier(RemoteConfig.from_options({"url": server.url, "key_prefix": "umbp:model:", "quarantine_s": 0}))
+    ops = st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "exists", "remove"]), st.integers(0, 5), st.binary(max_size=3000)
+        ),
+        max_size=25,
+    )
+    tier = RedisTier(
+        RemoteConfig.from_options({"url": server.url, "key_prefix": "umbp:model:", "quarantine_s": 0})
+    )
 
     @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
     @given(ops)

@@ -89,17 +89,26 @@ def test_values_split_at_every_offset(bufsize):
         assert w.drained and w.sock.pos == len(STREAM), steps
 
 
-@pytest.mark.parametrize("other, parsed", [
-    (b"$-1\r\n", None),  # absent
-    (b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
-     ReplyError("WRONGTYPE Operation against a key holding the wrong kind of value")),
-    (b"$3\r\nabc\r\n", b"abc"),  # another length, shorter digits
-    (b"$" + str(HEADER_SIZE + 400).encode() + b"\r\n" + bytes(HEADER_SIZE + 400) + b"\r\n",
-     bytes(HEADER_SIZE + 400)),  # another length that starts like the expected one ($72 vs $432)
-    (b"$" + str(HEADER_SIZE + 40).encode() + b"0\r\n" + bytes(HEADER_SIZE * 10 + 400) + b"\r\n",
-     bytes(HEADER_SIZE * 10 + 400)),  # the expected digits and one more
-    (b"+OK\r\n", b"OK"),
-])
+@pytest.mark.parametrize(
+    "other, parsed",
+    [
+        (b"$-1\r\n", None),  # absent
+        (
+            b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
+            ReplyError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+        ),
+        (b"$3\r\nabc\r\n", b"abc"),  # another length, shorter digits
+        (
+            b"$" + str(HEADER_SIZE + 400).encode() + b"\r\n" + bytes(HEADER_SIZE + 400) + b"\r\n",
+            bytes(HEADER_SIZE + 400),
+        ),  # another length that starts like the expected one ($72 vs $432)
+        (
+            b"$" + str(HEADER_SIZE + 40).encode() + b"0\r\n" + bytes(HEADER_SIZE * 10 + 400) + b"\r\n",
+            bytes(HEADER_SIZE * 10 + 400),
+        ),  # the expected digits and one more
+        (b"+OK\r\n", b"OK"),
+    ],
+)
 def test_other_replies_are_left_whole_for_the_generic_parse(other, parsed):
     """value_head consumes nothing and never waits for bytes past a reply that is not the expected one:
     the stream ends right after it, so waiting would hit EOF and raise."""
@@ -148,8 +157,9 @@ def framed_reply(key: str, payload: bytes, digest: int = DIGEST) -> bytes:
 def read_framed(w: Wire, key: str, n: int) -> tuple[bytes, bytes] | None:
     """What RedisTier._read_same_size does on the wire for one value: (checksum field, payload)."""
     out = np.zeros(n, np.uint8)
-    field = w.framed_payload(head(n) + header_before_checksum(n), CHECKSUM_SIZE, header_after_checksum(key),
-                             memoryview(out))
+    field = w.framed_payload(
+        head(n) + header_before_checksum(n), CHECKSUM_SIZE, header_after_checksum(key), memoryview(out)
+    )
     return None if field is None else (field, out.tobytes())
 
 
@@ -173,15 +183,21 @@ def _other_header(key: str, n: int, at: int) -> bytes:
     return head(n) + bytes(header) + bytes(n) + b"\r\n"
 
 
-@pytest.mark.parametrize("other", [
-    b"$-1\r\n", b"-WRONGTYPE x\r\n", b"$3\r\nabc\r\n", b"+OK\r\n",
-    head(64 + 1) + bytes(HEADER_SIZE + 65) + b"\r\n",  # another length
-    _other_header("a", 64, 0),  # magic
-    _other_header("a", 64, 4),  # version
-    _other_header("a", 64, 9),  # length field
-    _other_header("a", 64, 25),  # key crc (a value under another key)
-    _other_header("a", 64, 30),  # reserved
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        b"$-1\r\n",
+        b"-WRONGTYPE x\r\n",
+        b"$3\r\nabc\r\n",
+        b"+OK\r\n",
+        head(64 + 1) + bytes(HEADER_SIZE + 65) + b"\r\n",  # another length
+        _other_header("a", 64, 0),  # magic
+        _other_header("a", 64, 4),  # version
+        _other_header("a", 64, 9),  # length field
+        _other_header("a", 64, 25),  # key crc (a value under another key)
+        _other_header("a", 64, 30),  # reserved
+    ],
+)
 def test_framed_leaves_any_other_reply_whole(other):
     """Anything but the expected value consumes nothing (the reply-by-reply parse then names it), and
     never waits for bytes past that reply; the value after it still reads."""
@@ -284,7 +300,10 @@ def test_descriptor_shortcut_only_on_a_socket_with_a_timeout():
 # ---- framed_payloads: a run of same-size values in one call (the C loop when built) ------------------
 
 ROWS = 4096
-BATCH = {f"key-{i}": np.random.default_rng(i).integers(0, 256, 3 * ROWS, dtype=np.uint8).tobytes() for i in range(12)}
+BATCH = {
+    f"key-{i}": np.random.default_rng(i).integers(0, 256, 3 * ROWS, dtype=np.uint8).tobytes()
+    for i in range(12)
+}
 BATCH_STREAM = b"".join(framed_reply(k, p, digest=i) for i, (k, p) in enumerate(BATCH.items()))
 
 
@@ -311,8 +330,16 @@ def _read_batch(w: Wire, keys: list[str], size: int, r0: int = 0, r1: int | None
     rows = np.zeros((n, size // ROWS), np.uint64)
     fields = bytearray(n * CHECKSUM_SIZE)
     lead = head(size) + header_before_checksum(size)
-    stop = w.framed_payloads(lead, CHECKSUM_SIZE, [header_after_checksum(k) for k in keys], dsts, rows, fields,
-                             r0, n if r1 is None else r1)
+    stop = w.framed_payloads(
+        lead,
+        CHECKSUM_SIZE,
+        [header_after_checksum(k) for k in keys],
+        dsts,
+        rows,
+        fields,
+        r0,
+        n if r1 is None else r1,
+    )
     return stop, dsts, fields, rows
 
 
@@ -341,8 +368,9 @@ def test_framed_payloads_reads_a_batch_however_it_arrives(impl, step, pause):
         b.close()
 
 
-@pytest.mark.parametrize("other", [b"$-1\r\n", b"-ERR boom\r\n", b"$3\r\nabc\r\n",
-                                   _other_header("key-3", 3 * ROWS, 25)])
+@pytest.mark.parametrize(
+    "other", [b"$-1\r\n", b"-ERR boom\r\n", b"$3\r\nabc\r\n", _other_header("key-3", 3 * ROWS, 25)]
+)
 def test_framed_payloads_stops_at_another_reply_and_goes_on_after_it(impl, other):
     """A reply that is not the expected value stops the run there, unconsumed and without waiting for more
     bytes (the sender has not closed: a wait would time out); after the generic parse the run goes on."""

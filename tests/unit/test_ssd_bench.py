@@ -16,7 +16,9 @@ def test_bench_ssd_quick_writes_json(tmp_path, capsys):
     assert cfg["quick"] is True and cfg["reps"] == 1 and cfg["working_set_bytes"] > 0
     assert isinstance(cfg["direct_io_used"], bool)
     sizes = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
-    assert [(r["op"], r["size_bytes"]) for r in report["results"]] == [(op, s) for s in sizes for op in ("write", "read")]
+    assert [(r["op"], r["size_bytes"]) for r in report["results"]] == [
+        (op, s) for s in sizes for op in ("write", "read")
+    ]
     for r in report["results"]:
         assert r["tier_mbps"] > 0 and r["disk_mbps"] > 0 and r["ratio"] > 0 and len(r["ratios"]) == 1
         assert r["verdict"] == ("PASS" if r["ratio"] >= 0.8 else "MISS")
@@ -28,13 +30,40 @@ def test_bench_ssd_quick_writes_json(tmp_path, capsys):
 
 def test_bench_ssd_polling_client_and_copy_threads_are_recorded(tmp_path):
     out, data = tmp_path / "bench_ssd.json", tmp_path / "scratch"
-    assert main(["bench", "ssd", "--quick", "--refused", "poll", "--copy-threads", "1", "--out", str(out),
-                 "--dir", str(data)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "ssd",
+                "--quick",
+                "--refused",
+                "poll",
+                "--copy-threads",
+                "1",
+                "--out",
+                str(out),
+                "--dir",
+                str(data),
+            ]
+        )
+        == 0
+    )
     cfg = json.loads(out.read_text())["config"]
     assert cfg["refused"] == "poll" and cfg["copy_threads"] == 1
 
 
 def test_bench_ssd_refuses_zero_copy_threads(tmp_path):
     with pytest.raises(SystemExit, match="--copy-threads must be at least 1"):
-        main(["bench", "ssd", "--quick", "--copy-threads", "0", "--out", str(tmp_path / "o.json"),
-              "--dir", str(tmp_path / "d")])
+        main(
+            [
+                "bench",
+                "ssd",
+                "--quick",
+                "--copy-threads",
+                "0",
+                "--out",
+                str(tmp_path / "o.json"),
+                "--dir",
+                str(tmp_path / "d"),
+            ]
+        )

@@ -30,7 +30,9 @@ _ns: dict = {}
 exec(POOL_SETUP, _ns)
 data = _ns["data"]
 
-WRITER = POOL_SETUP + r"""
+WRITER = (
+    POOL_SETUP
+    + r"""
 import sys, time
 from umbp.pool.ssd.tier import SsdTier
 directory, direct, i = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
@@ -46,6 +48,7 @@ while i < stop:
     i += 1
 time.sleep(600)  # stopped: the kill may land here (nothing torn), or mid-stream as usual
 """
+)
 
 
 def _run_and_kill(directory: str, direct: bool, start: int, rng: random.Random) -> int:
@@ -54,8 +57,11 @@ def _run_and_kill(directory: str, direct: bool, start: int, rng: random.Random) 
     with no bound, a fast disk (or this process descheduled for a while) let it store ~600 MB before the
     kill, the second round outgrew the capacity and reclaimed the first round's objects, a legitimate
     eviction that the check below would call a loss."""
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, directory, "1" if direct else "0", str(start)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, directory, "1" if direct else "0", str(start)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         with pytest.raises(SsdLockedError, match=f"pid {proc.pid}"):
@@ -88,8 +94,10 @@ def test_kill_9_mid_stream_then_restart(tmp_path, direct):
         with SsdTier(directory, capacity_bytes=1 << 30, queue_bytes=64 * MiB, direct_io=direct) as tier:
             listed = scan_directory(directory)
             missing = [i for i in range(durable + 1) if f"k{i}" not in listed]
-            assert not missing, (f"flushed keys lost: {missing[:8]} ({len(missing)}) of k0..k{durable}; segments "
-                                 f"{[(s.number, s.sealed, len(s.records)) for s in scan(directory).segments]}")
+            assert not missing, (
+                f"flushed keys lost: {missing[:8]} ({len(missing)}) of k0..k{durable}; segments "
+                f"{[(s.number, s.sealed, len(s.records)) for s in scan(directory).segments]}"
+            )
             for key in listed:
                 i = int(key[1:])
                 expected = data(i)

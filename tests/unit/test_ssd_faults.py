@@ -125,7 +125,9 @@ def test_disk_full_injected(tmp_path, monkeypatch):
         assert tier.put(list(blobs)[:3], list(blobs.values())[:3]) == [True] * 3  # staged
         assert tier.flush(timeout=30)
         s = tier.stats()
-        assert s["enospc"] >= 1 and s["dropped_write_error"] == 3 and tier.exists(list(blobs)[:3]) == [False] * 3
+        assert (
+            s["enospc"] >= 1 and s["dropped_write_error"] == 3 and tier.exists(list(blobs)[:3]) == [False] * 3
+        )
         fail["on"] = False
         assert tier.put(list(blobs)[3:], list(blobs.values())[3:]) == [True] * 3
         assert tier.flush(timeout=30)
@@ -139,8 +141,12 @@ def _try_mount_tmpfs(path, size: str) -> bool:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return False
     os.makedirs(path, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 @pytest.fixture
@@ -478,10 +484,17 @@ def _segment1(path, number: int, records: list[tuple[str, int, int, np.ndarray]]
 
 
 def test_a_format1_directory_is_served_and_grows_in_format2(tmp_path):
-    blobs = {f"a{i}": _blob(10 * KiB + 3 * i, i) for i in range(4)} | {f"b{i}": _blob(64 * KiB, 10 + i) for i in range(3)}
+    blobs = {f"a{i}": _blob(10 * KiB + 3 * i, i) for i in range(4)} | {
+        f"b{i}": _blob(64 * KiB, 10 + i) for i in range(3)
+    }
     empty = np.zeros(0, np.uint8)
-    _segment1(tmp_path, 1, [(f"a{i}", DATA, 1 + i, blobs[f"a{i}"]) for i in range(4)]
-              + [("gone", DATA, 5, _blob(5000, 99)), ("gone", TOMBSTONE, 6, empty)], sealed=True)
+    _segment1(
+        tmp_path,
+        1,
+        [(f"a{i}", DATA, 1 + i, blobs[f"a{i}"]) for i in range(4)]
+        + [("gone", DATA, 5, _blob(5000, 99)), ("gone", TOMBSTONE, 6, empty)],
+        sealed=True,
+    )
     _segment1(tmp_path, 2, [(f"b{i}", DATA, 7 + i, blobs[f"b{i}"]) for i in range(3)], sealed=False)
     found = scan_directory(str(tmp_path))
     assert sorted(found) == sorted(blobs)
@@ -492,7 +505,11 @@ def test_a_format1_directory_is_served_and_grows_in_format2(tmp_path):
         assert tier.get_into(list(blobs), [np.empty(v.size, np.uint8) for v in blobs.values()]) == [True] * 7
         assert tier.put(list(new), list(new.values())) == [True] * 5
     segs = scan(str(tmp_path)).segments
-    assert [s.sealed for s in segs] == [True, True, True]  # the walked format-1 segment was sealed at start-up
+    assert [s.sealed for s in segs] == [
+        True,
+        True,
+        True,
+    ]  # the walked format-1 segment was sealed at start-up
     with SsdTier(str(tmp_path), capacity_bytes=16 * MiB) as tier:  # format-1 records, sealed by format 2
         assert _check(tier, blobs | new) == list(blobs | new)
         assert tier.stats()["checksum_failures"] == 0
@@ -524,7 +541,11 @@ def test_a_corrupt_format1_header_is_stepped_over_and_a_sealed_newer_record_with
     with open(tmp_path / segment_name(1), "r+b") as f:  # k1's header block
         f.seek(BLOCK + padded(20 * KiB))
         f.write(bytes(BLOCK))
-    assert sorted(scan_directory(str(tmp_path))) == ["k0", "k2", "k3"]  # nothing synced is known: a torn write
+    assert sorted(scan_directory(str(tmp_path))) == [
+        "k0",
+        "k2",
+        "k3",
+    ]  # nothing synced is known: a torn write
     late = _blob(8 * KiB, 50)
     _segment1(tmp_path, 2, [("late", DATA, 5, late)], sealed=True)  # the next seq: no records missing between
     assert sorted(scan_directory(str(tmp_path))) == ["k2", "k3", "late"]

@@ -60,20 +60,28 @@ def test_header_round_trip_and_every_corrupted_byte_is_rejected():
 def test_group_head_round_trip_and_every_corrupted_byte_is_rejected():
     """A group head: every entry comes back in order; a flipped bit in the head's own fields rejects the
     group, one in an entry ends the intact entries just before it."""
-    keys = [b"a", "n\u00e9/tp1/g0/".encode() + b"f" * 40, b"", b"x" * MAX_KEY_BYTES] + [b"k%d" % i for i in range(60)]
+    keys = [b"a", "n\u00e9/tp1/g0/".encode() + b"f" * 40, b"", b"x" * MAX_KEY_BYTES] + [
+        b"k%d" % i for i in range(60)
+    ]
     n = len(keys)
     flags = [DATA, TOMBSTONE, SUMMARY] + [DATA] * (n - 3)
-    seqs, lengths, sums = list(range(5, 5 + n)), [i * 1000 for i in range(n)], [2**64 - 1 - i for i in range(n)]
+    seqs, lengths, sums = (
+        list(range(5, 5 + n)),
+        [i * 1000 for i in range(n)],
+        [2**64 - 1 - i for i in range(n)],
+    )
     nbytes = head_bytes(sum(entry_span(len(k)) for k in keys))
     assert nbytes == 2 * BLOCK  # 64 entries and a 1 KiB key spill into a second block
-    buf = np.frombuffer(bytearray(np.random.default_rng(1).integers(0, 256, 3 * BLOCK, dtype=np.uint8).tobytes()),
-                        np.uint8)
+    buf = np.frombuffer(
+        bytearray(np.random.default_rng(1).integers(0, 256, 3 * BLOCK, dtype=np.uint8).tobytes()), np.uint8
+    )
     assert pack_group(memoryview(buf), keys, flags, seqs, lengths, sums) == nbytes
     raw = buf[:nbytes].tobytes()
     assert parse_group_head(raw) == (n, nbytes)
     got = parse_entries(raw, n)
     assert [(h.key.encode(), h.flags, h.seq, h.length, h.checksum) for h in got] == list(
-        zip(keys, flags, seqs, lengths, sums, strict=True))
+        zip(keys, flags, seqs, lengths, sums, strict=True)
+    )
     end = 24 + sum(entry_span(len(k)) for k in keys)
     assert not raw[end:].strip(b"\0")  # zeros to the block boundary
     for pos in range(20):  # the head's fields and its crc
@@ -115,8 +123,13 @@ def test_pack_headers_writes_what_pack_header_at_writes(impl, span):
         end = at + (span or entry_span(len(keys[i])))
         assert np.array_equal(got[at:end], want[at:end]), i
         h = parse_header(got[at:end], VERSION)
-        assert (h.flags, h.seq, h.length, h.checksum, h.key.encode()) == (flags[i], seqs[i], lengths[i],
-                                                                          checksums[i], keys[i])
+        assert (h.flags, h.seq, h.length, h.checksum, h.key.encode()) == (
+            flags[i],
+            seqs[i],
+            lengths[i],
+            checksums[i],
+            keys[i],
+        )
 
 
 def test_native_pack_headers_rejects_bad_input():
@@ -142,9 +155,13 @@ def test_native_pack_headers_rejects_bad_input():
     with pytest.raises(BufferError):
         native.lib.pack_headers(bytes(BLOCK), *ok, MAGIC, VERSION)  # read-only
     with pytest.raises(ValueError, match="does not fit"):
-        native.lib.pack_headers(buf, [0], [b"k" * 17], *ok[2:], MAGIC, VERSION, 64)  # 48 + 17 > a 64-byte span
+        native.lib.pack_headers(
+            buf, [0], [b"k" * 17], *ok[2:], MAGIC, VERSION, 64
+        )  # 48 + 17 > a 64-byte span
     with pytest.raises(ValueError, match="does not fit"):
-        native.lib.pack_headers(buf, [2 * BLOCK - 48], [b"k"], *ok[2:], MAGIC, VERSION, 0)  # its 56 bytes run past
+        native.lib.pack_headers(
+            buf, [2 * BLOCK - 48], [b"k"], *ok[2:], MAGIC, VERSION, 0
+        )  # its 56 bytes run past
     with pytest.raises(ValueError, match="span"):
         native.lib.pack_headers(buf, *ok, MAGIC, VERSION, BLOCK + 8)
 

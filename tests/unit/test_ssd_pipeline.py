@@ -66,8 +66,9 @@ def test_a_short_write_drops_the_write_behind_it_and_leaves_no_record_after_the_
 
     monkeypatch.setattr(ssd_io, "pwritev", pwritev)
     blobs = {k: _blob(OBJ, i) for i, k in enumerate(("a", "b", "c"))}
-    tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
-                   direct_io=False)
+    tier = SsdTier(
+        str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB, direct_io=False
+    )
     try:
         assert tier.put(["a", "b"], [blobs["a"], blobs["b"]]) == [True] * 2
         assert _wait(lambda: len(calls) >= 2, timeout=10)  # B was written while A still hung
@@ -96,8 +97,13 @@ def test_a_segment_is_sealed_once_its_last_write_lands(tmp_path, monkeypatch, in
     if in_flight:
         monkeypatch.setattr(ssd_io, "pwritev", lambda *a: (time.sleep(0.005), real(*a))[1])
     blobs = {f"k{i}": _blob(OBJ, i) for i in range(14)}
-    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
-                 segment_bytes=256 * KiB) as tier:
+    with SsdTier(
+        str(tmp_path),
+        capacity_bytes=8 * MiB,
+        queue_bytes=2 * MiB,
+        max_io_bytes=64 * KiB,
+        segment_bytes=256 * KiB,
+    ) as tier:
         for k, v in blobs.items():
             assert tier.put([k], [v]) == [True]
             if not in_flight:
@@ -118,7 +124,9 @@ def test_parallel_put_copies_store_exact_bytes(tmp_path, copy_threads):
     every object exactly, checksums included: a restart verifies each one on read."""
     sizes = [64 * KiB] * 40 + [300 * KiB, 5000, 64 * KiB + 1] * 4
     blobs = {f"k{i}": _blob(n, i) for i, n in enumerate(sizes)}
-    with SsdTier(str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads) as tier:
+    with SsdTier(
+        str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads
+    ) as tier:
         assert all(tier.put(list(blobs), list(blobs.values())))
         assert sorted(_check(tier, blobs)) == sorted(blobs)  # from staging or disk
         assert tier.flush(timeout=30)
@@ -139,8 +147,9 @@ def test_a_writer_error_with_a_write_in_flight_drops_it_everywhere(tmp_path, mon
     file, so a restart does not serve what this process reported as dropped."""
     early = _blob(OBJ, 99)
     blobs = {k: _blob(OBJ, i) for i, k in enumerate(("a", "b", "c"))}
-    tier = SsdTier(str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
-                   direct_io=False)
+    tier = SsdTier(
+        str(tmp_path), capacity_bytes=16 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB, direct_io=False
+    )
     try:
         assert tier.put(["early"], [early]) == [True] and tier.flush(timeout=30)
         real_images, real_pwritev, calls = tier._images, ssd_io.pwritev, []
@@ -177,7 +186,9 @@ def test_a_big_put_is_written_while_it_is_still_copied(tmp_path, monkeypatch, co
     monkeypatch.setattr(ssd_io, "pwritev", pwritev)
     blobs = {f"k{i}": _blob(64 * KiB, i) for i in range(64)}  # 4 runs of 16 records
     waited = []
-    with SsdTier(str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads) as tier:
+    with SsdTier(
+        str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads
+    ) as tier:
         real_copy = tier._copy_run
 
         def copy_run(staged, srcs, i, j):
@@ -194,12 +205,16 @@ def test_a_big_put_is_written_while_it_is_still_copied(tmp_path, monkeypatch, co
 
 
 @pytest.mark.parametrize("copy_threads", [1, 2])
-def test_a_copy_error_keeps_the_runs_already_queued_and_gives_back_the_rest(tmp_path, monkeypatch, copy_threads):
+def test_a_copy_error_keeps_the_runs_already_queued_and_gives_back_the_rest(
+    tmp_path, monkeypatch, copy_threads
+):
     """A copy that raises mid-put: the runs queued before it are stored (exact bytes), the others are
     not stored and their staging comes back; the error reaches the caller."""
     blobs = {f"k{i:02}": _blob(64 * KiB, i) for i in range(64)}  # runs of 15 records (~1 MiB)
     keys = list(blobs)
-    with SsdTier(str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads) as tier:
+    with SsdTier(
+        str(tmp_path), capacity_bytes=64 * MiB, queue_bytes=16 * MiB, copy_threads=copy_threads
+    ) as tier:
         real_copy, copied, failed = tier._copy_run, [], []
 
         def copy_run(staged, srcs, i, j):
@@ -238,7 +253,9 @@ def test_wait_for_room_blocks_until_staging_is_given_back(tmp_path, monkeypatch)
         assert tier.wait_for_room([obj] * 4, timeout=20) is True
         assert time.monotonic() - t0 < 5  # woken as written records give staging back, not by the timeout
         assert tier.put(["late"], [blobs[0]]) == [True]
-        assert tier.wait_for_room([64 * MiB], timeout=10) is True  # more than the buffer: waits for it to be empty
+        assert (
+            tier.wait_for_room([64 * MiB], timeout=10) is True
+        )  # more than the buffer: waits for it to be empty
         assert tier.stats()["queued_bytes"] == 0
     finally:
         gate.set()
@@ -281,8 +298,13 @@ def test_a_seal_runs_while_the_next_segment_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(SsdTier, "_seal_later", seal_later)
     monkeypatch.setattr(SsdTier, "_seal_io", staticmethod(seal_io))
     blobs = {f"k{i}": _blob(OBJ, i) for i in range(12)}
-    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
-                 segment_bytes=256 * KiB) as tier:
+    with SsdTier(
+        str(tmp_path),
+        capacity_bytes=8 * MiB,
+        queue_bytes=2 * MiB,
+        max_io_bytes=64 * KiB,
+        segment_bytes=256 * KiB,
+    ) as tier:
         assert all(tier.put(list(blobs), list(blobs.values())))
         assert tier.flush(timeout=30)
         assert state["seen"] is True
@@ -305,8 +327,14 @@ def test_a_failed_background_seal_is_counted_and_its_records_survive(tmp_path, m
 
     monkeypatch.setattr(os, "fdatasync", fdatasync)
     blobs = {f"k{i}": _blob(OBJ, i) for i in range(6)}
-    with SsdTier(str(tmp_path), capacity_bytes=8 * MiB, queue_bytes=2 * MiB, max_io_bytes=64 * KiB,
-                 segment_bytes=256 * KiB, direct_io=False) as tier:
+    with SsdTier(
+        str(tmp_path),
+        capacity_bytes=8 * MiB,
+        queue_bytes=2 * MiB,
+        max_io_bytes=64 * KiB,
+        segment_bytes=256 * KiB,
+        direct_io=False,
+    ) as tier:
         assert all(tier.put(list(blobs), list(blobs.values())))
         assert tier.flush(timeout=30)
         assert tier.stats()["seal_errors"] == 1

@@ -50,8 +50,13 @@ class _Model(RuleBasedStateMachine):
         raise NotImplementedError
 
     def ssd(self) -> SsdTier:
-        return SsdTier(self.dir, capacity_bytes=CAPACITY, queue_bytes=96 * KiB, segment_bytes=16 * KiB,
-                       max_io_bytes=64 * KiB)
+        return SsdTier(
+            self.dir,
+            capacity_bytes=CAPACITY,
+            queue_bytes=96 * KiB,
+            segment_bytes=16 * KiB,
+            max_io_bytes=64 * KiB,
+        )
 
     @rule(key=KEYS, n=SIZES)
     def put(self, key, n):
@@ -133,7 +138,9 @@ class SsdMachine(_Model):
 
 class TieredMachine(_Model):
     def open(self):
-        dram = DramPool(capacity_bytes=48 * KiB, pinned=False, alignment=512, high_watermark=1.0, low_watermark=0.7)
+        dram = DramPool(
+            capacity_bytes=48 * KiB, pinned=False, alignment=512, high_watermark=1.0, low_watermark=0.7
+        )
         return TieredPool([dram, self.ssd()])
 
     def ssd_stats(self) -> list[dict]:

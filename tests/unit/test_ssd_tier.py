@@ -19,6 +19,7 @@ KiB, MiB = 1024, 1 << 20
 
 pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
 
+
 def _blob(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
@@ -51,7 +52,11 @@ def test_round_trip_staged_on_disk_and_after_restart(tmp_path, direct):
         assert tier.flush(timeout=30)
         assert all(_read(tier, k, v.size) == v.tobytes() for k, v in blobs.items())  # from disk
         stats = tier.stats()
-        assert stats["direct_io"] == [direct] and stats["objects"] == len(blobs) and stats["checksum_failures"] == 0
+        assert (
+            stats["direct_io"] == [direct]
+            and stats["objects"] == len(blobs)
+            and stats["checksum_failures"] == 0
+        )
     with _tier(tmp_path, direct_io=direct) as tier:
         assert all(_read(tier, k, v.size) == v.tobytes() for k, v in blobs.items())
         assert tier.stats()["hits_staged"] == 0
@@ -252,7 +257,9 @@ def test_striping_over_two_directories(tmp_path):
 
 def test_a_second_owner_gets_a_clear_error(tmp_path):
     with _tier(tmp_path):
-        with pytest.raises(SsdLockedError, match=rf"in use by another SsdTier \(pid {os.getpid()}\).*own subdirectory"):
+        with pytest.raises(
+            SsdLockedError, match=rf"in use by another SsdTier \(pid {os.getpid()}\).*own subdirectory"
+        ):
             _tier(tmp_path)
     with _tier(tmp_path):  # released at close
         pass

@@ -69,7 +69,9 @@ def test_demotion_under_backpressure_drops_and_never_blocks(tmp_path, blocked_wr
                 assert pool.put([f"k{i}"], [_blob(8 * KiB, i)]) == [True]
             assert time.monotonic() - start < 2.0  # the SSD writer is wedged; DRAM puts never waited
             s = pool.stats()
-            assert s["demotions_dropped"] > 0 and s["tiers"][1]["dropped_backpressure"] == s["demotions_dropped"]
+            assert (
+                s["demotions_dropped"] > 0 and s["tiers"][1]["dropped_backpressure"] == s["demotions_dropped"]
+            )
             served = [i for i in range(30) if _get(pool, f"k{i}", 8 * KiB) is not None]
             assert all(np.array_equal(_get(pool, f"k{i}", 8 * KiB), _blob(8 * KiB, i)) for i in served)
             gate.set()
@@ -94,8 +96,12 @@ def test_the_dram_eviction_hook_sees_intact_bytes_before_reuse():
     it): one call per put batch, even when the batch's new objects take the victims' pages."""
     dram = DramPool(capacity_bytes=32 * KiB, pinned=False, high_watermark=1.0, low_watermark=1.0)
     calls = []
-    install_evict_hook(dram, lambda victims: calls.append(
-        [(key, dram.arena.view(slot.offset, slot.nbytes).copy()) for key, slot in victims]))
+    install_evict_hook(
+        dram,
+        lambda victims: calls.append(
+            [(key, dram.arena.view(slot.offset, slot.nbytes).copy()) for key, slot in victims]
+        ),
+    )
     assert isinstance(dram.index, DramIndex)
     blobs = [_blob(8 * KiB, i) for i in range(6)]
     for i, b in enumerate(blobs):
@@ -112,8 +118,14 @@ def test_the_dram_eviction_hook_sees_intact_bytes_before_reuse():
 def test_a_put_batch_demotes_its_victims_in_one_lower_put(tmp_path, monkeypatch):
     calls = []
     real = SsdTier.put
-    monkeypatch.setattr(SsdTier, "put", lambda self, keys, bufs, checksums=None: (
-        calls.append(list(keys)), real(self, keys, bufs, checksums=checksums))[1])
+    monkeypatch.setattr(
+        SsdTier,
+        "put",
+        lambda self, keys, bufs, checksums=None: (
+            calls.append(list(keys)),
+            real(self, keys, bufs, checksums=checksums),
+        )[1],
+    )
     old = {f"k{i}": _blob(8 * KiB, i) for i in range(8)}
     with _pool(tmp_path) as pool:  # 64 KiB of DRAM, evicting from 100% down to 75%
         assert pool.put(list(old), list(old.values())) == [True] * 8

@@ -15,7 +15,9 @@ from umbp.transfer.geometry import GroupGeometry
 
 
 def _reference(layers: list[tuple[torch.Tensor, int]], b: int) -> bytes:
-    return b"".join(t.select(d, b).contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t, d in layers)
+    return b"".join(
+        t.select(d, b).contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t, d in layers
+    )
 
 
 def _from_template(geom: GroupGeometry, b: int) -> bytes:
@@ -23,7 +25,7 @@ def _from_template(geom: GroupGeometry, b: int) -> bytes:
     t = geom.template
     out = bytearray(geom.object_bytes)
     for src, stride, obj, n in zip(t.src, t.stride, t.obj, t.nbytes):
-        out[obj:obj + n] = ctypes.string_at(int(src + b * stride), int(n))
+        out[obj : obj + n] = ctypes.string_at(int(src + b * stride), int(n))
     return bytes(out)
 
 
@@ -78,15 +80,18 @@ def test_auto_picks_staged_on_cpu(engine) -> None:
     assert engine.backend == "staged" and engine.object_bytes(0) == 2 * 2 * 4 * 2 * 8 * 2
 
 
-@pytest.mark.parametrize("moves,match", [
-    (Moves(5, [0], [0]), "not registered"),
-    (Moves(0, [8], [0]), "block id"),
-    (Moves(0, [-1], [0]), "block id"),
-    (Moves(0, [0], [1 << 16]), "arena offset"),
-    (Moves(0, [0], [4]), "arena offset"),
-    (Moves(0, [0, 1], [0]), "one entry per object"),
-    (Moves(0, [0], [0], [1, 2]), "one entry per object"),
-])
+@pytest.mark.parametrize(
+    "moves,match",
+    [
+        (Moves(5, [0], [0]), "not registered"),
+        (Moves(0, [8], [0]), "block id"),
+        (Moves(0, [-1], [0]), "block id"),
+        (Moves(0, [0], [1 << 16]), "arena offset"),
+        (Moves(0, [0], [4]), "arena offset"),
+        (Moves(0, [0, 1], [0]), "one entry per object"),
+        (Moves(0, [0], [0], [1, 2]), "one entry per object"),
+    ],
+)
 def test_bad_batches_are_rejected_before_any_copy(engine, moves, match) -> None:
     with pytest.raises((ValueError, KeyError), match=match):
         engine.save([moves])
@@ -257,7 +262,7 @@ def test_disjoint_check_agrees_with_a_pairwise_reference(mixed: bool) -> None:
         reaches = [int(rng.choice([8, 24])) if mixed else 16 for _ in range(parts)]
         starts = [rng.integers(0, 40, int(rng.integers(0, 5))).astype(np.int64) * 8 for _ in range(parts)]
         spans = [(int(a), int(a) + r) for st, r in zip(starts, reaches) for a in st]
-        overlap = any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans) for b0, b1 in spans[i + 1:])
+        overlap = any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans) for b0, b1 in spans[i + 1 :])
         try:
             check_disjoint(starts, reaches)
             assert not overlap, (starts, reaches)

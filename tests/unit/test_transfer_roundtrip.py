@@ -33,7 +33,9 @@ def _layouts(device: str) -> dict[str, L.Groups]:
     odd, _ = L.hybrid(2, 8, 16, 2, 32, [1001], device=device)
     out = {
         "attn-kv-first-bf16": {0: L.attention(2, 24, 16, 2, 64, device=device)},
-        "attn-blocks-first-fp32": {0: L.attention(3, 20, 8, 2, 32, torch.float32, device=device, kv_first=False)},
+        "attn-blocks-first-fp32": {
+            0: L.attention(3, 20, 8, 2, 32, torch.float32, device=device, kv_first=False)
+        },
         "kernel-split-fp16": {0: L.kernel_split(2, 10, 32, 2, 2, 16, device=device)},
         "hybrid-padded-states": hyb,
         "hybrid-unaligned-state": odd,
@@ -58,8 +60,15 @@ ENGINES = [
     # every slot apart: each object its own run, all of a round's runs in one batch copy (batchcopy.py)
     pytest.param("kernel", "cuda", dict(DMA, slots="scattered"), id="kernel-dma-scattered-cuda", marks=_cuda),
 ]
-LAYOUTS = ["attn-kv-first-bf16", "attn-blocks-first-fp32", "kernel-split-fp16", "hybrid-padded-states",
-           "hybrid-unaligned-state", "granite-4.0-h-350m", "attn-kv-first-64k-pages"]
+LAYOUTS = [
+    "attn-kv-first-bf16",
+    "attn-blocks-first-fp32",
+    "kernel-split-fp16",
+    "hybrid-padded-states",
+    "hybrid-unaligned-state",
+    "granite-4.0-h-350m",
+    "attn-kv-first-64k-pages",
+]
 
 
 def _storages(groups: L.Groups) -> list[torch.Tensor]:
@@ -87,7 +96,9 @@ def _same_view(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(flat.view(t.dtype), t.shape, t.stride(), t.storage_offset())
 
 
-def _plan(groups: L.Groups, rng: np.random.Generator, arena_bytes: int, scattered: bool = False) -> list[Moves]:
+def _plan(
+    groups: L.Groups, rng: np.random.Generator, arena_bytes: int, scattered: bool = False
+) -> list[Moves]:
     """Random blocks (distinct across groups too: hybrid groups share the backing pages, and vLLM never
     gives one block to two groups) and random, scattered, non-overlapping arena slots (half the time in
     one run instead, unless `scattered`)."""
@@ -95,7 +106,9 @@ def _plan(groups: L.Groups, rng: np.random.Generator, arena_bytes: int, scattere
     nslots = arena_bytes // SLOT
     free = list(rng.permutation(nslots))
     slot_bytes = None
-    if not scattered and rng.random() < 0.5:  # slots in one run, as DramIndex.reserve_many hands them out (one DMA per run)
+    if (
+        not scattered and rng.random() < 0.5
+    ):  # slots in one run, as DramIndex.reserve_many hands them out (one DMA per run)
         span = max(-(-n // SLOT) for n in sizes.values())
         free = list(range(0, nslots - span, span))[::-1]
         slot_bytes = span * SLOT  # each slot's pad is its own: runs are copied whole, pads included
@@ -156,7 +169,9 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     opts = dict(options, max_staging_bytes=int(rng.choice([1 << 14, 64 << 20]))) if options else {}
     if scattered:
         opts["max_staging_bytes"] = 64 << 20  # whole batches per round: many runs per batch copy
-    engine = make_engine(arena, groups, backend=backend, piece_bytes=int(rng.choice([1024, 4096, 64 << 10])), **opts)
+    engine = make_engine(
+        arena, groups, backend=backend, piece_bytes=int(rng.choice([1024, 4096, 64 << 10])), **opts
+    )
     batch = _plan(groups, rng, arena.capacity_bytes, scattered)
     refs = {(m.group, b): _object(groups[m.group], b) for m in batch for b in m.block_ids}
 
@@ -169,11 +184,13 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     for m, ds in zip(batch, digests):
         for b, o, d in zip(m.block_ids, m.offsets, ds):
             ref = refs[(m.group, b)]
-            assert np.array_equal(after[o:o + ref.size], ref), f"slot bytes differ: {why} group={m.group} block={b}"
+            assert np.array_equal(after[o : o + ref.size], ref), (
+                f"slot bytes differ: {why} group={m.group} block={b}"
+            )
             assert d == checksum_u8(ref), f"digest differs: {why} group={m.group} block={b}"
-            before[o:o + ref.size] = ref
+            before[o : o + ref.size] = ref
             reach = max(ref.size, m.slot_bytes or 0)
-            before[o + ref.size:o + reach] = after[o + ref.size:o + reach]
+            before[o + ref.size : o + reach] = after[o + ref.size : o + reach]
     assert np.array_equal(after, before), f"bytes outside the slots changed: {why}"
 
     # loads: unverified, then verified with one corrupted slot
@@ -187,8 +204,10 @@ def _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, 
         st.random_(0, 256)  # poison every byte of the KV cache
     snap = [st.clone() for st in storages]
     bad = None
-    moves = [Moves(m.group, m.block_ids, m.offsets, ds if verified else None, m.slot_bytes)
-             for m, ds in zip(batch, digests)]
+    moves = [
+        Moves(m.group, m.block_ids, m.offsets, ds if verified else None, m.slot_bytes)
+        for m, ds in zip(batch, digests)
+    ]
     if verified:
         k = int(rng.integers(len(moves)))
         j = int(rng.integers(len(moves[k].block_ids)))
@@ -200,13 +219,19 @@ def _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, 
     for k, m in enumerate(moves):
         for j, b in enumerate(m.block_ids):
             expect_ok = bad != (k, j)
-            assert ok[k][j] == expect_ok, f"load status {ok[k][j]} for object {k}/{j}: {why} verified={verified}"
+            assert ok[k][j] == expect_ok, (
+                f"load status {ok[k][j]} for object {k}/{j}: {why} verified={verified}"
+            )
             got = _object(groups[m.group], b)
             if expect_ok:
-                assert np.array_equal(got, refs[(m.group, b)]), f"loaded bytes differ: {why} group={m.group} block={b}"
+                assert np.array_equal(got, refs[(m.group, b)]), (
+                    f"loaded bytes differ: {why} group={m.group} block={b}"
+                )
             # put the poison back through the same views, so the whole buffer must equal the snapshot
             for t, d in groups[m.group]:
-                flat = next(s for s, live in zip(snap, storages) if live.data_ptr() == t.untyped_storage().data_ptr())
+                flat = next(
+                    s for s, live in zip(snap, storages) if live.data_ptr() == t.untyped_storage().data_ptr()
+                )
                 t.select(d, b).copy_(_same_view(t, flat).select(d, b))
     for live, s in zip(storages, snap):
         assert torch.equal(live, s), f"a load wrote bytes outside its pages (or a rejected object): {why}"
@@ -329,7 +354,9 @@ def test_a_batch_failing_half_way_leaves_nothing_running(direction: str, monkeyp
     assert all(s.query() for s in (*engine.streams, *engine.aux)), "a failed batch left work on the device"
 
 
-@pytest.mark.skipif(INTERPRET or not triton_available(), reason="Triton not installed (or already interpreting)")
+@pytest.mark.skipif(
+    INTERPRET or not triton_available(), reason="Triton not installed (or already interpreting)"
+)
 def test_kernel_path_under_triton_interpreter() -> None:
     """The kernel path's tables, checksums and guards, on CPU: Triton's interpreter must be chosen before
     Triton is first imported, and pytest (or vLLM) may have imported it already, so run in a subprocess.
@@ -339,7 +366,12 @@ def test_kernel_path_under_triton_interpreter() -> None:
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run the kernel (needs >= 3.9)")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "interpret"], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpret"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

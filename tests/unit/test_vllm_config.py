@@ -12,8 +12,16 @@ def test_defaults():
 
 def test_values_parse():
     cfg = UMBPConfig.from_extra_config(
-        {"dram_gb": 0.5, "boundary_page": "false", "decode_saves": True, "pinned": False,
-         "high_watermark": 0.9, "low_watermark": 0.5, "tenant": "a", "checksum": "TRUE"}
+        {
+            "dram_gb": 0.5,
+            "boundary_page": "false",
+            "decode_saves": True,
+            "pinned": False,
+            "high_watermark": 0.9,
+            "low_watermark": 0.5,
+            "tenant": "a",
+            "checksum": "TRUE",
+        }
     )
     assert cfg.dram_bytes == GIB // 2 and not cfg.boundary_page and cfg.decode_saves
     assert cfg.pinned == "off" and cfg.tenant == "a" and cfg.checksum

@@ -47,10 +47,12 @@ def _stand_in_vllm() -> None:
             "KVConnectorWorkerMetadata": type("KVConnectorWorkerMetadata", (), {}),
         },
         "vllm.distributed.kv_transfer.kv_connector.v1.metrics": {
-            "KVConnectorStats": _Stats, "KVConnectorPromMetrics": _Base,
+            "KVConnectorStats": _Stats,
+            "KVConnectorPromMetrics": _Base,
         },
         "vllm.v1.kv_cache_interface": {
-            n: type(n, (), {}) for n in ("FullAttentionSpec", "KVCacheConfig", "MambaSpec", "SlidingWindowSpec")
+            n: type(n, (), {})
+            for n in ("FullAttentionSpec", "KVCacheConfig", "MambaSpec", "SlidingWindowSpec")
         },
     }
     for full, attrs in names.items():
@@ -84,10 +86,18 @@ def make_worker(before_register=None):
     for g, layers in sorted(groups.items()):
         names.append([f"g{g}.l{i}" for i in range(len(layers))])
         kv_caches.update({n: t for n, (t, _) in zip(names[-1], layers)})
-    config = SimpleNamespace(num_blocks=num_blocks,
-                             kv_cache_groups=[SimpleNamespace(layer_names=n) for n in names])
-    layout = Layout(groups=(), unit=16, eagle_groups=frozenset(), identity=None, namespace=NS,
-                    ranks=(RankCoord(),), object_bytes=tuple(SLOT for _ in names))
+    config = SimpleNamespace(
+        num_blocks=num_blocks, kv_cache_groups=[SimpleNamespace(layer_names=n) for n in names]
+    )
+    layout = Layout(
+        groups=(),
+        unit=16,
+        eagle_groups=frozenset(),
+        identity=None,
+        namespace=NS,
+        ranks=(RankCoord(),),
+        object_bytes=tuple(SLOT for _ in names),
+    )
     w = WorkerSide(UMBPConfig(dram_bytes=80 * SLOT), layout, config, rank=RankCoord())
     if before_register is not None:
         before_register(groups)
@@ -101,8 +111,9 @@ def _objects(groups, blocks) -> dict[tuple[int, int], torch.Tensor]:
     out = {}
     for g, layers in groups.items():
         for b in blocks:
-            out[g, b] = torch.cat([t.select(d, b).contiguous().view(-1).view(torch.uint8)
-                                   for t, d in layers]).cpu()
+            out[g, b] = torch.cat(
+                [t.select(d, b).contiguous().view(-1).view(torch.uint8) for t, d in layers]
+            ).cpu()
     return out
 
 
@@ -242,8 +253,17 @@ def test_no_kernel_compiles_after_the_warm_up():
     assert all(torch.equal(after[k], block0[k]) for k in block0), "the warm-up changed the null block"
     _cycle(w, groups, job_base=0, check_async=False)  # every group, 8 objects each, save then verified load
     for base, count in ((10, 1), (20, 3), (30, 5)):  # batches of other shapes
-        jobs = [SaveJob(base + g, g, [PageMove(b, (base + b) * SLOT, w.groups[g].object_bytes, bytes([g, b, base]) * 8)
-                                     for b in range(1, 1 + count)]) for g in sorted(groups)[:count]]
+        jobs = [
+            SaveJob(
+                base + g,
+                g,
+                [
+                    PageMove(b, (base + b) * SLOT, w.groups[g].object_bytes, bytes([g, b, base]) * 8)
+                    for b in range(1, 1 + count)
+                ],
+            )
+            for g in sorted(groups)[:count]
+        ]
         w.save(UMBPConnectorMetadata(saves=jobs))
         w.take_worker_meta()
         w.take_worker_meta()

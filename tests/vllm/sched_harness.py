@@ -51,13 +51,24 @@ HEADS, HEAD = 2, 8
 def fake_model_dir(root: Path, eagle: bool = False, heads: int = 4, kv_heads: int = 2) -> Path:
     """A config-only Llama. DCP needs more TP ranks than KV heads and heads divisible by TP: the DCP tests
     use 8 heads and one KV head (MQA, like MLA)."""
-    d = root / (("fake_eagle" if eagle else "fake_model") + ("" if (heads, kv_heads) == (4, 2) else f"_h{heads}kv{kv_heads}"))
+    d = root / (
+        ("fake_eagle" if eagle else "fake_model")
+        + ("" if (heads, kv_heads) == (4, 2) else f"_h{heads}kv{kv_heads}")
+    )
     d.mkdir(parents=True, exist_ok=True)
     arch = "EagleLlamaForCausalLM" if eagle else "LlamaForCausalLM"
     cfg = {
-        "architectures": [arch], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": 1 if eagle else 2,
-        "vocab_size": 512, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+        "architectures": [arch],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": 1 if eagle else 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
     }
     (d / "config.json").write_text(json.dumps(cfg))
     return d
@@ -72,11 +83,20 @@ class GroupDef:
 
 def _spec(g: GroupDef):
     if g.kind == "fa":
-        return FullAttentionSpec(block_size=g.block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+        return FullAttentionSpec(
+            block_size=g.block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+        )
     if g.kind == "swa":
-        return SlidingWindowSpec(block_size=g.block_size, num_kv_heads=HEADS, head_size=HEAD,
-                                 dtype=torch.float32, sliding_window=g.window)
-    return MambaSpec(block_size=g.block_size, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
+        return SlidingWindowSpec(
+            block_size=g.block_size,
+            num_kv_heads=HEADS,
+            head_size=HEAD,
+            dtype=torch.float32,
+            sliding_window=g.window,
+        )
+    return MambaSpec(
+        block_size=g.block_size, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
 
 
 @dataclass
@@ -97,9 +117,13 @@ class Harness:
 
     # ---------------------------------------------------------------- requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
-        req = Request(request_id=req_id, prompt_token_ids=list(prompt), pooling_params=None,
-                      block_hasher=self.hasher,
-                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            pooling_params=None,
+            block_hasher=self.hasher,
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
         self.sched.add_request(req)
         return req
 
@@ -151,21 +175,29 @@ class Harness:
             res = worker.get_transfer_results(so.finished_req_ids)
             kv_out = KVConnectorOutput(
                 finished_sending=res.finished_sending or None,
-                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
+                finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving,
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
                 kv_connector_stats=worker.get_kv_connector_stats(),
             )
             worker.clear_connector_metadata()
-            sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens
-                       else [] for r in ids]
+            sampled = [
+                [7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens else []
+                for r in ids
+            ]
             outputs.append(runner_output(ids, sampled, kv_out))
         return self.aggregator.aggregate(outputs)
 
     # ---------------------------------------------------------------- probes
     def local_hit(self, prompt: list[int]) -> int:
         """vLLM's own local prefix-cache hit for `prompt` right now (the number umbp must match)."""
-        probe = Request(request_id="__probe__", prompt_token_ids=list(prompt), pooling_params=None,
-                        block_hasher=self.hasher, sampling_params=SamplingParams(max_tokens=1))
+        probe = Request(
+            request_id="__probe__",
+            prompt_token_ids=list(prompt),
+            pooling_params=None,
+            block_hasher=self.hasher,
+            sampling_params=SamplingParams(max_tokens=1),
+        )
         return self.sched.kv_cache_manager.get_computed_blocks(probe)[1]
 
     @property
@@ -271,7 +303,9 @@ def state_value(tokens: list[int], t: int, salt: int = 0) -> float:
     return -_digest(list(tokens[:t]) + ([("rank", salt)] if salt else [])) - 1.0
 
 
-def shard_slot(p: int, block_size: int, dcp: int, dcp_rank: int, interleave: int = 1) -> tuple[int, int] | None:
+def shard_slot(
+    p: int, block_size: int, dcp: int, dcp_rank: int, interleave: int = 1
+) -> tuple[int, int] | None:
     """vLLM 0.32's DCP slot mapping (v1/worker/block_table.py): token p lies in block p // (B * dcp) of
     the request's table; within it, runs of ``interleave`` tokens go round-robin to the DCP ranks, and a
     rank packs its runs densely into its own B-token page. None: another rank holds p."""
@@ -282,42 +316,91 @@ def shard_slot(p: int, block_size: int, dcp: int, dcp_rank: int, interleave: int
     return p // span, offset // (dcp * interleave) * interleave + offset % interleave
 
 
-def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool = False, tp: int = 1,
-          num_blocks: int = 64, extra: dict | None = None, retention: int | None = 0,
-          max_num_batched_tokens: int = 1024, max_model_len: int = 4096, dcp: int = 1,
-          interleave: int = 1, eagle_groups: frozenset[int] = frozenset(), lookahead: bool = True) -> Harness:
+def build(
+    tmp_path: Path,
+    groups: list[GroupDef],
+    unit: int = 16,
+    *,
+    eagle: bool = False,
+    tp: int = 1,
+    num_blocks: int = 64,
+    extra: dict | None = None,
+    retention: int | None = 0,
+    max_num_batched_tokens: int = 1024,
+    max_model_len: int = 4096,
+    dcp: int = 1,
+    interleave: int = 1,
+    eagle_groups: frozenset[int] = frozenset(),
+    lookahead: bool = True,
+) -> Harness:
     """``dcp > 1``: vLLM's decode context parallelism over the ``tp`` ranks (tp >= dcp); block sizes in
     ``groups`` are per rank, as in vLLM's specs. ``eagle_groups``: groups annotated ``is_eagle_group``
     (DSpark confines the drop to its MLA group this way; none annotated: vLLM drops on every group).
     ``lookahead=False``: EAGLE with vLLM's plain block hashes where it has lookahead ones (0.34)."""
     heads = {"heads": 8, "kv_heads": 1} if dcp > 1 else {}
-    model = ModelConfig(model=str(fake_model_dir(tmp_path, **heads)), skip_tokenizer_init=True, dtype="float32",
-                        max_model_len=max_model_len)
-    sched_cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=True,
-                                is_encoder_decoder=False)
+    model = ModelConfig(
+        model=str(fake_model_dir(tmp_path, **heads)),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=max_model_len,
+    )
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
     block = groups[0].block_size
-    cache = CacheConfig(block_size=block, enable_prefix_caching=True, mamba_cache_mode="align",
-                        prefix_match_unit=unit, prefix_cache_retention_interval=retention)
-    transfer = KVTransferConfig(kv_connector="UMBPConnector", kv_connector_module_path="umbp.vllm",
-                                kv_role="kv_both", kv_connector_extra_config=extra or {"dram_bytes": 64 << 20})
+    cache = CacheConfig(
+        block_size=block,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align",
+        prefix_match_unit=unit,
+        prefix_cache_retention_interval=retention,
+    )
+    transfer = KVTransferConfig(
+        kv_connector="UMBPConnector",
+        kv_connector_module_path="umbp.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra or {"dram_bytes": 64 << 20},
+    )
     spec = None
     if eagle:
-        target = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp) if dcp > 1 else ParallelConfig()
-        spec = SpeculativeConfig(method="eagle", model=str(fake_model_dir(tmp_path, eagle=True, **heads)),
-                                 num_speculative_tokens=1, target_model_config=model,
-                                 target_parallel_config=target, **speculative_lookahead_kwargs(lookahead))
-    vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched_cfg,
-                             kv_transfer_config=transfer, speculative_config=spec,
-                             parallel_config=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                                                            cp_kv_cache_interleave_size=interleave))
+        target = (
+            ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+            if dcp > 1
+            else ParallelConfig()
+        )
+        spec = SpeculativeConfig(
+            method="eagle",
+            model=str(fake_model_dir(tmp_path, eagle=True, **heads)),
+            num_speculative_tokens=1,
+            target_model_config=model,
+            target_parallel_config=target,
+            **speculative_lookahead_kwargs(lookahead),
+        )
+    vllm_config = VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=sched_cfg,
+        kv_transfer_config=transfer,
+        speculative_config=spec,
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp, decode_context_parallel_size=dcp, cp_kv_cache_interleave_size=interleave
+        ),
+    )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[KVCacheTensor(size=1, layers=[f"g{g}"], layer_stride=0, block_stride=0)
-                          for g in range(len(groups))],
-        kv_cache_groups=[KVCacheGroupSpec([f"g{g}"], _spec(gd), is_eagle_group=g in eagle_groups)
-                         for g, gd in enumerate(groups)],
+        kv_cache_tensors=[
+            KVCacheTensor(size=1, layers=[f"g{g}"], layer_stride=0, block_stride=0)
+            for g in range(len(groups))
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"g{g}"], _spec(gd), is_eagle_group=g in eagle_groups)
+            for g, gd in enumerate(groups)
+        ],
         prefix_cache_retention_interval=retention,
     )
     sched, hasher = make_scheduler(vllm_config, kv_cache_config)
@@ -335,5 +418,15 @@ def build(tmp_path: Path, groups: list[GroupDef], unit: int = 16, *, eagle: bool
             w.register_kv_caches(cache_t)
             workers.append(w)
             caches.append(cache_t)
-    return Harness(sched, workers, caches, kv_cache_config, vllm_config, hasher, groups,
-                   KVOutputAggregator(tp), dcp=dcp, interleave=interleave)
+    return Harness(
+        sched,
+        workers,
+        caches,
+        kv_cache_config,
+        vllm_config,
+        hasher,
+        groups,
+        KVOutputAggregator(tp),
+        dcp=dcp,
+        interleave=interleave,
+    )

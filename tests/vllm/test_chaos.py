@@ -30,8 +30,13 @@ ALWAYS_A_MISS = {k for k in KINDS if k not in UNDEFENDED} - {"evict_race_dram", 
 @pytest.fixture(scope="module")
 def campaign(tiny_model_dir):
     require_redis()
-    opts = Options(faults=len(KINDS) + 6, conversations=3, turns=3, model_dir=str(tiny_model_dir("granite")),
-                   progress=False)
+    opts = Options(
+        faults=len(KINDS) + 6,
+        conversations=3,
+        turns=3,
+        model_dir=str(tiny_model_dir("granite")),
+        progress=False,
+    )
     return run_campaign(opts)
 
 

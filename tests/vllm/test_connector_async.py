@@ -254,7 +254,9 @@ def _watch_saves(h, failing_group: int | None = None):
     engines, jobs, saved, failed = [], [], set(), set()
     for w in h.workers:
         worker = w._worker
-        worker.engine = _WatchedEngine(worker.engine, lambda d, groups: d == "save" and failing_group in groups)
+        worker.engine = _WatchedEngine(
+            worker.engine, lambda d, groups: d == "save" and failing_group in groups
+        )
         engines.append(worker.engine)
         real_save, real_meta = worker.save, worker.take_worker_meta
 
@@ -325,7 +327,8 @@ def test_restores_started_in_one_step_share_one_engine_call(tmp_path, refuse_com
     counters = []
     for w in h.workers:  # a combined call carries more than one load's objects (one Moves per group each)
         w._worker.engine = _WatchedEngine(
-            w._worker.engine, lambda d, groups: d == "load" and refuse_combined and len(groups) > len(GROUPS))
+            w._worker.engine, lambda d, groups: d == "load" and refuse_combined and len(groups) > len(GROUPS)
+        )
         counters.append(w._worker.engine)
     h.add("B1", PROMPT, max_tokens=4)
     h.add("B2", other, max_tokens=4)

@@ -82,7 +82,8 @@ def test_corrupt_remote_value_is_a_recompute(tmp_path, server):
     assert h2.umbp.totals["load_failures"] == 1
     # the recompute rewrote the objects; the quarantine keeps the failed copies from being retried meanwhile
     assert json.dumps(h2.leaks()) == json.dumps(
-        {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0})
+        {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0}
+    )
     shut(h2)
 
 
@@ -100,8 +101,13 @@ def test_a_waiting_request_does_not_ask_the_shared_tier_every_step(tmp_path, ser
     assert compute_then_drop(h1, "A", PROMPT) == 832
     shut(h1)
     h2 = build(tmp_path, GROUPS, unit=16, tp=2, extra=extra(server.url))
-    req = Request(request_id="probe", prompt_token_ids=list(PROMPT), pooling_params=None,
-                  block_hasher=h2.hasher, sampling_params=SamplingParams(max_tokens=1))
+    req = Request(
+        request_id="probe",
+        prompt_token_ids=list(PROMPT),
+        pooling_params=None,
+        block_hasher=h2.hasher,
+        sampling_params=SamplingParams(max_tokens=1),
+    )
     asked = lambda: h2.umbp.remote.stats()["exists_keys"]  # noqa: E731
     assert h2.umbp.lookup(req, 0) == (832, True)
     first = asked()
@@ -113,7 +119,9 @@ def test_a_waiting_request_does_not_ask_the_shared_tier_every_step(tmp_path, ser
     shut(h2)
 
 
-def test_a_value_forged_with_a_valid_checksum_is_a_recompute_with_a_tenant_secret(tmp_path, server, monkeypatch):
+def test_a_value_forged_with_a_valid_checksum_is_a_recompute_with_a_tenant_secret(
+    tmp_path, server, monkeypatch
+):
     """With `auth_key_env`, someone who can write to the server (a co-tenant, the server itself) replaces
     every stored value with altered bytes whose header and psum64 are fixed up to match: the checksum
     passes, the tag does not, and the second instance recomputes instead of loading forged KV."""

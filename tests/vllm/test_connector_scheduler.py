@@ -154,8 +154,13 @@ def test_abort_while_loading_leaks_nothing(tmp_path):
 
 def test_preemption_under_block_pressure(tmp_path):
     # 12 blocks of 64 tokens: two 300-token prompts cannot both stay resident
-    h = build(tmp_path, [GroupDef("fa", 64), GroupDef("mamba", 64)], unit=16, num_blocks=12,
-              max_num_batched_tokens=256)
+    h = build(
+        tmp_path,
+        [GroupDef("fa", 64), GroupDef("mamba", 64)],
+        unit=16,
+        num_blocks=12,
+        max_num_batched_tokens=256,
+    )
     p1, p2 = PROMPT[:300], PROMPT[300:600]
     h.add("A", p1, max_tokens=40)
     h.add("B", p2, max_tokens=40)
@@ -170,8 +175,13 @@ def test_preemption_under_block_pressure(tmp_path):
 @pytest.mark.parametrize("decode_saves", [False, True])
 def test_multi_turn_extension_restores_what_a_local_hit_would(tmp_path, decode_saves):
     # agentic turn 2 = turn 1's prompt + its reply + a tool output
-    h = build(tmp_path, [GroupDef("fa", 64), GroupDef("mamba", 64)], unit=16,
-              extra={"dram_bytes": 64 << 20, "decode_saves": decode_saves}, retention=None)
+    h = build(
+        tmp_path,
+        [GroupDef("fa", 64), GroupDef("mamba", 64)],
+        unit=16,
+        extra={"dram_bytes": 64 << 20, "decode_saves": decode_saves},
+        retention=None,
+    )
     turn1 = PROMPT[:300]
     req = h.add("A", turn1, max_tokens=40)
     h.run()

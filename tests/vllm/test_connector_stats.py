@@ -29,8 +29,11 @@ def test_stats_aggregate_by_addition_and_reset_per_interval():
 
 
 def test_vllm_logging_accepts_umbp_stats():
-    logging = KVConnectorLogging(KVTransferConfig(kv_connector="UMBPConnector",
-                                                  kv_connector_module_path="umbp.vllm", kv_role="kv_both"))
+    logging = KVConnectorLogging(
+        KVTransferConfig(
+            kv_connector="UMBPConnector", kv_connector_module_path="umbp.vllm", kv_role="kv_both"
+        )
+    )
     logging.observe({"restored_tokens": 832, "loaded_bytes": 4096})
     logging.observe({"restored_tokens": 16})
     lines = []
@@ -40,8 +43,11 @@ def test_vllm_logging_accepts_umbp_stats():
 
 def test_prometheus_counters():
     reg = CollectorRegistry()
-    types = {Gauge: functools.partial(Gauge, registry=reg), Counter: functools.partial(Counter, registry=reg),
-             Histogram: functools.partial(Histogram, registry=reg)}
+    types = {
+        Gauge: functools.partial(Gauge, registry=reg),
+        Counter: functools.partial(Counter, registry=reg),
+        Histogram: functools.partial(Histogram, registry=reg),
+    }
     vllm_config = type("Cfg", (), {"kv_transfer_config": None})()
     prom = UMBPConnector.build_prom_metrics(vllm_config, types, ["engine"], {0: ["0"]})
     prom.observe({"restored_tokens": 832, "load_failures": 0})
@@ -51,8 +57,11 @@ def test_prometheus_counters():
 
 def _registry():
     reg = CollectorRegistry()
-    types = {Gauge: functools.partial(Gauge, registry=reg), Counter: functools.partial(Counter, registry=reg),
-             Histogram: functools.partial(Histogram, registry=reg)}
+    types = {
+        Gauge: functools.partial(Gauge, registry=reg),
+        Counter: functools.partial(Counter, registry=reg),
+        Histogram: functools.partial(Histogram, registry=reg),
+    }
     return reg, types
 
 
@@ -75,12 +84,22 @@ def test_group_and_tier_are_labels_not_names():
     reg, types = _registry()
     vllm_config = type("Cfg", (), {"kv_transfer_config": None})()
     prom = UMBPConnector.build_prom_metrics(vllm_config, types, ["engine"], {0: ["0"]})
-    prom.observe({"stored_objects_g1": 3, "stored_objects_g0": 2, "ssd_loaded_objects": 5, "loaded_objects": 7,
-                  "remote_loaded_bytes": 4096, "ssd_saves_dropped": 1})
+    prom.observe(
+        {
+            "stored_objects_g1": 3,
+            "stored_objects_g0": 2,
+            "ssd_loaded_objects": 5,
+            "loaded_objects": 7,
+            "remote_loaded_bytes": 4096,
+            "ssd_saves_dropped": 1,
+        }
+    )
     assert reg.get_sample_value("vllm:umbp_group_stored_objects_total", {"engine": "0", "group": "1"}) == 3
     assert reg.get_sample_value("vllm:umbp_group_stored_objects_total", {"engine": "0", "group": "0"}) == 2
     assert reg.get_sample_value("vllm:umbp_tier_loaded_objects_total", {"engine": "0", "tier": "ssd"}) == 5
-    assert reg.get_sample_value("vllm:umbp_tier_loaded_bytes_total", {"engine": "0", "tier": "remote"}) == 4096
+    assert (
+        reg.get_sample_value("vllm:umbp_tier_loaded_bytes_total", {"engine": "0", "tier": "remote"}) == 4096
+    )
     assert reg.get_sample_value("vllm:umbp_tier_saves_dropped_total", {"engine": "0", "tier": "ssd"}) == 1
     assert reg.get_sample_value("vllm:umbp_loaded_objects_total", {"engine": "0"}) == 7
     names = {m.name for m in reg.collect()}
@@ -106,8 +125,13 @@ def test_umbp_logs_go_through_vllms_handlers():
     from umbp.vllm.logs import attach_to_vllm_logging
 
     umbp_logger, vllm_logger = logging.getLogger("umbp"), logging.getLogger("vllm")
-    saved = (list(umbp_logger.handlers), umbp_logger.level, umbp_logger.propagate,
-             list(vllm_logger.handlers), vllm_logger.level)
+    saved = (
+        list(umbp_logger.handlers),
+        umbp_logger.level,
+        umbp_logger.propagate,
+        list(vllm_logger.handlers),
+        vllm_logger.level,
+    )
     stream = io.StringIO()
     vllm_handler = logging.StreamHandler(stream)
     vllm_handler.setFormatter(logging.Formatter("VLLMFMT %(levelname)s [%(name)s] %(message)s"))
@@ -124,7 +148,9 @@ def test_umbp_logs_go_through_vllms_handlers():
         umbp_logger.handlers.clear()
         own = logging.StreamHandler(io.StringIO())
         umbp_logger.addHandler(own)
-        assert not attach_to_vllm_logging() and umbp_logger.handlers == [own], "an application's setup is kept"
+        assert not attach_to_vllm_logging() and umbp_logger.handlers == [own], (
+            "an application's setup is kept"
+        )
     finally:
         umbp_logger.handlers[:] = saved[0]
         umbp_logger.setLevel(saved[1])

@@ -18,11 +18,15 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def one_turn(arch: str, model_dir: Path, extra: dict, *flags: str) -> dict:
-    proc = subprocess.run([sys.executable, str(HERE / "_one_turn.py"), arch, str(model_dir), json.dumps(extra),
-                           *flags], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_one_turn.py"), arch, str(model_dir), json.dumps(extra), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_new_process_restores_832_from_ssd(tiny_model_dir, tmp_path, capsys):

@@ -105,7 +105,9 @@ def _present(rng: random.Random, group, unit: int, limit: int) -> frozenset[int]
     return frozenset(out)
 
 
-def _stored(rng: random.Random, groups, unit: int, hashed: int, eagle_ids, dcp: int = 1) -> list[frozenset[int]]:
+def _stored(
+    rng: random.Random, groups, unit: int, hashed: int, eagle_ids, dcp: int = 1
+) -> list[frozenset[int]]:
     """Like a real store: every group holds what it needs at a few common hit boundaries (usually keyed
     for the case's EAGLE setting), then some objects are lost and some noise is added."""
     align = hit_alignment(groups, unit, dcp)
@@ -224,7 +226,9 @@ def cp_cases(draw):
     sharded_sizes = sorted({unit * m // dcp for m in (1, 2, 4, 8) if unit * m % dcp == 0} | {unit, 2 * unit})
     groups = []
     refusable = draw(st.integers(0, 15)) == 0  # a sharded window, or Mamba under PCP: vLLM refuses those
-    kinds = ("fa", "fa", "mamba", "mamba", "fa_rep", "swa_rep") if pcp == 1 else ("fa", "fa", "fa_rep", "swa_rep")
+    kinds = (
+        ("fa", "fa", "mamba", "mamba", "fa_rep", "swa_rep") if pcp == 1 else ("fa", "fa", "fa_rep", "swa_rep")
+    )
     for _ in range(n):
         kind = draw(st.sampled_from(kinds + (("swa", "mamba") if refusable else ())))
         tag = draw(st.sampled_from(("", "1")))
@@ -236,7 +240,9 @@ def cp_cases(draw):
             groups.append(RecurrentState(unit * draw(st.sampled_from((1, 1, 2, 4, 8))), tag=tag))
         else:
             size = unit * draw(st.sampled_from((1, 2)))
-            groups.append(SlidingWindow(size, draw(st.integers(1, 3 * size)), tag=tag, dcp_sharded=kind == "swa"))
+            groups.append(
+                SlidingWindow(size, draw(st.integers(1, 3 * size)), tag=tag, dcp_sharded=kind == "swa")
+            )
     if n == 1:
         unit = groups[0].span(dcp)  # one group: vLLM hashes per block (its DCP span)
     step = hit_alignment(groups, unit, dcp)
@@ -245,7 +251,9 @@ def cp_cases(draw):
     if draw(st.booleans()):
         hashed = max_tokens // unit * unit + unit * draw(st.sampled_from((0, 1, 2)))
     eagle_mode = draw(st.sampled_from(("off", "all", "some")))
-    flagged = frozenset(draw(st.sets(st.integers(0, n - 1), min_size=1))) if eagle_mode == "some" else frozenset()
+    flagged = (
+        frozenset(draw(st.sets(st.integers(0, n - 1), min_size=1))) if eagle_mode == "some" else frozenset()
+    )
     eagle_ids = flagged or (frozenset(range(n)) if eagle_mode == "all" else frozenset())
     # a plain Random seeded by hypothesis: st.randoms() routes every call through hypothesis, which cost
     # more than vLLM's coordinator itself (the cases stay deterministic, shrinking only sees the random seed)
@@ -257,8 +265,19 @@ def cp_cases(draw):
     return groups, unit, present, max_tokens, hashed, eagle_mode != "off", flagged, dcp, pcp
 
 
-_CP_STATS = {"cases": 0, "refused": 0, "hits": 0, "partial": 0, "eagle": 0, "unit_state": 0, "pcp": 0,
-             "dcp2": 0, "dcp4": 0, "dcp8": 0, "replicated": 0}
+_CP_STATS = {
+    "cases": 0,
+    "refused": 0,
+    "hits": 0,
+    "partial": 0,
+    "eagle": 0,
+    "unit_state": 0,
+    "pcp": 0,
+    "dcp2": 0,
+    "dcp4": 0,
+    "dcp8": 0,
+    "replicated": 0,
+}
 
 
 @settings(
@@ -279,24 +298,49 @@ def test_longest_hit_matches_vllm_coordinator_under_context_parallelism(case):
     except AssertionError:
         # vLLM refuses this layout under DCP/PCP: umbp must refuse it too, with a ValueError
         with pytest.raises(ValueError):
-            longest_hit(groups, unit, present, max_tokens, eagle=eagle, eagle_groups=flagged or None,
-                        hashed_tokens=hashed, **cp)
+            longest_hit(
+                groups,
+                unit,
+                present,
+                max_tokens,
+                eagle=eagle,
+                eagle_groups=flagged or None,
+                hashed_tokens=hashed,
+                **cp,
+            )
         _CP_STATS["refused"] += 1
         return
     hit = longest_hit(
-        groups, unit, present, max_tokens, eagle=eagle, eagle_groups=flagged or None, hashed_tokens=hashed, **cp
+        groups,
+        unit,
+        present,
+        max_tokens,
+        eagle=eagle,
+        eagle_groups=flagged or None,
+        hashed_tokens=hashed,
+        **cp,
     )
     assert (hit.tokens, hit.loads) == (want_tokens, want_loads), case
     assert hit.alignment == alignment, case
-    why = explain_hit(groups, unit, present, max_tokens, eagle=eagle, eagle_groups=flagged or None,
-                      hashed_tokens=hashed, **cp)
+    why = explain_hit(
+        groups,
+        unit,
+        present,
+        max_tokens,
+        eagle=eagle,
+        eagle_groups=flagged or None,
+        hashed_tokens=hashed,
+        **cp,
+    )
     assert why.text.startswith(f"stopped at {hit.tokens} ")
     _CP_STATS["cases"] += 1
     _CP_STATS["hits"] += hit.tokens > 0
     _CP_STATS["partial"] += len(groups) > 1 and alignment == unit < max(g.span(dcp) for g in groups)
-    _CP_STATS["unit_state"] += alignment == unit and any(
-        isinstance(g, RecurrentState) and g.block_size == unit for g in groups
-    ) and not any(isinstance(g, RecurrentState) and g.block_size > unit for g in groups)
+    _CP_STATS["unit_state"] += (
+        alignment == unit
+        and any(isinstance(g, RecurrentState) and g.block_size == unit for g in groups)
+        and not any(isinstance(g, RecurrentState) and g.block_size > unit for g in groups)
+    )
     _CP_STATS["eagle"] += eagle
     _CP_STATS["pcp"] += pcp > 1
     _CP_STATS[f"dcp{dcp}"] = _CP_STATS.get(f"dcp{dcp}", 0) + 1
@@ -323,8 +367,9 @@ def test_kimi_k3_dcp8_boundary_against_vllm(eagle):
     page = b + (128 if eagle else 0)
     present = [set(range(1024, 9 * 1024 + 1, 1024)) | {page}, {b}]
     max_tokens = b + 200
-    want = vllm_longest_hit(groups, 128, present, max_tokens, (max_tokens + 1) // 128 * 128,
-                            use_eagle=eagle, dcp_world_size=8)
+    want = vllm_longest_hit(
+        groups, 128, present, max_tokens, (max_tokens + 1) // 128 * 128, use_eagle=eagle, dcp_world_size=8
+    )
     hit = longest_hit(groups, 128, present, max_tokens, eagle=eagle, dcp_world_size=8)
     assert (hit.tokens, hit.loads, hit.alignment) == want == (b, (tuple(sorted(present[0])), (b,)), 128)
     # the same blocks without DCP would not allow partial hits: Mamba's block must exceed the unit there

@@ -35,8 +35,13 @@ def _request(h, rid: str, tokens: list[int]):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(request_id=rid, prompt_token_ids=tokens, pooling_params=None, block_hasher=h.hasher,
-                   sampling_params=SamplingParams(max_tokens=1))
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        pooling_params=None,
+        block_hasher=h.hasher,
+        sampling_params=SamplingParams(max_tokens=1),
+    )
 
 
 def _objects(h, req, rng: random.Random) -> set[str]:
@@ -59,8 +64,16 @@ def _objects(h, req, rng: random.Random) -> set[str]:
 VARIANTS = {
     "fa400-mamba-tp2": ([GroupDef("fa", 400), GroupDef("mamba", 400)], False, 2),
     "fa64-mamba-eagle": ([GroupDef("fa", 64), GroupDef("mamba", 64)], True, 1),
-    "fa64-swa-mamba": ([GroupDef("fa", 64), GroupDef("swa", 64, window=128), GroupDef("mamba", 64)], False, 1),
-    "fa64-swa16-mamba-eagle": ([GroupDef("fa", 64), GroupDef("swa", 16, window=32), GroupDef("mamba", 64)], True, 1),
+    "fa64-swa-mamba": (
+        [GroupDef("fa", 64), GroupDef("swa", 64, window=128), GroupDef("mamba", 64)],
+        False,
+        1,
+    ),
+    "fa64-swa16-mamba-eagle": (
+        [GroupDef("fa", 64), GroupDef("swa", 16, window=32), GroupDef("mamba", 64)],
+        True,
+        1,
+    ),
 }
 
 

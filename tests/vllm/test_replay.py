@@ -35,10 +35,20 @@ pytestmark = pytest.mark.vllm
 def tiny_layout(*, kind="attention", checkpoint=None, eagle=False, blocks=12) -> ReplayLayout:
     page = 64 * 2 * 8 if kind == "mla" else 64 * 4 * 4
     return ReplayLayout(
-        name="tiny", description="test", unit=16, eagle_drop=eagle, num_gpu_blocks=blocks,
-        groups=(GroupConfig(kind, 64, 1, page, eagle=eagle),
-                GroupConfig("state", 64, 1, 256, checkpoint_alignment=checkpoint)),
-        max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=2048, ranks=1, dram_gb_per_rank=0.01,
+        name="tiny",
+        description="test",
+        unit=16,
+        eagle_drop=eagle,
+        num_gpu_blocks=blocks,
+        groups=(
+            GroupConfig(kind, 64, 1, page, eagle=eagle),
+            GroupConfig("state", 64, 1, 256, checkpoint_alignment=checkpoint),
+        ),
+        max_num_batched_tokens=1024,
+        max_num_seqs=8,
+        max_model_len=2048,
+        ranks=1,
+        dram_gb_per_rank=0.01,
         retention=0,
     ).validate()
 
@@ -102,7 +112,11 @@ def test_summary_and_leaks(tmp_path):
     rp = Replay(tiny_layout(), Setting(True, 0), two_sessions(), 2, tmp_path)
     result = rp.run()
     s = summarize(result)
-    assert (s["restorable_tokens"], s["restored_tokens"], s["restored_fraction_of_restorable"]) == (176, 176, 1.0)
+    assert (s["restorable_tokens"], s["restored_tokens"], s["restored_fraction_of_restorable"]) == (
+        176,
+        176,
+        1.0,
+    )
     assert s["stored_bytes_all_ranks"] > 0 and s["bytes_stored_per_restored_token"] > 0
     assert "100.00%" in table([s], "tiny")
     umbp = rp.engine.umbp
@@ -133,16 +147,35 @@ def test_reused_prefix_hashes_equal_vllms(tmp_path, eagle):
     from umbp.replay.driver import PrefixHashes, Replay, Setting
     from umbp.vllm.compat import hash_lookahead_tokens
 
-    turns = generate(AgenticProfile(sessions=4, seed=5, turns=(3, 5), edit_prob=0.5, system_tokens=(300, 900),
-                                    tool_tokens_median=200, max_context=1900))
+    turns = generate(
+        AgenticProfile(
+            sessions=4,
+            seed=5,
+            turns=(3, 5),
+            edit_prob=0.5,
+            system_tokens=(300, 900),
+            tool_tokens_median=200,
+            max_context=1900,
+        )
+    )
     rp = Replay(tiny_layout(kind="mla", eagle=eagle), Setting(True, 0), turns, 2, tmp_path)
     hashes, cache = PrefixHashes(16, hash_lookahead_tokens(rp.engine.vllm_config)), TokenCache()
     for turn in turns:
         prompt = cache.prompt(turn)
-        fresh = Request(request_id="f", prompt_token_ids=prompt, pooling_params=None,
-                        block_hasher=rp.engine.hasher, sampling_params=SamplingParams(max_tokens=1))
-        reused = Request(request_id="r", prompt_token_ids=prompt, pooling_params=None, block_hasher=None,
-                         sampling_params=SamplingParams(max_tokens=1))
+        fresh = Request(
+            request_id="f",
+            prompt_token_ids=prompt,
+            pooling_params=None,
+            block_hasher=rp.engine.hasher,
+            sampling_params=SamplingParams(max_tokens=1),
+        )
+        reused = Request(
+            request_id="r",
+            prompt_token_ids=prompt,
+            pooling_params=None,
+            block_hasher=None,
+            sampling_params=SamplingParams(max_tokens=1),
+        )
         hashes.attach(reused, turn, rp.engine.hasher)
         assert reused.block_hashes == fresh.block_hashes
 
@@ -155,8 +188,24 @@ def test_cli_replays_a_jsonl_trace(tmp_path, capsys):
     layout = tmp_path / "tiny.json"
     layout.write_text(json.dumps(tiny_layout(checkpoint=1).to_dict()))
     out = tmp_path / "out"
-    rc = main(["replay", "--layout", str(layout), "--trace", str(trace), "--concurrency", "2",
-               "--retention", "0", "--out", str(out), "--no-progress", "--require", "99"])
+    rc = main(
+        [
+            "replay",
+            "--layout",
+            str(layout),
+            "--trace",
+            str(trace),
+            "--concurrency",
+            "2",
+            "--retention",
+            "0",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--require",
+            "99",
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0
     assert "page on, retention 0" in printed and "page off, retention 0" in printed
@@ -230,8 +279,10 @@ def test_dcp_layout_known_answers(tmp_path, page):
     A's second turn resumes at b = 176 (inside the third 64-token span) only with the boundary page; without
     it nothing older is restorable either (no state at a 64-token boundary was kept: retention 0)."""
     base = tiny_layout(kind="mla").to_dict()
-    base["groups"] = [{**base["groups"][0], "block_size": 16, "page_bytes": 16 * 2 * 8},
-                      {**base["groups"][1], "block_size": 16}]
+    base["groups"] = [
+        {**base["groups"][0], "block_size": 16, "page_bytes": 16 * 2 * 8},
+        {**base["groups"][1], "block_size": 16},
+    ]
     layout = ReplayLayout.from_dict({**base, "dcp": 4, "ranks": 4})
     assert layout.scheduler_block_size == 64 and layout.gpu_pool_tokens() == 12 * 64
     turn = {r.req_id: r for r in run(tmp_path, layout, page).records}["A#1"]

@@ -72,7 +72,9 @@ def check_context_parallel(groups: Sequence[CacheGroup], dcp_world_size: int, pc
     hands the raw PCP size to the manager, and only the full-attention lookup accepts PCP > 1.
     """
     if dcp_world_size < 1 or pcp_world_size < 1:
-        raise ValueError(f"dcp_world_size and pcp_world_size must be >= 1, got {dcp_world_size}, {pcp_world_size}")
+        raise ValueError(
+            f"dcp_world_size and pcp_world_size must be >= 1, got {dcp_world_size}, {pcp_world_size}"
+        )
     for g, spec in enumerate(groups):
         window = not isinstance(spec, FullAttention | RecurrentState)
         if window and spec.dcp_sharded and (dcp_world_size > 1 or pcp_world_size > 1):
@@ -81,7 +83,9 @@ def check_context_parallel(groups: Sequence[CacheGroup], dcp_world_size: int, pc
                 "only a replicated one (dcp_sharded=False)"
             )
         if pcp_world_size > 1 and len(groups) == 1 and not isinstance(spec, FullAttention):
-            raise ValueError(f"group {g} ({spec.describe()}): vLLM 0.32 looks up only full attention under PCP")
+            raise ValueError(
+                f"group {g} ({spec.describe()}): vLLM 0.32 looks up only full attention under PCP"
+            )
         if pcp_world_size > 1 and isinstance(spec, RecurrentState):
             raise ValueError(
                 f"group {g} ({spec.describe()}): vLLM 0.32's hybrid coordinator accepts PCP only with full "
@@ -243,7 +247,17 @@ def longest_hit(
     ``(e - 1) // span``); ``pcp_world_size`` changes no boundary in vLLM 0.32, only what is accepted.
     """
     return _longest(
-        _prepare(groups, unit, present, max_tokens, eagle, eagle_groups, hashed_tokens, dcp_world_size, pcp_world_size)
+        _prepare(
+            groups,
+            unit,
+            present,
+            max_tokens,
+            eagle,
+            eagle_groups,
+            hashed_tokens,
+            dcp_world_size,
+            pcp_world_size,
+        )
     )
 
 
@@ -450,6 +464,13 @@ def explain(
 ) -> str:
     """Human-readable answer to "why did the restore stop at T?" (see :func:`explain_hit`)."""
     return explain_hit(
-        groups, unit, present, max_tokens, eagle, eagle_groups, hashed_tokens,
-        dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size,
+        groups,
+        unit,
+        present,
+        max_tokens,
+        eagle,
+        eagle_groups,
+        hashed_tokens,
+        dcp_world_size=dcp_world_size,
+        pcp_world_size=pcp_world_size,
     ).text

@@ -118,7 +118,9 @@ class ObjectKey:
 
 def object_key(namespace: str, rank: RankCoord, group: int, prefix_hash: bytes) -> str:
     if len(namespace) != 32:
-        raise ValueError(f"namespace {namespace!r} must be 32 hex chars; build it with ModelIdentity.namespace()")
+        raise ValueError(
+            f"namespace {namespace!r} must be 32 hex chars; build it with ModelIdentity.namespace()"
+        )
     if not prefix_hash:
         raise ValueError("prefix_hash is empty; pass the engine's hash of the prefix [0, token_end)")
     return f"{_PREFIX}:{namespace}:{rank.tag()}:g{group}:{bytes(prefix_hash).hex()}"

@@ -59,4 +59,13 @@ from umbp.pool.ssd import (  # noqa: E402
 )
 from umbp.pool.tiered import TieredPool  # noqa: E402
 
-__all__ += ["RecordInfo", "SsdDirectoryError", "SsdError", "SsdLockedError", "SsdTier", "TierStack", "TieredPool", "scan_directory"]
+__all__ += [
+    "RecordInfo",
+    "SsdDirectoryError",
+    "SsdError",
+    "SsdLockedError",
+    "SsdTier",
+    "TierStack",
+    "TieredPool",
+    "scan_directory",
+]

@@ -38,8 +38,9 @@ class Pool(ABC):
         sizes the bursts it hands down below this, so a burst is not dropped for want of queue room."""
         return None
 
-    def write_behind(self, keys: Sequence[str], buffers: Sequence[Any],
-                     checksums: Sequence[int] | None = None) -> list[bool]:
+    def write_behind(
+        self, keys: Sequence[str], buffers: Sequence[Any], checksums: Sequence[int] | None = None
+    ) -> list[bool]:
         """Store objects handed down by another tier or a save, without waiting for slow I/O where the
         tier can. `checksums[i]`, when given and the tier verifies them, is the psum64 the bytes must
         have: a copy that no longer matches is dropped (False), never stored. The default is `put`

@@ -271,7 +271,9 @@ def checksum(buffer: Any) -> int:
     return checksum_u8(as_u8(buffer, key="<checksum>", what="buffer", writable=False))
 
 
-def _copy_chunk(region: np.ndarray, other: np.ndarray, rows: np.ndarray, c0: int, c1: int, to_region: bool) -> None:
+def _copy_chunk(
+    region: np.ndarray, other: np.ndarray, rows: np.ndarray, c0: int, c1: int, to_region: bool
+) -> None:
     """Copy bytes [c0, c1) and put the values of the full rows among them into rows[]; c0 is a multiple
     of ROW_BYTES."""
     if to_region:
@@ -316,15 +318,25 @@ def copy_many(
     chunks and each thread takes a contiguous run of them. Returns when every copy has finished, also
     when one raises (so no worker writes into a slot the caller is about to give back)."""
     total = sum(r.size for r, _ in pairs)
-    if threads <= 1 or executor is None or total < max(PARALLEL_MIN_BYTES, len(pairs) * PARALLEL_MIN_MEAN_OBJECT):
+    if (
+        threads <= 1
+        or executor is None
+        or total < max(PARALLEL_MIN_BYTES, len(pairs) * PARALLEL_MIN_MEAN_OBJECT)
+    ):
         if native.lib is not None:  # the whole batch in one call, one GIL release
             regions, others = [r for r, _o in pairs], [o for _r, o in pairs]
-            return native.lib.psum_copy(regions, others) if to_region else native.lib.psum_copy(others, regions)
+            return (
+                native.lib.psum_copy(regions, others) if to_region else native.lib.psum_copy(others, regions)
+            )
         return [copy_with_checksum(r, o, to_region) for r, o in pairs]
     if native.lib is not None:
         return _copy_many_native(pairs, to_region, executor, threads)
     rows = [np.empty(r.size // ROW_BYTES, np.uint64) for r, _ in pairs]
-    units = [(i, c0, min(c0 + CHUNK_BYTES, r.size)) for i, (r, _) in enumerate(pairs) for c0 in range(0, r.size, CHUNK_BYTES)]
+    units = [
+        (i, c0, min(c0 + CHUNK_BYTES, r.size))
+        for i, (r, _) in enumerate(pairs)
+        for c0 in range(0, r.size, CHUNK_BYTES)
+    ]
     per = -(-len(units) // threads)
     shares = [units[j : j + per] for j in range(0, len(units), per)]
 

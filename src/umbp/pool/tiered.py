@@ -54,7 +54,8 @@ class TieredPool(Pool):
         self._promote = promote
         self._lock = threading.Lock()  # guards the counters only
         self._counters = dict.fromkeys(
-            ("demotions", "demotions_dropped", "demotion_errors", "promotions", "promotions_failed"), 0)
+            ("demotions", "demotions_dropped", "demotion_errors", "promotions", "promotions_failed"), 0
+        )
         self._hits = [0] * len(self.tiers)
         self._misses = 0
         self.lower = TierStack(self.tiers[1:])
@@ -77,7 +78,9 @@ class TieredPool(Pool):
         unchecked = [(k, s) for k, s in victims if s.checksum is None]
         for part, sums in ((checked, [s.checksum for _, s in checked]), (unchecked, None)):
             if part:
-                self._demote_part([k for k, _ in part], [arena.view(s.offset, s.nbytes) for _, s in part], sums)
+                self._demote_part(
+                    [k for k, _ in part], [arena.view(s.offset, s.nbytes) for _, s in part], sums
+                )
 
     def _demote_part(self, keys: list[str], srcs: list, sums: list[int] | None) -> None:
         ok, errors = self.lower.write_behind(self.lower.tiers[0], keys, srcs, sums)
@@ -113,7 +116,9 @@ class TieredPool(Pool):
             limit = tier.max_object_bytes
             here = [i for i in todo if limit is None or sizes[i] <= limit]
             if here:
-                for i, ok in zip(here, tier.put([keys[i] for i in here], [buffers[i] for i in here]), strict=True):
+                for i, ok in zip(
+                    here, tier.put([keys[i] for i in here], [buffers[i] for i in here]), strict=True
+                ):
                     out[i] = ok
             todo = [i for i in todo if not out[i]]
         return out

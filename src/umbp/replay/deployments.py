@@ -73,8 +73,11 @@ class TimingConfig:
         of scheduled tokens x context length / 1000."""
         if scheduled_tokens <= 0:
             return 0.0
-        return (self.step_overhead_s + self.prefill_s_per_token * scheduled_tokens
-                + self.attention_s_per_token_per_ktoken * context_ktoken_tokens)
+        return (
+            self.step_overhead_s
+            + self.prefill_s_per_token * scheduled_tokens
+            + self.attention_s_per_token_per_ktoken * context_ktoken_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -113,31 +116,42 @@ class ReplayLayout:
             if g.kind not in KINDS:
                 raise LayoutError(f"layout {self.name!r}: group {i} kind {g.kind!r} is not one of {KINDS}")
             if g.block_size <= 0 or self.span(g) % self.unit:
-                raise LayoutError(f"layout {self.name!r}: group {i} block span {self.span(g)} is not a "
-                                  f"positive multiple of unit {self.unit}")
+                raise LayoutError(
+                    f"layout {self.name!r}: group {i} block span {self.span(g)} is not a "
+                    f"positive multiple of unit {self.unit}"
+                )
             if g.layers <= 0 or g.page_bytes <= 0:
                 raise LayoutError(f"layout {self.name!r}: group {i} needs positive 'layers' and 'page_bytes'")
         if not any(g.kind == "state" for g in self.groups) or self.groups[0].kind == "state":
             raise LayoutError(f"layout {self.name!r}: needs an attention group first and a 'state' group")
         if self.retention < 0 or self.retention % self.scheduler_block_size:
-            raise LayoutError(f"layout {self.name!r}: retention {self.retention} must be a non-negative "
-                              f"multiple of the scheduler block size {self.scheduler_block_size}")
+            raise LayoutError(
+                f"layout {self.name!r}: retention {self.retention} must be a non-negative "
+                f"multiple of the scheduler block size {self.scheduler_block_size}"
+            )
         if self.num_gpu_blocks < 4 or self.ranks < 1 or self.dram_gb_per_rank <= 0:
             raise LayoutError(f"layout {self.name!r}: num_gpu_blocks >= 4, ranks >= 1, dram_gb_per_rank > 0")
         if self.dcp < 1 or self.ranks % self.dcp:
-            raise LayoutError(f"layout {self.name!r}: dcp {self.dcp} must be >= 1 and divide ranks {self.ranks}")
+            raise LayoutError(
+                f"layout {self.name!r}: dcp {self.dcp} must be >= 1 and divide ranks {self.ranks}"
+            )
         return self
 
     def with_overrides(self, **changes: Any) -> ReplayLayout:
         return replace(self, **{k: v for k, v in changes.items() if v is not None}).validate()
 
     def summary(self) -> str:
-        parts = [f"{g.kind} B={g.block_size}" + (f" (x{self.dcp} = {self.span(g)})" if self.span(g) != g.block_size
-                                                  else "") for g in self.groups]
+        parts = [
+            f"{g.kind} B={g.block_size}"
+            + (f" (x{self.dcp} = {self.span(g)})" if self.span(g) != g.block_size else "")
+            for g in self.groups
+        ]
         drop = "on" if self.eagle_drop else "off"
         dcp = f", DCP {self.dcp}" if self.dcp > 1 else ""
-        return (f"{self.name}: {' + '.join(parts)}, u={self.unit}{dcp}, EAGLE/DSpark drop {drop}, "
-                f"GPU pool {self.num_gpu_blocks} blocks")
+        return (
+            f"{self.name}: {' + '.join(parts)}, u={self.unit}{dcp}, EAGLE/DSpark drop {drop}, "
+            f"GPU pool {self.num_gpu_blocks} blocks"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,9 +178,11 @@ LAYOUTS: dict[str, ReplayLayout] = {
     "kimi-k3": ReplayLayout(
         name="kimi-k3",
         description="Kimi-K3-like: MLA (16 layers) + KDA (48 layers), 128-token blocks per rank (MLA spans 1024 "
-                    "over DCP 8), u=128, DSpark drop on the MLA group, TP8/DCP8 on vLLM's Scheduler, 1799 GB DRAM",
-        groups=(GroupConfig("mla", 128, 16, KIMI_PAGE, eagle=True),
-                GroupConfig("state", 128, 48, KIMI_PAGE, checkpoint_alignment=64)),
+        "over DCP 8), u=128, DSpark drop on the MLA group, TP8/DCP8 on vLLM's Scheduler, 1799 GB DRAM",
+        groups=(
+            GroupConfig("mla", 128, 16, KIMI_PAGE, eagle=True),
+            GroupConfig("state", 128, 48, KIMI_PAGE, checkpoint_alignment=64),
+        ),
         unit=128,
         eagle_drop=True,
         num_gpu_blocks=320,
@@ -182,9 +198,11 @@ LAYOUTS: dict[str, ReplayLayout] = {
     "granite-4.0-h": ReplayLayout(
         name="granite-4.0-h",
         description="Granite-4.0-H-350M (400-token blocks): attention (4 layers) + Mamba2 (28 layers), "
-                    "400-token blocks, u=16, no EAGLE, one GPU",
-        groups=(GroupConfig("attention", 400, 4, GRANITE_PAGE),
-                GroupConfig("state", 400, 28, GRANITE_PAGE, checkpoint_alignment=1)),
+        "400-token blocks, u=16, no EAGLE, one GPU",
+        groups=(
+            GroupConfig("attention", 400, 4, GRANITE_PAGE),
+            GroupConfig("state", 400, 28, GRANITE_PAGE, checkpoint_alignment=1),
+        ),
         unit=16,
         eagle_drop=False,
         num_gpu_blocks=800,

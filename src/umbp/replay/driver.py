@@ -136,8 +136,12 @@ class Replay:
     pending: dict[str, RequestRecord] = field(default_factory=dict)  # submitted, not yet admitted
 
     def __post_init__(self) -> None:
-        self.engine = build_engine(self.layout, boundary_page=self.setting.boundary_page,
-                                   retention=self.setting.retention, workdir=self.workdir)
+        self.engine = build_engine(
+            self.layout,
+            boundary_page=self.setting.boundary_page,
+            retention=self.setting.retention,
+            workdir=self.workdir,
+        )
         self.engine.connector.observer = _Observer(self)
         self.committed = record_commits(self.engine.umbp.index)
         self.ever = oracle.install(self.engine.sched.kv_cache_manager.block_pool)
@@ -175,8 +179,13 @@ class Replay:
         turn = sess.turns[sess.next]
         prompt = self.tokens.prompt(turn)
         req_id = f"{turn.session}#{turn.turn}"
-        req = Request(request_id=req_id, prompt_token_ids=prompt, pooling_params=None, block_hasher=None,
-                      sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=prompt,
+            pooling_params=None,
+            block_hasher=None,
+            sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
+        )
         self.hashes.attach(req, turn, self.engine.hasher)
         rec = RequestRecord(req_id, turn.session, turn.turn, len(prompt), self.now)
         self.records.append(rec)
@@ -264,15 +273,24 @@ class Replay:
                 moved = self.step()
                 stalled = 0 if moved else stalled + 1
                 if stalled > STALL_STEPS:
-                    raise RuntimeError(f"replay stalled at t={self.now:.3f}s with "
-                                       f"{len(self.engine.sched.requests)} requests in the scheduler")
+                    raise RuntimeError(
+                        f"replay stalled at t={self.now:.3f}s with "
+                        f"{len(self.engine.sched.requests)} requests in the scheduler"
+                    )
             elif self.ready:
                 self.now = max(self.now, self.ready[0][0])
             else:
                 break
         return ReplayResult(
-            self.layout, self.setting, self.concurrency, self.records, dict(self.engine.umbp.totals),
-            self.now, time.perf_counter() - t0, self.steps, self.workers.load_seconds,
+            self.layout,
+            self.setting,
+            self.concurrency,
+            self.records,
+            dict(self.engine.umbp.totals),
+            self.now,
+            time.perf_counter() - t0,
+            self.steps,
+            self.workers.load_seconds,
             {"h2d": self.workers.h2d.bytes, "d2h": self.workers.d2h.bytes},
         )
 
@@ -295,7 +313,9 @@ class Replay:
 
     def _next_event(self, now: float) -> float:
         """With nothing to compute, time jumps to the next transfer completion or turn submission."""
-        events = [t for t in (self.workers.next_event(), self.ready[0][0] if self.ready else None) if t is not None]
+        events = [
+            t for t in (self.workers.next_event(), self.ready[0][0] if self.ready else None) if t is not None
+        ]
         return max(now, min(events)) if events else now
 
     def _context_load(self, so) -> float:
@@ -405,7 +425,11 @@ def stop_reason(umbp, request, target: int, committed: set[str] = frozenset()) -
             continue
         for need in spec.needs(target, space, eagle):
             if not has(need.end):
-                kind = "boundary page" if need.what.startswith("partial page") else need.what.split(" ")[0] + " block"
+                kind = (
+                    "boundary page"
+                    if need.what.startswith("partial page")
+                    else need.what.split(" ")[0] + " block"
+                )
                 return _tag(umbp, request, g, need.end, kind, committed)
         return f"g{g} lookup stops below"
     return "every object present; lookup rule"
@@ -420,10 +444,18 @@ def _tag(umbp, request, group: int, end: int, kind: str, committed: set[str]) ->
     return f"{kind} missing (never stored)"
 
 
-def replay(layout: ReplayLayout, setting: Setting, turns: list[Turn], concurrency: int, workdir: Path,
-           on_finish: Callable[[RequestRecord], None] | None = None, max_explain: int = 20) -> ReplayResult:
-    return Replay(layout, setting, turns, concurrency, workdir, max_explain=max_explain,
-                  on_finish=on_finish).run()
+def replay(
+    layout: ReplayLayout,
+    setting: Setting,
+    turns: list[Turn],
+    concurrency: int,
+    workdir: Path,
+    on_finish: Callable[[RequestRecord], None] | None = None,
+    max_explain: int = 20,
+) -> ReplayResult:
+    return Replay(
+        layout, setting, turns, concurrency, workdir, max_explain=max_explain, on_finish=on_finish
+    ).run()
 
 
 def reason_counts(records: list[RequestRecord]) -> Counter[str]:

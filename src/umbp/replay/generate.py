@@ -64,16 +64,19 @@ class _Session:
 def generate(profile: AgenticProfile) -> list[Turn]:
     """All turns of all sessions, session by session (the replay interleaves them in time)."""
     rng = random.Random(profile.seed)
-    systems = [Segment(id=f"sys{k}-seed{profile.seed}", length=rng.randint(*profile.system_tokens))
-               for k in range(profile.system_prompts)]
+    systems = [
+        Segment(id=f"sys{k}-seed{profile.seed}", length=rng.randint(*profile.system_tokens))
+        for k in range(profile.system_prompts)
+    ]
     turns: list[Turn] = []
     for i in range(profile.sessions):
         turns.extend(_session_turns(profile, i, systems, random.Random(rng.getrandbits(64))))
     return turns
 
 
-def _session_turns(profile: AgenticProfile, index: int, systems: list[Segment],
-                   rng: random.Random) -> Iterator[Turn]:
+def _session_turns(
+    profile: AgenticProfile, index: int, systems: list[Segment], rng: random.Random
+) -> Iterator[Turn]:
     s = _Session(f"s{index:05d}-seed{profile.seed}", rng, [], [])
     s.context = [rng.choice(systems), s.new_segment("u", rng.randint(*profile.user_tokens))]
     n_turns = rng.randint(*profile.turns)

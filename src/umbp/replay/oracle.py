@@ -86,13 +86,21 @@ def oracle_hit(seen: EverCachedMap, request, layout) -> int:
     groups = list(layout.groups)
     hashed = len(request.block_hashes) * layout.unit
     present = present_sets(seen, request, layout.unit, len(groups))
-    hit = longest_hit(groups, unit=layout.unit, present=present, max_tokens=request.num_tokens - 1,
-                      eagle_groups=layout.eagle_groups, hashed_tokens=hashed, dcp_world_size=layout.dcp)
+    hit = longest_hit(
+        groups,
+        unit=layout.unit,
+        present=present,
+        max_tokens=request.num_tokens - 1,
+        eagle_groups=layout.eagle_groups,
+        hashed_tokens=hashed,
+        dcp_world_size=layout.dcp,
+    )
     return hit.tokens
 
 
 def local_hit(kv_cache_manager, request) -> int:
     """vLLM's own local hit for ``request`` right now, including a sub-block tail (read-only lookup)."""
     _, tokens, _ = kv_cache_manager.coordinator.find_longest_cache_hit(
-        request.block_hashes, request.num_tokens - 1)
+        request.block_hashes, request.num_tokens - 1
+    )
     return tokens

@@ -60,14 +60,22 @@ def summarize(result, max_examples: int = 20) -> dict[str, Any]:
         "stopped_early_examples": [r.to_json() for r in short if r.explain][:max_examples],
         "stored_bytes_all_ranks": stored_bytes,
         "bytes_stored_per_restored_token": stored_bytes / restored if restored else None,
-        "stored_objects_by_group": {k: v for k, v in sorted(totals.items()) if k.startswith("stored_objects_g")},
+        "stored_objects_by_group": {
+            k: v for k, v in sorted(totals.items()) if k.startswith("stored_objects_g")
+        },
         "umbp_totals": dict(sorted(totals.items())),
         "preempted_requests": sum(1 for r in recs if r.preemptions),
         "modelled_s": round(result.sim_s, 3),
-        "modelled_ttft_s": {"p50": round(_pct(ttft, 0.5), 4), "p99": round(_pct(ttft, 0.99), 4),
-                            "mean": round(statistics.fmean(ttft), 4) if ttft else 0.0},
-        "modelled_load_s": {"p50": round(_pct(result.load_seconds, 0.5), 5),
-                            "p99": round(_pct(result.load_seconds, 0.99), 5), "jobs": len(result.load_seconds)},
+        "modelled_ttft_s": {
+            "p50": round(_pct(ttft, 0.5), 4),
+            "p99": round(_pct(ttft, 0.99), 4),
+            "mean": round(statistics.fmean(ttft), 4) if ttft else 0.0,
+        },
+        "modelled_load_s": {
+            "p50": round(_pct(result.load_seconds, 0.5), 5),
+            "p99": round(_pct(result.load_seconds, 0.99), 5),
+            "jobs": len(result.load_seconds),
+        },
         "link_bytes_per_rank": result.link_bytes,
         "engine_steps": result.steps,
         "wall_s": round(result.wall_s, 1),
@@ -100,21 +108,41 @@ def _m(tokens: int) -> str:
 
 
 def table(summaries: list[dict[str, Any]], header: str) -> str:
-    cols = ("setting", "oracle", "GPU local", "restorable", "restored", "% restorable", "beyond",
-            "stopped early", "tokens lost", "B stored/restored tok")
+    cols = (
+        "setting",
+        "oracle",
+        "GPU local",
+        "restorable",
+        "restored",
+        "% restorable",
+        "beyond",
+        "stopped early",
+        "tokens lost",
+        "B stored/restored tok",
+    )
     rows = [cols]
     for s in summaries:
         bpt = s["bytes_stored_per_restored_token"]
-        rows.append((
-            s["label"], _m(s["oracle_tokens"]), _m(s["local_tokens"]), _m(s["restorable_tokens"]),
-            _m(s["restored_tokens"]), f"{100 * s['restored_fraction_of_restorable']:.2f}%",
-            _m(s["restored_beyond_oracle_tokens"]), str(s["stopped_early_requests"]),
-            _m(s["stopped_early_tokens_lost"]), f"{bpt / 1e3:,.1f} KB" if bpt else "-",
-        ))
+        rows.append(
+            (
+                s["label"],
+                _m(s["oracle_tokens"]),
+                _m(s["local_tokens"]),
+                _m(s["restorable_tokens"]),
+                _m(s["restored_tokens"]),
+                f"{100 * s['restored_fraction_of_restorable']:.2f}%",
+                _m(s["restored_beyond_oracle_tokens"]),
+                str(s["stopped_early_requests"]),
+                _m(s["stopped_early_tokens_lost"]),
+                f"{bpt / 1e3:,.1f} KB" if bpt else "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = [header]
     for n, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
         if n == 0:
             lines.append("-" * len(lines[-1]))
     for s in summaries:
@@ -135,19 +163,27 @@ def page_cost(summaries: list[dict[str, Any]]) -> list[str]:
         if len(pair) < 2:
             continue
         on, off = pair[True], pair[False]
-        db = on["stored_bytes_all_ranks"] / off["stored_bytes_all_ranks"] - 1 if off["stored_bytes_all_ranks"] else 0
+        db = (
+            on["stored_bytes_all_ranks"] / off["stored_bytes_all_ranks"] - 1
+            if off["stored_bytes_all_ranks"]
+            else 0
+        )
         dr = on["restored_tokens"] / off["restored_tokens"] - 1 if off["restored_tokens"] else 0
-        out.append(f"  boundary page at retention {ret}: {100 * db:+.1f}% bytes stored "
-                   f"({on['stored_bytes_all_ranks'] / 1e9:,.1f} vs {off['stored_bytes_all_ranks'] / 1e9:,.1f} GB), "
-                   f"{100 * dr:+.1f}% tokens restored ({_m(on['restored_tokens'] - off['restored_tokens'])} "
-                   f"more); old behaviour: "
-                   f"{100 * off['restored_fraction_of_restorable']:.2f}% of restorable")
+        out.append(
+            f"  boundary page at retention {ret}: {100 * db:+.1f}% bytes stored "
+            f"({on['stored_bytes_all_ranks'] / 1e9:,.1f} vs {off['stored_bytes_all_ranks'] / 1e9:,.1f} GB), "
+            f"{100 * dr:+.1f}% tokens restored ({_m(on['restored_tokens'] - off['restored_tokens'])} "
+            f"more); old behaviour: "
+            f"{100 * off['restored_fraction_of_restorable']:.2f}% of restorable"
+        )
     return out
 
 
 def header_line(layout_summary: str, s: dict[str, Any]) -> str:
-    return (f"{layout_summary}; concurrency {s['concurrency']}, {s['sessions']} sessions, "
-            f"{s['requests']:,} requests, {s['prompt_tokens'] / 1e6:.1f}M prompt tokens")
+    return (
+        f"{layout_summary}; concurrency {s['concurrency']}, {s['sessions']} sessions, "
+        f"{s['requests']:,} requests, {s['prompt_tokens'] / 1e6:.1f}M prompt tokens"
+    )
 
 
 def verdict(summaries: list[dict[str, Any]], target: float = TARGET) -> list[str]:
@@ -156,8 +192,10 @@ def verdict(summaries: list[dict[str, Any]], target: float = TARGET) -> list[str
         if s["boundary_page"]:
             frac = s["restored_fraction_of_restorable"]
             ok = "meets" if frac >= target else "MISSES"
-            out.append(f"{s['layout']} {s['label']}: {100 * frac:.2f}% of the oracle's restorable tokens "
-                       f"restored, {ok} the {100 * target:.0f}% target")
+            out.append(
+                f"{s['layout']} {s['label']}: {100 * frac:.2f}% of the oracle's restorable tokens "
+                f"restored, {ok} the {100 * target:.0f}% target"
+            )
     return out
 
 
@@ -211,7 +249,9 @@ def _bars_sources(ax, summaries, labels) -> None:
     x = range(len(summaries))
     ax.bar(x, local, label="GPU prefix cache (local)", color="tab:blue")
     ax.bar(x, restored, bottom=local, label="restored by umbp", color="tab:green")
-    ax.bar(x, recomputed, bottom=[a + b for a, b in zip(local, restored)], label="recomputed", color="tab:gray")
+    ax.bar(
+        x, recomputed, bottom=[a + b for a, b in zip(local, restored)], label="recomputed", color="tab:gray"
+    )
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("prompt tokens (millions)")
     ax.legend(fontsize=8)

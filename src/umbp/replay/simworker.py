@@ -93,5 +93,6 @@ class SimWorkers:
             _, _, job_id = heapq.heappop(self._saves)
             saved[job_id] = set(self.rank_tags)
         meta = UMBPWorkerMetadata(saved=saved) if saved else None
-        return KVConnectorOutput(finished_recving=finished or None, failed_recving=failed,
-                                 kv_connector_worker_meta=meta)
+        return KVConnectorOutput(
+            finished_recving=finished or None, failed_recving=failed, kv_connector_worker_meta=meta
+        )

@@ -173,11 +173,16 @@ def _mooncake(data: dict[str, Any], lineno: int) -> Turn:
     if not ids or total > len(ids) * MOONCAKE_BLOCK or total <= (len(ids) - 1) * MOONCAKE_BLOCK:
         raise ValueError(f"input_length {total} does not fit {len(ids)} hash ids of {MOONCAKE_BLOCK} tokens")
     last = total - (len(ids) - 1) * MOONCAKE_BLOCK
-    segments = tuple(Segment(id=f"mc{h}", length=MOONCAKE_BLOCK if i < len(ids) - 1 else last)
-                     for i, h in enumerate(ids))
-    return Turn(session=f"mc{lineno}", turn=0, segments=segments,
-                output_tokens=int(data.get("output_length", 1)),
-                arrival_s=float(data.get("timestamp", 0)) / 1000.0)
+    segments = tuple(
+        Segment(id=f"mc{h}", length=MOONCAKE_BLOCK if i < len(ids) - 1 else last) for i, h in enumerate(ids)
+    )
+    return Turn(
+        session=f"mc{lineno}",
+        turn=0,
+        segments=segments,
+        output_tokens=int(data.get("output_length", 1)),
+        arrival_s=float(data.get("timestamp", 0)) / 1000.0,
+    )
 
 
 def check_sessions(turns: list[Turn]) -> None:

@@ -32,10 +32,17 @@ EVICT_CAP = 1024  # max_evict_objects, as the vLLM scheduler sets it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--objects", default="1000000",
-                        help="object counts, comma list (default %(default)s; e.g. 1000000,10000000,30000000)")
-    parser.add_argument("--old-max", type=int, default=1_000_000,
-                        help="largest count the reference DictIndex runs at (default %(default)s)")
+    parser.add_argument(
+        "--objects",
+        default="1000000",
+        help="object counts, comma list (default %(default)s; e.g. 1000000,10000000,30000000)",
+    )
+    parser.add_argument(
+        "--old-max",
+        type=int,
+        default=1_000_000,
+        help="largest count the reference DictIndex runs at (default %(default)s)",
+    )
     parser.add_argument("--churn", type=int, default=200_000, help="steady-state puts (default %(default)s)")
     parser.add_argument("--out", default="umbp-out/bench_index.json", help="JSON path (default: %(default)s)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -96,8 +103,12 @@ def _fill(index: Any, n: int, clock: _GcClock) -> dict[str, Any]:
             total += dt
             worst = dt if dt > worst else worst
     gc_ms, gen2 = clock.take()
-    return {"us_reserve_commit": round(total / n * 1e6, 3), "worst_op_ms": round(worst * 1e3, 3),
-            "worst_gc_ms": gc_ms, "gen2_collections": gen2}
+    return {
+        "us_reserve_commit": round(total / n * 1e6, 3),
+        "worst_op_ms": round(worst * 1e3, 3),
+        "worst_gc_ms": gc_ms,
+        "gen2_collections": gen2,
+    }
 
 
 def _churn(index: Any, n: int, puts: int, clock: _GcClock) -> dict[str, Any]:
@@ -117,7 +128,7 @@ def _churn(index: Any, n: int, puts: int, clock: _GcClock) -> dict[str, Any]:
             t_put += dt
             worst["put"] = max(worst["put"], dt)
             if j % 64 == 0:
-                ask = probe[(j // 64) % 16 * 256:][:256]
+                ask = probe[(j // 64) % 16 * 256 :][:256]
                 t0 = pc()
                 index.lookup(ask)
                 dt = pc() - t0
@@ -133,10 +144,14 @@ def _churn(index: Any, n: int, puts: int, clock: _GcClock) -> dict[str, Any]:
                 pinned += len(pin)
                 worst["pin"] = max(worst["pin"], dt)
     gc_ms, gen2 = clock.take()
-    return {"us_reserve_commit": round(t_put / puts * 1e6, 3), "us_lookup_per_key": round(t_look / looked * 1e6, 3),
-            "us_pin_unpin_per_key": round(t_pin / pinned * 1e6, 3),
-            "worst_op_ms": {k: round(v * 1e3, 3) for k, v in worst.items()}, "worst_gc_ms": gc_ms,
-            "gen2_collections": gen2}
+    return {
+        "us_reserve_commit": round(t_put / puts * 1e6, 3),
+        "us_lookup_per_key": round(t_look / looked * 1e6, 3),
+        "us_pin_unpin_per_key": round(t_pin / pinned * 1e6, 3),
+        "worst_op_ms": {k: round(v * 1e3, 3) for k, v in worst.items()},
+        "worst_gc_ms": gc_ms,
+        "gen2_collections": gen2,
+    }
 
 
 def _evictions(index: Any, count: int) -> dict[str, Any]:
@@ -162,9 +177,16 @@ def measure(kind: str, n: int, puts: int) -> dict[str, Any]:
     table = index.stats().get("index_table_bytes")
     churn = _churn(index, n, puts, clock)
     evict = _evictions(index, min(puts, n // 2))
-    return {"index": kind, "objects": n, "rss_bytes_per_object": round(rss / n, 1),
-            "table_bytes_per_object": round(table / n, 1) if table else None,
-            "native": getattr(index, "native", False), "fill": fill, "steady": churn, "evict": evict}
+    return {
+        "index": kind,
+        "objects": n,
+        "rss_bytes_per_object": round(rss / n, 1),
+        "table_bytes_per_object": round(table / n, 1) if table else None,
+        "native": getattr(index, "native", False),
+        "fill": fill,
+        "steady": churn,
+        "evict": evict,
+    }
 
 
 def _child(kind: str, n: int, puts: int) -> dict[str, Any]:
@@ -176,24 +198,35 @@ def _child(kind: str, n: int, puts: int) -> dict[str, Any]:
 
 
 def _verdict(row: dict[str, Any]) -> dict[str, bool]:
-    pauses = [row["fill"]["worst_gc_ms"], row["steady"]["worst_gc_ms"], row["evict"]["worst_op_ms"],
-              *row["steady"]["worst_op_ms"].values()]
-    return {"bytes": row["rss_bytes_per_object"] <= TARGET_BYTES,
-            "us": row["steady"]["us_reserve_commit"] <= TARGET_US and row["fill"]["us_reserve_commit"] <= TARGET_US,
-            "steady_pauses": max(pauses) <= TARGET_PAUSE_MS}
+    pauses = [
+        row["fill"]["worst_gc_ms"],
+        row["steady"]["worst_gc_ms"],
+        row["evict"]["worst_op_ms"],
+        *row["steady"]["worst_op_ms"].values(),
+    ]
+    return {
+        "bytes": row["rss_bytes_per_object"] <= TARGET_BYTES,
+        "us": row["steady"]["us_reserve_commit"] <= TARGET_US
+        and row["fill"]["us_reserve_commit"] <= TARGET_US,
+        "steady_pauses": max(pauses) <= TARGET_PAUSE_MS,
+    }
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print(f"{'index':<8}{'objects':>11}{'B/obj rss':>10}{'B/obj tbl':>10}{'fill us':>9}{'put us':>8}"
-          f"{'look us':>8}{'pin us':>8}{'evict us':>9}{'fill op ms':>11}{'put op ms':>10}{'gc ms':>9}")
+    print(
+        f"{'index':<8}{'objects':>11}{'B/obj rss':>10}{'B/obj tbl':>10}{'fill us':>9}{'put us':>8}"
+        f"{'look us':>8}{'pin us':>8}{'evict us':>9}{'fill op ms':>11}{'put op ms':>10}{'gc ms':>9}"
+    )
     for r in rows:
         f, s, e = r["fill"], r["steady"], r["evict"]
         gc_ms = max(f["worst_gc_ms"], s["worst_gc_ms"])
         tbl = r["table_bytes_per_object"] if r["table_bytes_per_object"] is not None else "-"
-        print(f"{r['index']:<8}{r['objects']:>11,}{r['rss_bytes_per_object']:>10}{tbl:>10}"
-              f"{f['us_reserve_commit']:>9}{s['us_reserve_commit']:>8}{s['us_lookup_per_key']:>8}"
-              f"{s['us_pin_unpin_per_key']:>8}{e['us_evict']:>9}{f['worst_op_ms']:>11}"
-              f"{s['worst_op_ms']['put']:>10}{gc_ms:>9}")
+        print(
+            f"{r['index']:<8}{r['objects']:>11,}{r['rss_bytes_per_object']:>10}{tbl:>10}"
+            f"{f['us_reserve_commit']:>9}{s['us_reserve_commit']:>8}{s['us_lookup_per_key']:>8}"
+            f"{s['us_pin_unpin_per_key']:>8}{e['us_evict']:>9}{f['worst_op_ms']:>11}"
+            f"{s['worst_op_ms']['put']:>10}{gc_ms:>9}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,17 +244,31 @@ def run(args: argparse.Namespace) -> int:
         rows.append(_child("compact", n, min(args.churn, n)))
     for r in rows:
         r["targets_met"] = _verdict(r)
-    report = {"config": {"objects": counts, "old_max": args.old_max, "churn": args.churn, "align": ALIGN,
-                         "max_evict_objects": EVICT_CAP, "python": platform.python_version(),
-                         "machine": platform.machine(), "cpus": os.cpu_count()},
-              "targets": {"bytes_per_object": TARGET_BYTES, "us_reserve_commit": TARGET_US,
-                          "pause_ms": TARGET_PAUSE_MS},
-              "results": rows}
+    report = {
+        "config": {
+            "objects": counts,
+            "old_max": args.old_max,
+            "churn": args.churn,
+            "align": ALIGN,
+            "max_evict_objects": EVICT_CAP,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+        },
+        "targets": {
+            "bytes_per_object": TARGET_BYTES,
+            "us_reserve_commit": TARGET_US,
+            "pause_ms": TARGET_PAUSE_MS,
+        },
+        "results": rows,
+    }
     write_json(args.out, report)
     _print(rows)
     last = [r for r in rows if r["index"] == "compact"][-1]
-    print(f"index: {last['objects']} objects, {last['rss_bytes_per_object']} bytes/object, "
-          f"{last['steady']['us_reserve_commit']} us/reserve+commit")
+    print(
+        f"index: {last['objects']} objects, {last['rss_bytes_per_object']} bytes/object, "
+        f"{last['steady']['us_reserve_commit']} us/reserve+commit"
+    )
     return 0
 
 

@@ -30,15 +30,29 @@ EXISTS_TARGET = 1_000_000  # keys/s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small, fast run (smoke test; not representative)")
-    parser.add_argument("--out", default="umbp-out/bench_pool.json", help="JSON output path (default: %(default)s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small, fast run (smoke test; not representative)"
+    )
+    parser.add_argument(
+        "--out", default="umbp-out/bench_pool.json", help="JSON output path (default: %(default)s)"
+    )
     parser.add_argument("--reps", type=int, default=None, help="repetitions per size (default 9, quick 2)")
-    parser.add_argument("--working-set-mib", type=int, default=None,
-                        help="bytes moved per pass, in MiB (default: max(256, 4 x L3), quick 16)")
+    parser.add_argument(
+        "--working-set-mib",
+        type=int,
+        default=None,
+        help="bytes moved per pass, in MiB (default: max(256, 4 x L3), quick 16)",
+    )
     parser.add_argument("--batch", type=int, default=32, help="keys per put/get_into call (default 32)")
-    parser.add_argument("--copy-threads", type=int, default=1,
-                        help="DramPool copy_threads (default 1, the pool's default; the numpy baseline is always 1)")
-    parser.add_argument("--exists-keys", type=int, default=None, help="keys per exists() call (default 100000)")
+    parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=1,
+        help="DramPool copy_threads (default 1, the pool's default; the numpy baseline is always 1)",
+    )
+    parser.add_argument(
+        "--exists-keys", type=int, default=None, help="keys per exists() call (default 100000)"
+    )
 
 
 # ---- progress -------------------------------------------------------------------------------------------
@@ -91,8 +105,13 @@ class _Bench:
         self.get_dst = np.zeros(ws, np.uint8)
         self.copy_dst.fill(1)  # prefault: neither side pays page faults in the timed passes
         self.get_dst.fill(1)
-        self.pool = DramPool(capacity_bytes=ws, high_watermark=1.0, low_watermark=1.0, pinned="auto",
-                             copy_threads=cfg["copy_threads"])
+        self.pool = DramPool(
+            capacity_bytes=ws,
+            high_watermark=1.0,
+            low_watermark=1.0,
+            pinned="auto",
+            copy_threads=cfg["copy_threads"],
+        )
 
     def run_size(self, size: int) -> list[dict[str, Any]]:
         np, cfg, pool = self.np, self.cfg, self.pool
@@ -145,17 +164,24 @@ class _Bench:
         target = RATIO_TARGET if size >= RATIO_TARGET_MIN_SIZE else None
         verdict = "info" if target is None else ("PASS" if ratio >= target else "MISS")
         return {
-            "op": op, "size_bytes": size, "objects": n,
+            "op": op,
+            "size_bytes": size,
+            "objects": n,
             "pool_gbps": moved / statistics.median(t_pool) / 1e9,
             "numpy_gbps": moved / statistics.median(t_np) / 1e9,
-            "ratio": ratio, "ratios": ratios, "target_ratio": target, "verdict": verdict,
+            "ratio": ratio,
+            "ratios": ratios,
+            "target_ratio": target,
+            "verdict": verdict,
         }
 
     def run_exists(self) -> dict[str, Any]:
         from umbp.pool import DramPool
 
         nkeys = self.cfg["exists_keys"]
-        pool = DramPool(capacity_bytes=max(nkeys * 64, 4096), alignment=64, high_watermark=1.0, low_watermark=1.0)
+        pool = DramPool(
+            capacity_bytes=max(nkeys * 64, 4096), alignment=64, high_watermark=1.0, low_watermark=1.0
+        )
         keys = [f"exists/{i}" for i in range(nkeys)]
         blob = bytes(64)
         for i in range(0, nkeys, 2 * 1024):  # every other key present: hits and misses both cost
@@ -168,7 +194,10 @@ class _Bench:
         rate = nkeys / statistics.median(times)
         pool.close()
         return {
-            "keys": nkeys, "present": present, "keys_per_s": rate, "target_keys_per_s": EXISTS_TARGET,
+            "keys": nkeys,
+            "present": present,
+            "keys_per_s": rate,
+            "target_keys_per_s": EXISTS_TARGET,
             "verdict": "PASS" if rate >= EXISTS_TARGET else "MISS",
         }
 
@@ -197,48 +226,73 @@ class _Bench:
             gbps[name] = 32 * hot.size / t / 1e9
         t_dram = statistics.median(timed(lambda: checksum(self.src)) for _ in range(3))
         self.progress.step("checksum")
-        return {"name": "psum64", "cache_hot_gbps": gbps["psum64"], "dram_gbps": self.src.size / t_dram / 1e9,
-                "candidates_cache_hot_gbps": gbps}
+        return {
+            "name": "psum64",
+            "cache_hot_gbps": gbps["psum64"],
+            "dram_gbps": self.src.size / t_dram / 1e9,
+            "candidates_cache_hot_gbps": gbps,
+        }
 
 
 def _machine() -> dict[str, Any]:
     import numpy as np
 
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "numpy": np.__version__, "processor": platform.processor() or platform.machine()}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "processor": platform.processor() or platform.machine(),
+    }
 
 
 def _print_table(report: dict[str, Any]) -> None:
     cfg = report["config"]
     l3 = f"L3 {human(cfg['l3_bytes'])}" if cfg["l3_bytes"] else "L3 unknown"
-    print(f"umbp bench pool: working set {human(cfg['working_set_bytes'])} ({l3}), {cfg['reps']} reps, "
-          f"batch {cfg['batch']}, copy_threads {cfg['copy_threads']}, arena {cfg['arena_backend']}, medians; "
-          "ratio = pool / np.copyto (1 thread)"
-          + ("  [--quick: not representative]" if cfg["quick"] else ""))
+    print(
+        f"umbp bench pool: working set {human(cfg['working_set_bytes'])} ({l3}), {cfg['reps']} reps, "
+        f"batch {cfg['batch']}, copy_threads {cfg['copy_threads']}, arena {cfg['arena_backend']}, medians; "
+        "ratio = pool / np.copyto (1 thread)" + ("  [--quick: not representative]" if cfg["quick"] else "")
+    )
     print(f"{'op':<7}{'size':>9}{'pool GB/s':>11}{'numpy GB/s':>12}{'ratio':>8}{'target':>9}  result")
     for r in report["results"]:
         target = f">={r['target_ratio']:.2f}" if r["target_ratio"] is not None else "-"
-        print(f"{r['op']:<7}{human(r['size_bytes']):>9}{r['pool_gbps']:>11.2f}{r['numpy_gbps']:>12.2f}"
-              f"{r['ratio']:>8.2f}{target:>9}  {r['verdict']}")
+        print(
+            f"{r['op']:<7}{human(r['size_bytes']):>9}{r['pool_gbps']:>11.2f}{r['numpy_gbps']:>12.2f}"
+            f"{r['ratio']:>8.2f}{target:>9}  {r['verdict']}"
+        )
     e = report["exists"]
-    print(f"{'exists':<7}{e['keys']:>9} keys  {e['keys_per_s'] / 1e6:.2f} M keys/s"
-          f"{'>=' + format(e['target_keys_per_s'] / 1e6, '.1f') + ' M/s':>23}  {e['verdict']}")
+    print(
+        f"{'exists':<7}{e['keys']:>9} keys  {e['keys_per_s'] / 1e6:.2f} M keys/s"
+        f"{'>=' + format(e['target_keys_per_s'] / 1e6, '.1f') + ' M/s':>23}  {e['verdict']}"
+    )
     c = report["checksum"]
-    print(f"checksum {c['name']}: {c['cache_hot_gbps']:.1f} GB/s cache-hot, {c['dram_gbps']:.1f} GB/s from DRAM")
+    print(
+        f"checksum {c['name']}: {c['cache_hot_gbps']:.1f} GB/s cache-hot, {c['dram_gbps']:.1f} GB/s from DRAM"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if not cfg["quick"] and cfg["l3_bytes"] and cfg["working_set_bytes"] < 2 * cfg["l3_bytes"]:
-        print("umbp bench pool: warning: the working set is under 2x L3; figures will flatter both sides",
-              file=sys.stderr)
+        print(
+            "umbp bench pool: warning: the working set is under 2x L3; figures will flatter both sides",
+            file=sys.stderr,
+        )
     progress = Progress(len(SIZES) * cfg["reps"] + cfg["reps"] + 1)
     try:
         bench = _Bench(cfg, progress)
         cfg["arena_backend"] = bench.pool.stats()["arena_backend"]
         results = [row for size in SIZES for row in bench.run_size(size)]
-        report = {"tool": "umbp bench pool", "created_unix": time.time(), "machine": _machine(), "config": cfg,
-                  "results": results, "exists": bench.run_exists(), "checksum": bench.run_checksum()}
+        report = {
+            "tool": "umbp bench pool",
+            "created_unix": time.time(),
+            "machine": _machine(),
+            "config": cfg,
+            "results": results,
+            "exists": bench.run_exists(),
+            "checksum": bench.run_checksum(),
+        }
         bench.pool.close()
     finally:
         progress.close()
@@ -247,6 +301,9 @@ def run(args: argparse.Namespace) -> int:
     out = write_json(args.out, report)
     print(f"wrote {out}")
     cands = report["checksum"]["candidates_cache_hot_gbps"]
-    print("checksum candidates, GB/s on cache-hot 256 KiB: " + ", ".join(f"{k} {v:.1f}" for k, v in cands.items()))
+    print(
+        "checksum candidates, GB/s on cache-hot 256 KiB: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in cands.items())
+    )
     _print_table(report)
     return 0

@@ -43,22 +43,48 @@ RATIO_TARGET = 0.7
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small, fast run (smoke test; not representative)")
-    parser.add_argument("--url", default=None,
-                        help="use this redis:// server instead of starting one (its umbp keys are cleared)")
-    parser.add_argument("--out", default="umbp-out/bench_remote.json", help="JSON output path (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="repetitions per size (default 6, quick 2); an even count balances who goes first")
-    parser.add_argument("--working-set-mib", type=int, default=None,
-                        help="bytes moved per pass, in MiB (default 256, quick 16)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small, fast run (smoke test; not representative)"
+    )
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="use this redis:// server instead of starting one (its umbp keys are cleared)",
+    )
+    parser.add_argument(
+        "--out", default="umbp-out/bench_remote.json", help="JSON output path (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="repetitions per size (default 6, quick 2); an even count balances who goes first",
+    )
+    parser.add_argument(
+        "--working-set-mib",
+        type=int,
+        default=None,
+        help="bytes moved per pass, in MiB (default 256, quick 16)",
+    )
     parser.add_argument("--batch", type=int, default=16, help="objects per put/get_into call (default 16)")
-    parser.add_argument("--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per exists() call (default 8192)")
-    parser.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark reference")
-    parser.add_argument("--auth", default="none", choices=("none", "hmac-sha256", "aes-gmac", "aes-gcm"),
-                        help="value protection to measure: none (default), a MAC keyed by a random tenant secret "
-                             "(hmac-sha256 or aes-gmac), or aes-gcm encryption (docs/remote.md)")
-    parser.add_argument("--sizes", default=None,
-                        help="object sizes in KiB, comma-separated, a subset of 64,256,1024,4096 (default all)")
+    parser.add_argument(
+        "--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per exists() call (default 8192)"
+    )
+    parser.add_argument(
+        "--no-redis-benchmark", action="store_true", help="skip the redis-benchmark reference"
+    )
+    parser.add_argument(
+        "--auth",
+        default="none",
+        choices=("none", "hmac-sha256", "aes-gmac", "aes-gcm"),
+        help="value protection to measure: none (default), a MAC keyed by a random tenant secret "
+        "(hmac-sha256 or aes-gmac), or aes-gcm encryption (docs/remote.md)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="object sizes in KiB, comma-separated, a subset of 64,256,1024,4096 (default all)",
+    )
 
 
 # ---- measurement helpers ------------------------------------------------------------------------------
@@ -74,18 +100,36 @@ def _lookup_keys(n: int) -> list[str]:
     """Real object keys: one model namespace, rank 0, group 0, 32-byte prefix hashes."""
     from umbp.identity import GroupLayout, ModelIdentity, RankCoord, object_key
 
-    ident = ModelIdentity(model="bench/model", dtype="bfloat16",
-                          groups=(GroupLayout("full_attention", 16, ("layers.0.attn",)),))
+    ident = ModelIdentity(
+        model="bench/model", dtype="bfloat16", groups=(GroupLayout("full_attention", 16, ("layers.0.attn",)),)
+    )
     ns = ident.namespace()
     return [object_key(ns, RankCoord(), 0, os.urandom(32)) for _ in range(n)]
 
 
-def _redis_benchmark(host: str, port: int, tests: str, size: int, requests: int, pipeline: int,
-                     keyspace: int | None) -> dict[str, float]:
+def _redis_benchmark(
+    host: str, port: int, tests: str, size: int, requests: int, pipeline: int, keyspace: int | None
+) -> dict[str, float]:
     """Bytes/s of redis-benchmark's SET and/or GET: one client, values of `size`, over `keyspace` random
     keys (key:000000000000 ...) or, with None, its default single key."""
-    argv = ["redis-benchmark", "-h", host, "-p", str(port), "-c", "1", "-P", str(pipeline), "-d", str(size),
-            "-n", str(requests), "-t", tests, "--csv"]
+    argv = [
+        "redis-benchmark",
+        "-h",
+        host,
+        "-p",
+        str(port),
+        "-c",
+        "1",
+        "-P",
+        str(pipeline),
+        "-d",
+        str(size),
+        "-n",
+        str(requests),
+        "-t",
+        tests,
+        "--csv",
+    ]
     if keyspace:
         argv += ["-r", str(keyspace)]
     for attempt in (1, 2):  # it very rarely exits 1 on a loaded machine; one retry, then a clear error
@@ -93,7 +137,9 @@ def _redis_benchmark(host: str, port: int, tests: str, size: int, requests: int,
         if done.returncode == 0:
             break
         if attempt == 2:
-            raise RuntimeError(f"umbp bench remote: {' '.join(argv)} failed: {(done.stderr or done.stdout)[-300:]}")
+            raise RuntimeError(
+                f"umbp bench remote: {' '.join(argv)} failed: {(done.stderr or done.stdout)[-300:]}"
+            )
     out: dict[str, float] = {}
     for line in done.stdout.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
@@ -144,9 +190,18 @@ class _Bench:
         tier.clear()
         ms = sorted(t * 1e3 for t in times)
         median = statistics.median(ms)
-        return {"keys": n, "present": present, "key_bytes": len(keys[0]), "first_ms": first * 1e3,
-                "median_ms": median, "p90_ms": ms[int(0.9 * (len(ms) - 1))], "min_ms": ms[0], "max_ms": ms[-1],
-                "target_ms": LOOKUP_TARGET_MS, "verdict": "PASS" if median <= LOOKUP_TARGET_MS else "MISS"}
+        return {
+            "keys": n,
+            "present": present,
+            "key_bytes": len(keys[0]),
+            "first_ms": first * 1e3,
+            "median_ms": median,
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))],
+            "min_ms": ms[0],
+            "max_ms": ms[-1],
+            "target_ms": LOOKUP_TARGET_MS,
+            "verdict": "PASS" if median <= LOOKUP_TARGET_MS else "MISS",
+        }
 
     def run_size(self, size: int) -> list[dict[str, Any]]:
         cfg, tier = self.cfg, self.tier
@@ -171,8 +226,9 @@ class _Bench:
                 if not all(tier.get_into(keys[s], outs[s])):
                     raise RuntimeError("umbp bench remote: a get missed; every key was just stored")
 
-        times: dict[str, list[float]] = {k: [] for k in
-                                         ("put", "get", "put_async", "SET", "GET", "SET_one_key", "GET_one_key")}
+        times: dict[str, list[float]] = {
+            k: [] for k in ("put", "get", "put_async", "SET", "GET", "SET_one_key", "GET_one_key")
+        }
         for rep in range(cfg["reps"]):
             if rep % 2:  # alternate who goes first: the machine's load drifts during a run
                 self._add_reference(times, size, n)
@@ -187,8 +243,10 @@ class _Bench:
             if rep % 2 == 0:
                 self._add_reference(times, size, n)
             self.progress.step(f"put/get {human(size)}")
-        rows = [self._row(op, size, n, times[op], times[ref] if ref else None)
-                for op, ref in (("put", "SET"), ("get", "GET"), ("put_async", None))]
+        rows = [
+            self._row(op, size, n, times[op], times[ref] if ref else None)
+            for op, ref in (("put", "SET"), ("get", "GET"), ("put_async", None))
+        ]
         for row, ref in zip(rows, ("SET", "GET"), strict=False):
             one = times[ref + "_one_key"]
             row["ref_one_key_gbps"] = statistics.median(one) / 1e9 if one else None
@@ -232,13 +290,22 @@ class _Bench:
 
     @staticmethod
     def _row(op: str, size: int, n: int, rates: list[float], refs: list[float] | None) -> dict[str, Any]:
-        row: dict[str, Any] = {"op": op, "size_bytes": size, "objects": n,
-                               "umbp_gbps": statistics.median(rates) / 1e9, "umbp_gbps_reps": [r / 1e9 for r in rates]}
+        row: dict[str, Any] = {
+            "op": op,
+            "size_bytes": size,
+            "objects": n,
+            "umbp_gbps": statistics.median(rates) / 1e9,
+            "umbp_gbps_reps": [r / 1e9 for r in rates],
+        }
         if refs:
             ratios = [u / r for u, r in zip(rates, refs, strict=True)]
-            row.update(ref_gbps=statistics.median(refs) / 1e9, ratio=statistics.median(ratios), ratios=ratios,
-                       target_ratio=RATIO_TARGET,
-                       verdict="PASS" if statistics.median(ratios) >= RATIO_TARGET else "MISS")
+            row.update(
+                ref_gbps=statistics.median(refs) / 1e9,
+                ratio=statistics.median(ratios),
+                ratios=ratios,
+                target_ratio=RATIO_TARGET,
+                verdict="PASS" if statistics.median(ratios) >= RATIO_TARGET else "MISS",
+            )
         else:
             row.update(ref_gbps=None, ratio=None, ratios=None, target_ratio=None, verdict="info")
         return row
@@ -279,7 +346,9 @@ def _sizes(text: str | None) -> list[int]:
         return list(SIZES)
     sizes = [int(s) * KiB for s in text.split(",") if s.strip()]
     if not sizes or any(s not in SIZES for s in sizes):
-        raise SystemExit(f"umbp bench remote: --sizes takes a subset of {','.join(str(s // KiB) for s in SIZES)}")
+        raise SystemExit(
+            f"umbp bench remote: --sizes takes a subset of {','.join(str(s // KiB) for s in SIZES)}"
+        )
     return sizes
 
 
@@ -287,9 +356,15 @@ def _machine() -> dict[str, Any]:
     import numpy as np
     import redis
 
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "numpy": np.__version__, "redis_py": redis.__version__, "load_avg": os.getloadavg(),
-            "umbp_paths": native.describe()}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "redis_py": redis.__version__,
+        "load_avg": os.getloadavg(),
+        "umbp_paths": native.describe(),
+    }
 
 
 def _server_info(url: str) -> dict[str, Any]:
@@ -301,26 +376,33 @@ def _server_info(url: str) -> dict[str, Any]:
 
 def _print_table(report: dict[str, Any]) -> None:
     cfg, srv = report["config"], report["server"]
-    print(f"umbp bench remote: redis-server {srv['version']} at {cfg['url']} ({cfg['server']}), working set "
-          f"{human(cfg['working_set_bytes'])}, {cfg['reps']} reps, batch {cfg['batch']}, medians; load avg "
-          f"{report['machine']['load_avg'][0]:.2f} on {report['machine']['cpus']} CPUs; umbp's paths: "
-          f"{report['machine']['umbp_paths']}; values {report['values']}; reps: lowest-highest "
-          "repetition's ratio"
-          + ("  [--quick: not representative]" if cfg["quick"] else ""))
+    print(
+        f"umbp bench remote: redis-server {srv['version']} at {cfg['url']} ({cfg['server']}), working set "
+        f"{human(cfg['working_set_bytes'])}, {cfg['reps']} reps, batch {cfg['batch']}, medians; load avg "
+        f"{report['machine']['load_avg'][0]:.2f} on {report['machine']['cpus']} CPUs; umbp's paths: "
+        f"{report['machine']['umbp_paths']}; values {report['values']}; reps: lowest-highest "
+        "repetition's ratio" + ("  [--quick: not representative]" if cfg["quick"] else "")
+    )
     lk = report["lookup"]
-    print(f"lookup {lk['keys']} keys ({lk['present']} present, {lk['key_bytes']}-char keys): median "
-          f"{lk['median_ms']:.2f} ms, p90 {lk['p90_ms']:.2f}, min {lk['min_ms']:.2f}, first {lk['first_ms']:.2f}"
-          f"   target <= {lk['target_ms']:.0f} ms  {lk['verdict']}")
-    print(f"{'op':<10}{'size':>8}{'umbp GB/s':>11}{'redis-benchmark':>17}{'ratio':>7}{'reps':>12}{'target':>8}  result"
-          f"{'rb one key':>12}")
+    print(
+        f"lookup {lk['keys']} keys ({lk['present']} present, {lk['key_bytes']}-char keys): median "
+        f"{lk['median_ms']:.2f} ms, p90 {lk['p90_ms']:.2f}, min {lk['min_ms']:.2f}, first {lk['first_ms']:.2f}"
+        f"   target <= {lk['target_ms']:.0f} ms  {lk['verdict']}"
+    )
+    print(
+        f"{'op':<10}{'size':>8}{'umbp GB/s':>11}{'redis-benchmark':>17}{'ratio':>7}{'reps':>12}{'target':>8}  result"
+        f"{'rb one key':>12}"
+    )
     for r in report["results"]:
         ref = f"{r['ref_gbps']:.2f}" if r["ref_gbps"] is not None else "-"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
         target = f">={r['target_ratio']:.1f}" if r["target_ratio"] is not None else "-"
         one = r.get("ref_one_key_gbps")
         reps = spread(r["ratios"]) if r["ratios"] else "-"
-        print(f"{r['op']:<10}{human(r['size_bytes']):>8}{r['umbp_gbps']:>11.2f}{ref:>17}{ratio:>7}{reps:>12}{target:>8}"
-              f"  {r['verdict']:<6}{f'{one:.2f}' if one is not None else '-':>10}")
+        print(
+            f"{r['op']:<10}{human(r['size_bytes']):>8}{r['umbp_gbps']:>11.2f}{ref:>17}{ratio:>7}{reps:>12}{target:>8}"
+            f"  {r['verdict']:<6}{f'{one:.2f}' if one is not None else '-':>10}"
+        )
 
 
 def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedis | None]:
@@ -328,21 +410,35 @@ def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedi
 
     server = None if args.url else LocalRedis("umbp bench remote", "--url")
     url = args.url or server.url
-    rc = RemoteConfig.from_options({"url": url, "key_prefix": "umbp-bench:", "quarantine_s": 0,
-                                    "timeout_s": 30, "write_queue_bytes": 2 * cfg["working_set_bytes"],
-                                    **_auth_options(cfg["auth"])})
+    rc = RemoteConfig.from_options(
+        {
+            "url": url,
+            "key_prefix": "umbp-bench:",
+            "quarantine_s": 0,
+            "timeout_s": 30,
+            "write_queue_bytes": 2 * cfg["working_set_bytes"],
+            **_auth_options(cfg["auth"]),
+        }
+    )
     ep = rc.endpoints[0]
     # redis-benchmark writes and flushes its own keys: only on the bench's private server
-    has_rb = shutil.which("redis-benchmark") is not None and server is not None and not args.no_redis_benchmark
-    cfg.update(url=url if not rc.password else "<url with password>", server="started by the bench"
-               if server else "given by --url", redis_benchmark=(ep.host, ep.port) if has_rb else None)
+    has_rb = (
+        shutil.which("redis-benchmark") is not None and server is not None and not args.no_redis_benchmark
+    )
+    cfg.update(
+        url=url if not rc.password else "<url with password>",
+        server="started by the bench" if server else "given by --url",
+        redis_benchmark=(ep.host, ep.port) if has_rb else None,
+    )
     tier = RedisTier(rc)
     if not tier.ping():
         tier.close()
         if server is not None:
             server.stop()
-        raise SystemExit(f"umbp bench remote: cannot reach {cfg['url']}; start that server, fix --url, or leave "
-                         "--url out to let the bench start its own redis-server")
+        raise SystemExit(
+            f"umbp bench remote: cannot reach {cfg['url']}; start that server, fix --url, or leave "
+            "--url out to let the bench start its own redis-server"
+        )
     return tier, server
 
 
@@ -352,8 +448,12 @@ def run(args: argparse.Namespace) -> int:
     tier, server = _open(args, cfg)
     progress = Progress(1 + len(cfg["sizes"]) * cfg["reps"])
     try:
-        report: dict[str, Any] = {"tool": "umbp bench remote", "created_unix": time.time(), "machine": _machine(),
-                                  "server": _server_info(tier.config.urls[0])}
+        report: dict[str, Any] = {
+            "tool": "umbp bench remote",
+            "created_unix": time.time(),
+            "machine": _machine(),
+            "server": _server_info(tier.config.urls[0]),
+        }
         bench = _Bench(cfg, tier, progress)
         report["lookup"] = bench.run_lookup()
         report["results"] = [row for size in cfg["sizes"] for row in bench.run_size(size)]
@@ -367,8 +467,12 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     rb = cfg.pop("redis_benchmark")
-    cfg["redis_benchmark"] = ("redis-benchmark -c 1 -P {1,batch}; SET over -r <objects> keys, GET of <objects> "
-                              "stored keys; best per rep" if rb else None)
+    cfg["redis_benchmark"] = (
+        "redis-benchmark -c 1 -P {1,batch}; SET over -r <objects> keys, GET of <objects> "
+        "stored keys; best per rep"
+        if rb
+        else None
+    )
     report["config"] = cfg
     verdicts = [report["lookup"]["verdict"]] + [r["verdict"] for r in report["results"] if r["target_ratio"]]
     report["all_targets_met"] = all(v == "PASS" for v in verdicts) and rb is not None

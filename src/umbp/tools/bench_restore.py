@@ -28,10 +28,16 @@ TARGET = 20.0  # prefill / restore at 8K tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small fast run (smoke test; not representative)")
-    parser.add_argument("--out", default="umbp-out/bench_restore.json", help="JSON path (default: %(default)s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small fast run (smoke test; not representative)"
+    )
+    parser.add_argument(
+        "--out", default="umbp-out/bench_restore.json", help="JSON path (default: %(default)s)"
+    )
     parser.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
-    parser.add_argument("--tokens", default=None, help="comma-separated N (default 1024,8192,16384,32768; quick 1024)")
+    parser.add_argument(
+        "--tokens", default=None, help="comma-separated N (default 1024,8192,16384,32768; quick 1024)"
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
 
 
@@ -54,8 +60,13 @@ def build_model(device: str = "cuda") -> tuple[Any, dict[str, Any]]:
     layers = model.model.layers
     n_attn = sum(layer.self_attn is not None for layer in layers)
     params = sum(p.numel() for p in model.parameters())
-    info = {"params": params, "attention_layers": n_attn, "mamba_layers": len(layers) - n_attn,
-            "mamba_impl": _mamba_impl(), "attn_impl": cfg._attn_implementation}
+    info = {
+        "params": params,
+        "attention_layers": n_attn,
+        "mamba_layers": len(layers) - n_attn,
+        "mamba_impl": _mamba_impl(),
+        "attn_impl": cfg._attn_implementation,
+    }
     return model, info
 
 
@@ -117,7 +128,9 @@ class Restore:
         obj = self.sizes["page_bytes"] * self.sizes["attention_layers"]
         self.arena = Arena(2 * need * obj + (1 << 20), pinned=True, prefault=False)
         self.engine = make_engine(self.arena, self.groups)  # the default ("auto") paths
-        self.engines = {p: make_engine(self.arena, self.groups, save_path=p, load_path=p) for p in ("zero-copy", "dma")}
+        self.engines = {
+            p: make_engine(self.arena, self.groups, save_path=p, load_path=p) for p in ("zero-copy", "dma")
+        }
         rng = np.random.default_rng(seed)
         self.blocks = [int(b) for b in rng.permutation(2 * need + 8)[:need]]
         self.slots = [int(s) * obj for s in rng.permutation(2 * need)[:need]]
@@ -159,8 +172,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tokens = [int(t) for t in (args.tokens or ("1024" if args.quick else "1024,8192,16384,32768")).split(",")]
     reps = args.reps or (2 if args.quick else 5)
-    res: dict[str, Any] = {"command": "umbp " + " ".join(sys.argv[1:]), "argv0": sys.argv[0],
-                           "env": dict(_env(), transformers=transformers.__version__), "reps": reps}
+    res: dict[str, Any] = {
+        "command": "umbp " + " ".join(sys.argv[1:]),
+        "argv0": sys.argv[0],
+        "env": dict(_env(), transformers=transformers.__version__),
+        "reps": reps,
+    }
     model, res["model"] = build_model()
     res["matmul_tflops"] = tflops = matmul_tflops()
     restore = Restore(max(tokens))
@@ -177,10 +194,16 @@ def _row(model: Any, restore: Restore, n: int, reps: int, tflops: float) -> dict
     restore_s, ok = restore.seconds(batch, reps)
     by_path = {p: restore.seconds(batch, reps, e) for p, e in restore.engines.items()}
     floor_s = prefill_floor_seconds(model, n, tflops)
-    row = dict(tokens=n, restore_ms=restore_s * 1e3, restore_bytes=nbytes, restore_gbps=nbytes / restore_s / 1e9,
-               restored_ok=ok and all(v[1] for v in by_path.values()),
-               restore_ms_by_path={p: v[0] * 1e3 for p, v in by_path.items()},
-               prefill_floor_ms=floor_s * 1e3, ratio_vs_floor=floor_s / restore_s)
+    row = dict(
+        tokens=n,
+        restore_ms=restore_s * 1e3,
+        restore_bytes=nbytes,
+        restore_gbps=nbytes / restore_s / 1e9,
+        restored_ok=ok and all(v[1] for v in by_path.values()),
+        restore_ms_by_path={p: v[0] * 1e3 for p, v in by_path.items()},
+        prefill_floor_ms=floor_s * 1e3,
+        ratio_vs_floor=floor_s / restore_s,
+    )
     try:
         prefill_s = prefill_seconds(model, n, reps)
     except torch.OutOfMemoryError as exc:  # transformers' torch Mamba2 fallback is quadratic in chunks
@@ -210,7 +233,12 @@ def plot(res: dict[str, Any], path: Path) -> None:
     nan = float("nan")
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     w = 0.27
-    ax.bar([i - w for i in x], [r["prefill_ms"] or nan for r in rows], w, label="prefill (transformers, measured)")
+    ax.bar(
+        [i - w for i in x],
+        [r["prefill_ms"] or nan for r in rows],
+        w,
+        label="prefill (transformers, measured)",
+    )
     ax.bar(list(x), [r["prefill_floor_ms"] for r in rows], w, label="prefill GEMM lower bound")
     ax.bar([i + w for i in x], [r["restore_ms"] for r in rows], w, label="umbp restore (verified)")
     for i, r in enumerate(rows):
@@ -218,7 +246,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.annotate("OOM", (i - w, r["prefill_floor_ms"]), ha="center", va="bottom", fontsize=8)
         else:
             ax.annotate(f"{r['ratio']:.0f}x", (i - w, r["prefill_ms"]), ha="center", va="bottom", fontsize=8)
-        ax.annotate(f"{r['ratio_vs_floor']:.1f}x", (i, r["prefill_floor_ms"]), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['ratio_vs_floor']:.1f}x", (i, r["prefill_floor_ms"]), ha="center", va="bottom", fontsize=8
+        )
     ax.set_xticks(list(x), [f"{r['tokens'] // 1024}K tokens" for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("ms")
@@ -230,19 +260,27 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def print_table(res: dict[str, Any]) -> None:
     m = res["model"]
-    print(f"\n{res['env']['gpu']}  torch {res['env']['torch']}  transformers {res['env']['transformers']}  "
-          f"model {m['params'] / 1e6:.0f}M params ({m['attention_layers']} attn + {m['mamba_layers']} Mamba2), "
-          f"mamba: {m['mamba_impl']}; bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s")
-    hdr = (f"{'tokens':>7} {'prefill ms':>11} {'restore ms':>11} {'restore MB':>11} {'GB/s':>6} "
-           f"{'ratio':>7} {'floor ms':>9} {'ratio/floor':>12} ok")
+    print(
+        f"\n{res['env']['gpu']}  torch {res['env']['torch']}  transformers {res['env']['transformers']}  "
+        f"model {m['params'] / 1e6:.0f}M params ({m['attention_layers']} attn + {m['mamba_layers']} Mamba2), "
+        f"mamba: {m['mamba_impl']}; bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s"
+    )
+    hdr = (
+        f"{'tokens':>7} {'prefill ms':>11} {'restore ms':>11} {'restore MB':>11} {'GB/s':>6} "
+        f"{'ratio':>7} {'floor ms':>9} {'ratio/floor':>12} ok"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in res["rows"]:
         pre = "OOM" if r["prefill_ms"] is None else f"{r['prefill_ms']:.2f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
         paths = " ".join(f"{p} {v:.3f}" for p, v in r["restore_ms_by_path"].items())
-        print(f"{r['tokens']:>7} {pre:>11} {r['restore_ms']:>11.3f} {r['restore_bytes'] / 1e6:>11.1f} "
-              f"{r['restore_gbps']:>6.1f} {ratio:>7} {r['prefill_floor_ms']:>9.2f} "
-              f"{r['ratio_vs_floor']:>11.1f}x {'yes' if r['restored_ok'] else 'NO'}   ({paths} ms)")
-    print(f"ratio = measured prefill / restore (target >= {TARGET:.0f}x at 8K); floor = dense-GEMM lower bound "
-          "of any prefill at the measured matmul rate; restore = default paths, verified; by path in brackets.")
+        print(
+            f"{r['tokens']:>7} {pre:>11} {r['restore_ms']:>11.3f} {r['restore_bytes'] / 1e6:>11.1f} "
+            f"{r['restore_gbps']:>6.1f} {ratio:>7} {r['prefill_floor_ms']:>9.2f} "
+            f"{r['ratio_vs_floor']:>11.1f}x {'yes' if r['restored_ok'] else 'NO'}   ({paths} ms)"
+        )
+    print(
+        f"ratio = measured prefill / restore (target >= {TARGET:.0f}x at 8K); floor = dense-GEMM lower bound "
+        "of any prefill at the measured matmul rate; restore = default paths, verified; by path in brackets."
+    )

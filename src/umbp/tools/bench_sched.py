@@ -29,20 +29,36 @@ from umbp.tools.benchutil import write_json
 TARGET_SHARE = 0.10  # umbp hooks / umbp scheduler's decode step
 LONG_SHARE, LONG_LOOKUP_MS = 0.05, 1.0  # --long: 128K-token prompts, 256 running requests
 RELOOKUPS = 8  # stored prompts looked up again after the decode phase
-HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "get_kv_connector_stats", "take_events")
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "get_kv_connector_stats",
+    "take_events",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small fast run (smoke test; not representative)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small fast run (smoke test; not representative)"
+    )
     parser.add_argument("--out", default="umbp-out/bench_sched.json", help="JSON path (default: %(default)s)")
     parser.add_argument("--layout", default="granite-4.0-h", help="replay layout (default: %(default)s)")
-    parser.add_argument("--requests", default=None, help="running requests, comma list (default 32,128; quick 8)")
-    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens per request (default 2000; quick 500)")
+    parser.add_argument(
+        "--requests", default=None, help="running requests, comma list (default 32,128; quick 8)"
+    )
+    parser.add_argument(
+        "--prompt", type=int, default=None, help="prompt tokens per request (default 2000; quick 500)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed (default 300; quick 20)")
-    parser.add_argument("--long", action="store_true",
-                        help="long context, high concurrency: 131072-token prompts (8,192 units at 16 tokens), "
-                             "256 requests, 30 decode steps; targets: lookup <= 1 ms, hooks <= 5%% of a decode step")
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="long context, high concurrency: 131072-token prompts (8,192 units at 16 tokens), "
+        "256 requests, 30 decode steps; targets: lookup <= 1 ms, hooks <= 5%% of a decode step",
+    )
 
 
 class _HookClock:
@@ -66,6 +82,7 @@ class _HookClock:
                 self.spent += dt
                 if fn.__name__ == "get_num_new_matched_tokens":
                     self.lookups.append(dt)
+
         return timed
 
 
@@ -88,9 +105,15 @@ class _Side:
             tokens = [rng.randrange(1, 100_000) for _ in range(prompt)]
             if i < RELOOKUPS:
                 self.prompts.append(tokens)
-            self.sched.add_request(Request(
-                request_id=f"r{i}", prompt_token_ids=tokens, pooling_params=None, block_hasher=eng.hasher,
-                sampling_params=SamplingParams(max_tokens=1 << 20, ignore_eos=True)))
+            self.sched.add_request(
+                Request(
+                    request_id=f"r{i}",
+                    prompt_token_ids=tokens,
+                    pooling_params=None,
+                    block_hasher=eng.hasher,
+                    sampling_params=SamplingParams(max_tokens=1 << 20, ignore_eos=True),
+                )
+            )
 
     def prefilling(self) -> bool:
         return any(r.num_computed_tokens < r.num_prompt_tokens for r in self.sched.requests.values())
@@ -127,14 +150,23 @@ def relookup(side: _Side) -> dict[str, Any]:
 
     times, matched = [], []
     for i, tokens in enumerate(side.prompts):
-        req = Request(request_id=f"again{i}", prompt_token_ids=tokens, pooling_params=None,
-                      block_hasher=side.eng.hasher, sampling_params=SamplingParams(max_tokens=1))
+        req = Request(
+            request_id=f"again{i}",
+            prompt_token_ids=tokens,
+            pooling_params=None,
+            block_hasher=side.eng.hasher,
+            sampling_params=SamplingParams(max_tokens=1),
+        )
         t0 = time.perf_counter()
         hit, _ = side.eng.connector.get_num_new_matched_tokens(req, 0)
         times.append(time.perf_counter() - t0)
         matched.append(hit or 0)
-    return {"calls": len(times), "median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3,
-            "median_matched_tokens": statistics.median(matched)}
+    return {
+        "calls": len(times),
+        "median_ms": statistics.median(times) * 1e3,
+        "max_ms": max(times) * 1e3,
+        "median_matched_tokens": statistics.median(matched),
+    }
 
 
 def measure(layout: Any, requests: int, prompt: int, steps: int, workdir: Path) -> dict[str, Any]:
@@ -149,18 +181,29 @@ def measure(layout: Any, requests: int, prompt: int, steps: int, workdir: Path) 
     for _ in range(steps):
         p, u = plain.step(), umbp.step()
         if not (p[2] == u[2] == requests):
-            raise RuntimeError(f"umbp bench sched: expected {requests} decoding requests, got {p[2]} / {u[2]}")
+            raise RuntimeError(
+                f"umbp bench sched: expected {requests} decoding requests, got {p[2]} / {u[2]}"
+            )
         phases["decode"].append((p[0], u[0], u[1]))
     looks = umbp.clock.lookups
-    out: dict[str, Any] = {"requests": requests, "prompt_tokens": prompt,
-                           "lookup_first": {"calls": len(looks), "median_ms": statistics.median(looks) * 1e3,
-                                            "max_ms": max(looks) * 1e3},
-                           "lookup_stored": relookup(umbp)}
+    out: dict[str, Any] = {
+        "requests": requests,
+        "prompt_tokens": prompt,
+        "lookup_first": {
+            "calls": len(looks),
+            "median_ms": statistics.median(looks) * 1e3,
+            "max_ms": max(looks) * 1e3,
+        },
+        "lookup_stored": relookup(umbp),
+    }
     for name, rows in phases.items():
         plain_s, umbp_s, hooks_s = (statistics.median(col) for col in zip(*rows))
         out[name] = {
-            "steps": len(rows), "plain_step_ms": plain_s * 1e3, "umbp_step_ms": umbp_s * 1e3,
-            "hooks_ms": hooks_s * 1e3, "hooks_us_per_request": hooks_s * 1e6 / requests,
+            "steps": len(rows),
+            "plain_step_ms": plain_s * 1e3,
+            "umbp_step_ms": umbp_s * 1e3,
+            "hooks_ms": hooks_s * 1e3,
+            "hooks_us_per_request": hooks_s * 1e6 / requests,
             # per step, then the median: robust to a step that a noisy neighbour slowed down
             "hooks_share": statistics.median(h / u for _p, u, h in rows),
         }
@@ -186,27 +229,40 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt or (131072 if args.long else 500 if args.quick else 2000)
     steps = args.steps or (30 if args.long else 20 if args.quick else 300)
     if not counts or min(counts) < 1 or prompt < 1 or steps < 1:
-        print(f"umbp bench sched: --requests needs a comma list of counts >= 1 (got {args.requests!r}), "
-              f"--prompt and --steps numbers >= 1 (got {prompt}, {steps})", file=sys.stderr)
+        print(
+            f"umbp bench sched: --requests needs a comma list of counts >= 1 (got {args.requests!r}), "
+            f"--prompt and --steps numbers >= 1 (got {prompt}, {steps})",
+            file=sys.stderr,
+        )
         return 2
     load0 = os.getloadavg()[0]
     rows = []
     with tempfile.TemporaryDirectory(prefix="umbp-bench-sched-") as tmp:
         for n in counts:
             blocks = n * (-(-(prompt + steps + 64) // layout.span(layout.groups[0])) + 1) + 16
-            sized = dataclasses.replace(layout, max_num_seqs=max(n, layout.max_num_seqs),
-                                        num_gpu_blocks=max(blocks, layout.num_gpu_blocks))
+            sized = dataclasses.replace(
+                layout,
+                max_num_seqs=max(n, layout.max_num_seqs),
+                num_gpu_blocks=max(blocks, layout.num_gpu_blocks),
+            )
             rows.append(measure(sized, n, prompt, steps, Path(tmp)))
     decode_share = max(r["decode"]["hooks_share"] for r in rows)
     share = LONG_SHARE if args.long else TARGET_SHARE
     lookup_ms = max(r["lookup_stored"]["median_ms"] for r in rows)  # the max is shown: one preempted call
     report = {
-        "command": "umbp " + " ".join(sys.argv[1:]), "layout": layout.name, "steps": steps,
-        "target_decode_hooks_share": share, "target_lookup_ms": LONG_LOOKUP_MS if args.long else None,
+        "command": "umbp " + " ".join(sys.argv[1:]),
+        "layout": layout.name,
+        "steps": steps,
+        "target_decode_hooks_share": share,
+        "target_lookup_ms": LONG_LOOKUP_MS if args.long else None,
         "rows": rows,
         "all_targets_met": decode_share <= share and (not args.long or lookup_ms <= LONG_LOOKUP_MS),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_start_end": [load0, os.getloadavg()[0]]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_start_end": [load0, os.getloadavg()[0]],
+        },
     }
     print(f"JSON: {write_json(args.out, report)}")
     print_table(report)  # the table comes last
@@ -215,24 +271,35 @@ def run(args: argparse.Namespace) -> int:
 
 def print_table(report: dict[str, Any]) -> None:
     load = report["machine"]["loadavg_start_end"]
-    print(f"umbp bench sched: vLLM's scheduler with and without umbp's connector, layout {report['layout']}, "
-          f"stepped alternately, medians; load average {load[0]:.1f} on {report['machine']['cpus']} CPUs")
-    print(f"{'requests':>8} {'phase':>8} {'steps':>6} {'no connector ms':>16} {'umbp ms':>8} "
-          f"{'umbp hooks ms':>14} {'us/request':>10} {'hooks share':>12} {'target':>7} result")
+    print(
+        f"umbp bench sched: vLLM's scheduler with and without umbp's connector, layout {report['layout']}, "
+        f"stepped alternately, medians; load average {load[0]:.1f} on {report['machine']['cpus']} CPUs"
+    )
+    print(
+        f"{'requests':>8} {'phase':>8} {'steps':>6} {'no connector ms':>16} {'umbp ms':>8} "
+        f"{'umbp hooks ms':>14} {'us/request':>10} {'hooks share':>12} {'target':>7} result"
+    )
     for r in report["rows"]:
         for phase in ("prefill", "decode"):
             p = r[phase]
             target = f"<={report['target_decode_hooks_share']:.0%}" if phase == "decode" else "-"
-            verdict = ("PASS" if p["hooks_share"] <= report["target_decode_hooks_share"] else "MISS") \
-                if phase == "decode" else "info"
-            print(f"{r['requests']:>8} {phase:>8} {p['steps']:>6} {p['plain_step_ms']:>16.3f} {p['umbp_step_ms']:>8.3f} "
-                  f"{p['hooks_ms']:>14.3f} {p['hooks_us_per_request']:>10.2f} {p['hooks_share']:>12.1%} "
-                  f"{target:>7} {verdict}")
+            verdict = (
+                ("PASS" if p["hooks_share"] <= report["target_decode_hooks_share"] else "MISS")
+                if phase == "decode"
+                else "info"
+            )
+            print(
+                f"{r['requests']:>8} {phase:>8} {p['steps']:>6} {p['plain_step_ms']:>16.3f} {p['umbp_step_ms']:>8.3f} "
+                f"{p['hooks_ms']:>14.3f} {p['hooks_us_per_request']:>10.2f} {p['hooks_share']:>12.1%} "
+                f"{target:>7} {verdict}"
+            )
     target_ms = report.get("target_lookup_ms")
     for r in report["rows"]:
         first, stored = r["lookup_first"], r["lookup_stored"]
         verdict = "info" if target_ms is None else ("PASS" if stored["median_ms"] <= target_ms else "MISS")
-        print(f"lookup, {r['requests']} requests of {r['prompt_tokens']} tokens: first ask median "
-              f"{first['median_ms']:.3f} ms (max {first['max_ms']:.3f}); stored prompt asked again median "
-              f"{stored['median_ms']:.3f} ms (max {stored['max_ms']:.3f}, {stored['median_matched_tokens']:.0f} "
-              f"tokens matched) target {'-' if target_ms is None else f'median <= {target_ms} ms'} {verdict}")
+        print(
+            f"lookup, {r['requests']} requests of {r['prompt_tokens']} tokens: first ask median "
+            f"{first['median_ms']:.3f} ms (max {first['max_ms']:.3f}); stored prompt asked again median "
+            f"{stored['median_ms']:.3f} ms (max {stored['max_ms']:.3f}, {stored['median_matched_tokens']:.0f} "
+            f"tokens matched) target {'-' if target_ms is None else f'median <= {target_ms} ms'} {verdict}"
+        )

@@ -40,25 +40,53 @@ RATIO_TARGET = 0.8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small, fast run (smoke test; not representative)")
-    parser.add_argument("--out", default="umbp-out/bench_ssd.json", help="JSON output path (default: %(default)s)")
-    parser.add_argument("--dir", default="umbp-out/bench-ssd-data",
-                        help="scratch directory on the disk to measure; removed afterwards (default: %(default)s)")
-    parser.add_argument("--working-set-mib", type=int, default=None,
-                        help="bytes per pass, in MiB (default 192, quick 8)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="repetitions per size (default 4, quick 1); an even count balances who writes first")
-    parser.add_argument("--batch-mib", type=int, default=16,
-                        help="bytes per put/get_into call, in MiB: 64 KiB objects go 256 to a call, 4 MiB ones 4 "
-                             "(default 16)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small, fast run (smoke test; not representative)"
+    )
+    parser.add_argument(
+        "--out", default="umbp-out/bench_ssd.json", help="JSON output path (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dir",
+        default="umbp-out/bench-ssd-data",
+        help="scratch directory on the disk to measure; removed afterwards (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--working-set-mib", type=int, default=None, help="bytes per pass, in MiB (default 192, quick 8)"
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="repetitions per size (default 4, quick 1); an even count balances who writes first",
+    )
+    parser.add_argument(
+        "--batch-mib",
+        type=int,
+        default=16,
+        help="bytes per put/get_into call, in MiB: 64 KiB objects go 256 to a call, 4 MiB ones 4 "
+        "(default 16)",
+    )
     parser.add_argument("--io-mib", type=int, default=8, help="baseline I/O size in MiB (default 8)")
-    parser.add_argument("--direct-io", default="auto", choices=("auto", "true", "false"),
-                        help="O_DIRECT for both sides (default auto: where the filesystem allows)")
-    parser.add_argument("--copy-threads", type=int, default=2,
-                        help="the tier's copy_threads: threads a put's copies are split across (default 2)")
-    parser.add_argument("--refused", default="wait", choices=("wait", "poll"),
-                        help="a put refused for lack of staging (the writer behind): wait for room "
-                             "(SsdTier.wait_for_room, default) or retry every 0.2 ms (a polling client)")
+    parser.add_argument(
+        "--direct-io",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="O_DIRECT for both sides (default auto: where the filesystem allows)",
+    )
+    parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=2,
+        help="the tier's copy_threads: threads a put's copies are split across (default 2)",
+    )
+    parser.add_argument(
+        "--refused",
+        default="wait",
+        choices=("wait", "poll"),
+        help="a put refused for lack of staging (the writer behind): wait for room "
+        "(SsdTier.wait_for_room, default) or retry every 0.2 ms (a polling client)",
+    )
 
 
 def put_all(tier: Any, keys: list[str], objs: list[Any], batch: int, refused: str = "wait") -> None:
@@ -108,8 +136,10 @@ class _Bench:
             self.root.mkdir(parents=True, exist_ok=True)
             self.direct = self._probe_direct(cfg["direct_io"])
         except OSError as exc:
-            raise SystemExit(f"umbp bench ssd: cannot use --dir {cfg['dir']}: {exc.strerror or exc}; pass --dir "
-                             "with a writable folder on the disk to measure") from None
+            raise SystemExit(
+                f"umbp bench ssd: cannot use --dir {cfg['dir']}: {exc.strerror or exc}; pass --dir "
+                "with a writable folder on the disk to measure"
+            ) from None
         cfg["direct_io_used"] = self.direct
 
     def _probe_direct(self, mode: str) -> bool:
@@ -162,8 +192,13 @@ class _Bench:
         batches = [slice(i, i + batch) for i in range(0, n, batch)]
         tier_dir = self.root / "tier"
         shutil.rmtree(tier_dir, ignore_errors=True)
-        tier = SsdTier(str(tier_dir), capacity_bytes=2 * ws + 64 * MiB, queue_bytes=min(ws, 64 * MiB),
-                       direct_io=self.direct, copy_threads=cfg["copy_threads"])
+        tier = SsdTier(
+            str(tier_dir),
+            capacity_bytes=2 * ws + 64 * MiB,
+            queue_bytes=min(ws, 64 * MiB),
+            direct_io=self.direct,
+            copy_threads=cfg["copy_threads"],
+        )
 
         def tier_write() -> None:
             put_all(tier, keys, objs, batch, cfg["refused"])
@@ -181,14 +216,18 @@ class _Bench:
             for both sides alike. Returns (disk seconds, tier seconds), each summed over the slices."""
             if not self.direct:
                 _drop_cache([self.seq_path, *tier_dir.glob("seg-*")])
-            step = max(cfg["batch_bytes"] // size * size, size) * max(1, cfg["read_slice_bytes"] // cfg["batch_bytes"])
+            step = max(cfg["batch_bytes"] // size * size, size) * max(
+                1, cfg["read_slice_bytes"] // cfg["batch_bytes"]
+            )
             step = max(step // cfg["io_bytes"], 1) * cfg["io_bytes"]
             disk = tier_s = 0.0
             for k, lo in enumerate(range(0, ws, step)):
                 hi = min(ws, lo + step)
-                pair = [("disk", lambda lo=lo, hi=hi: self.seq_read(lo, hi)),
-                        ("tier", lambda lo=lo, hi=hi: tier_read(lo, hi))]
-                for side, fn in (pair if (k + rep) % 2 == 0 else pair[::-1]):
+                pair = [
+                    ("disk", lambda lo=lo, hi=hi: self.seq_read(lo, hi)),
+                    ("tier", lambda lo=lo, hi=hi: tier_read(lo, hi)),
+                ]
+                for side, fn in pair if (k + rep) % 2 == 0 else pair[::-1]:
                     t = timed(fn)
                     if side == "disk":
                         disk += t
@@ -205,7 +244,7 @@ class _Bench:
                 self.seq_path.unlink(missing_ok=True)
                 os.sync()
                 steps = [("seq_write", self.seq_write), ("write", tier_write)]
-                for name, fn in (steps if rep % 2 == 0 else steps[::-1]):  # alternate who goes first
+                for name, fn in steps if rep % 2 == 0 else steps[::-1]:  # alternate who goes first
                     times[name].append(timed(fn))
                 disk, tier_s = read_interleaved(rep)
                 times["seq_read"].append(disk)
@@ -221,18 +260,26 @@ class _Bench:
             shutil.rmtree(tier_dir, ignore_errors=True)
         return [self._row(op, size, n, times[op], times["seq_" + op], stats) for op in ("write", "read")]
 
-    def _row(self, op: str, size: int, n: int, t_tier: list[float], t_seq: list[float],
-             stats: dict[str, Any]) -> dict[str, Any]:
+    def _row(
+        self, op: str, size: int, n: int, t_tier: list[float], t_seq: list[float], stats: dict[str, Any]
+    ) -> dict[str, Any]:
         moved = n * size
         ratios = [s / t for t, s in zip(t_tier, t_seq, strict=True)]
         ratio = statistics.median(ratios)
         return {
-            "op": op, "size_bytes": size, "objects": n,
+            "op": op,
+            "size_bytes": size,
+            "objects": n,
             "tier_mbps": moved / statistics.median(t_tier) / 1e6,
             "disk_mbps": moved / statistics.median(t_seq) / 1e6,
-            "ratio": ratio, "ratios": ratios, "target_ratio": RATIO_TARGET,
-            "first": (["disk" if rep % 2 == 0 else "tier" for rep in range(len(ratios))] if op == "write"
-                      else ["alternating per slice"] * len(ratios)),
+            "ratio": ratio,
+            "ratios": ratios,
+            "target_ratio": RATIO_TARGET,
+            "first": (
+                ["disk" if rep % 2 == 0 else "tier" for rep in range(len(ratios))]
+                if op == "write"
+                else ["alternating per slice"] * len(ratios)
+            ),
             "verdict": "PASS" if ratio >= RATIO_TARGET else "MISS",
             "dropped_backpressure_retried": stats["dropped_backpressure"] if op == "write" else 0,
         }
@@ -261,30 +308,46 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     io = max(1, args.io_mib) * MiB
     ws_bytes = max(ws * MiB // io, 1) * io  # whole baseline I/Os
     return {
-        "quick": bool(args.quick), "dir": args.dir, "working_set_bytes": ws_bytes,
-        "reps": args.reps or (1 if args.quick else 4), "batch_bytes": max(1, args.batch_mib) * MiB, "io_bytes": io,
-        "direct_io": args.direct_io, "sizes": list(SIZES), "read_slice_bytes": 32 * MiB,
-        "copy_threads": args.copy_threads, "refused": args.refused,
+        "quick": bool(args.quick),
+        "dir": args.dir,
+        "working_set_bytes": ws_bytes,
+        "reps": args.reps or (1 if args.quick else 4),
+        "batch_bytes": max(1, args.batch_mib) * MiB,
+        "io_bytes": io,
+        "direct_io": args.direct_io,
+        "sizes": list(SIZES),
+        "read_slice_bytes": 32 * MiB,
+        "copy_threads": args.copy_threads,
+        "refused": args.refused,
     }
 
 
 def _print_table(report: dict[str, Any]) -> None:
     cfg = report["config"]
     io = "O_DIRECT" if cfg["direct_io_used"] else "buffered (page cache dropped before reads)"
-    print(f"umbp bench ssd: {cfg['dir']}, working set {human(cfg['working_set_bytes'])}, {cfg['reps']} reps, "
-          f"{human(cfg['batch_bytes'])} per call, {cfg['copy_threads']} copy threads, refused puts "
-          f"{cfg['refused']}, {io}; disk = sequential {human(cfg['io_bytes'])} I/Os of one "
-          f"file; umbp's paths: {report['machine'].get('umbp_paths', '?')}; medians; ratio = tier / disk "
-          "(reps: lowest-highest repetition)" + ("  [--quick: not representative]" if cfg["quick"] else ""))
-    print(f"{'op':<7}{'size':>9}{'tier MB/s':>11}{'disk MB/s':>11}{'ratio':>8}{'reps':>12}{'target':>9}  result")
+    print(
+        f"umbp bench ssd: {cfg['dir']}, working set {human(cfg['working_set_bytes'])}, {cfg['reps']} reps, "
+        f"{human(cfg['batch_bytes'])} per call, {cfg['copy_threads']} copy threads, refused puts "
+        f"{cfg['refused']}, {io}; disk = sequential {human(cfg['io_bytes'])} I/Os of one "
+        f"file; umbp's paths: {report['machine'].get('umbp_paths', '?')}; medians; ratio = tier / disk "
+        "(reps: lowest-highest repetition)" + ("  [--quick: not representative]" if cfg["quick"] else "")
+    )
+    print(
+        f"{'op':<7}{'size':>9}{'tier MB/s':>11}{'disk MB/s':>11}{'ratio':>8}{'reps':>12}{'target':>9}  result"
+    )
     for r in report["results"]:
-        print(f"{r['op']:<7}{human(r['size_bytes']):>9}{r['tier_mbps']:>11.0f}{r['disk_mbps']:>11.0f}"
-              f"{r['ratio']:>8.2f}{spread(r['ratios']):>12}{'>=' + format(r['target_ratio'], '.2f'):>9}  {r['verdict']}")
+        print(
+            f"{r['op']:<7}{human(r['size_bytes']):>9}{r['tier_mbps']:>11.0f}{r['disk_mbps']:>11.0f}"
+            f"{r['ratio']:>8.2f}{spread(r['ratios']):>12}{'>=' + format(r['target_ratio'], '.2f'):>9}  {r['verdict']}"
+        )
     c = report["checksum_gbps"]
     load = report["machine"]["loadavg_start_end"]
-    print("checksum GB/s (4 MiB, cache-hot): " + ", ".join(f"{k} {v:.1f}" for k, v in c.items())
-          + f"; load average {load[0]:.1f} -> {load[1]:.1f} on {report['machine']['cpus']} CPUs"
-          + f"; total {report['seconds']:.0f} s")
+    print(
+        "checksum GB/s (4 MiB, cache-hot): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in c.items())
+        + f"; load average {load[0]:.1f} -> {load[1]:.1f} on {report['machine']['cpus']} CPUs"
+        + f"; total {report['seconds']:.0f} s"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -301,11 +364,19 @@ def run(args: argparse.Namespace) -> int:
         if Path(cfg["dir"]).is_dir() and not any(Path(cfg["dir"]).iterdir()):
             Path(cfg["dir"]).rmdir()
     report = {
-        "tool": "umbp bench ssd", "created_unix": time.time(),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "numpy": np.__version__, "loadavg_start_end": [load0, os.getloadavg()[0]],
-                    "umbp_paths": native.describe()},
-        "config": cfg, "results": results, "checksum_gbps": checksums,
+        "tool": "umbp bench ssd",
+        "created_unix": time.time(),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "loadavg_start_end": [load0, os.getloadavg()[0]],
+            "umbp_paths": native.describe(),
+        },
+        "config": cfg,
+        "results": results,
+        "checksum_gbps": checksums,
         "all_targets_met": all(r["verdict"] == "PASS" for r in results),
         "seconds": time.perf_counter() - t0,
     }

@@ -37,16 +37,25 @@ QUEUE_CYCLES = 50_000_000  # the sleep kernel the queued columns issue behind: ~
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small fast run (smoke test; not representative)")
-    parser.add_argument("--out", default="umbp-out/bench_transfer.json", help="JSON path (default: %(default)s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small fast run (smoke test; not representative)"
+    )
+    parser.add_argument(
+        "--out", default="umbp-out/bench_transfer.json", help="JSON path (default: %(default)s)"
+    )
     parser.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 2)")
-    parser.add_argument("--total-mib", type=int, default=None, help="payload per direction (default 1024, quick 64)")
+    parser.add_argument(
+        "--total-mib", type=int, default=None, help="payload per direction (default 1024, quick 64)"
+    )
     parser.add_argument("--batches", type=int, default=4, help="batches the payload is cut into (default 4)")
     parser.add_argument("--ctas", type=int, default=None, help="kernel grid size (default: one per SM)")
     parser.add_argument("--sweep-ctas", default="16,33,66,132", help="grid sizes tried at 16 KiB pages")
-    parser.add_argument("--sweep-blocks", default="512x4,1024x4,2048x4,2048x8,4096x8",
-                        help="kernel BLOCKxnum_warps tried at 16 KiB pages")
+    parser.add_argument(
+        "--sweep-blocks",
+        default="512x4,1024x4,2048x4,2048x8,4096x8",
+        help="kernel BLOCKxnum_warps tried at 16 KiB pages",
+    )
     parser.add_argument("--no-staged", action="store_true", help="skip the staged-path comparison rows")
 
 
@@ -123,8 +132,16 @@ def baseline(reps: int, nbytes: int = GiB) -> dict[str, float]:
 class Case:
     """A layout with two disjoint random (blocks, slots) sets: one saved, one loaded, per run."""
 
-    def __init__(self, name: str, groups: dict, arena: Any, payload: int, batches: int, seed: int,
-                 slots: str = "scattered"):
+    def __init__(
+        self,
+        name: str,
+        groups: dict,
+        arena: Any,
+        payload: int,
+        batches: int,
+        seed: int,
+        slots: str = "scattered",
+    ):
         import numpy as np
 
         self.name, self.groups, self.arena = name, groups, arena
@@ -152,17 +169,19 @@ class Case:
         for _ in range(2):
             cur: list[list[Any]] = [[] for _ in range(batches)]
             for g in self.groups:
-                b, s = blocks[i:i + per_group], slots[i:i + per_group]
+                b, s = blocks[i : i + per_group], slots[i : i + per_group]
                 i += per_group
                 for k, (bb, ss) in enumerate(zip(_split(b, batches), _split(s, batches))):
                     if len(bb):
-                        cur[k].append(Moves(g, [int(x) for x in bb], [int(x) for x in ss], None, self.slot_bytes))
+                        cur[k].append(
+                            Moves(g, [int(x) for x in bb], [int(x) for x in ss], None, self.slot_bytes)
+                        )
             self.sets.append([c for c in cur if c])
 
 
 def _split(a: Any, k: int) -> list[Any]:
     n = len(a)
-    return [a[n * j // k: n * (j + 1) // k] for j in range(k)]
+    return [a[n * j // k : n * (j + 1) // k] for j in range(k)]
 
 
 def _object_bytes(layers: list) -> int:
@@ -172,14 +191,18 @@ def _object_bytes(layers: list) -> int:
 def _with_digests(batches: list[list[Any]], digests: list[list[list[int]]]) -> list[list[Any]]:
     from umbp.transfer import Moves
 
-    return [[Moves(m.group, m.block_ids, m.offsets, ds, m.slot_bytes) for m, ds in zip(batch, dig)]
-            for batch, dig in zip(batches, digests)]
+    return [
+        [Moves(m.group, m.block_ids, m.offsets, ds, m.slot_bytes) for m, ds in zip(batch, dig)]
+        for batch, dig in zip(batches, digests)
+    ]
 
 
 QUEUED = ("save", "load", "both")  # modes also timed queued behind GPU work (see _queued)
 
 
-def measure(engine: Any, case: Case, reps: int, modes: tuple[str, ...], queued: bool = True) -> dict[str, float]:
+def measure(
+    engine: Any, case: Case, reps: int, modes: tuple[str, ...], queued: bool = True
+) -> dict[str, float]:
     """GB/s per mode: save, load, load_verified, both (save + load at once: batches of the two sets
     issued alternately, 1 x payload each way), and with both also both_sustained (SUSTAIN such passes
     back to back: the second direction's first copy can start only once the first call's host planning
@@ -195,18 +218,27 @@ def measure(engine: Any, case: Case, reps: int, modes: tuple[str, ...], queued: 
             handles = []
             for _ in range(passes):
                 for k in range(max(len(s) for s in sets)):
-                    handles += [(engine.save if s is saves else engine.load)(s[k]) for s in sets if k < len(s)]
+                    handles += [
+                        (engine.save if s is saves else engine.load)(s[k]) for s in sets if k < len(s)
+                    ]
             return handles
+
         return issue
 
     def waited(issue: Callable[[], list]) -> Callable[[], None]:
         def go() -> None:
             for h in issue():
                 h.wait()
+
         return go
 
-    issues = {"save": issuer(saves), "load": issuer(loads), "load_verified": issuer(verified),
-              "both": issuer(saves, loads), "both_sustained": issuer(saves, loads, passes=SUSTAIN)}
+    issues = {
+        "save": issuer(saves),
+        "load": issuer(loads),
+        "load_verified": issuer(verified),
+        "both": issuer(saves, loads),
+        "both_sustained": issuer(saves, loads, passes=SUSTAIN),
+    }
     out = {}
     for mode in modes + (("both_sustained",) if "both" in modes else ()):
         nbytes = case.payload * {"both": 2, "both_sustained": 2 * SUSTAIN}.get(mode, 1)
@@ -229,8 +261,9 @@ def check_sample(engine: Any, case: Case, verified: list[list[Any]]) -> bool:
     for m in (m for batch in verified for m in batch):
         layers = case.groups[m.group]
         for b, o, d in list(zip(m.block_ids, m.offsets, m.digests))[:8]:
-            ref = np.concatenate([t.select(dim, b).contiguous().view(-1).view(torch.uint8).cpu().numpy()
-                                  for t, dim in layers])
+            ref = np.concatenate(
+                [t.select(dim, b).contiguous().view(-1).view(torch.uint8).cpu().numpy() for t, dim in layers]
+            )
             ok &= bool(np.array_equal(case.arena.view(o, ref.size), ref)) and checksum_u8(ref) == d
     return ok
 
@@ -244,12 +277,20 @@ def _env() -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     try:
         import triton
+
         tv = triton.__version__
     except ImportError:
         tv = None
-    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": tv, "python": platform.python_version(),
-            "host": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": tv,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
 def _layouts(page: int, nblocks: int, device: str) -> dict:
@@ -272,8 +313,14 @@ def run(args: argparse.Namespace) -> int:
     reps = args.reps or (2 if args.quick else 7)
     payload = (args.total_mib or (64 if args.quick else 1024)) * MiB
     torch.manual_seed(int(time.time()))
-    res: dict[str, Any] = {"command": "umbp " + " ".join(sys.argv[1:]), "argv0": sys.argv[0],
-                           "env": _env(), "payload_bytes": payload, "batches": args.batches, "reps": reps}
+    res: dict[str, Any] = {
+        "command": "umbp " + " ".join(sys.argv[1:]),
+        "argv0": sys.argv[0],
+        "env": _env(),
+        "payload_bytes": payload,
+        "batches": args.batches,
+        "reps": reps,
+    }
     res["baseline"] = baseline(reps)
     arena = Arena(2 * payload + 64 * MiB, pinned=True, prefault=False)
     res["rows"] = rows = []
@@ -299,9 +346,14 @@ PATHS = {  # row label -> (backend, save path, load path); "both" of the mixed r
     "staged": ("staged", None, None),
     "auto": ("kernel", "auto", "auto"),  # the engine's default choice, what the connector runs
 }
-MODES = {"zero-copy": ("save", "load", "load_verified", "both"), "dma": ("save", "load", "load_verified", "both"),
-         "save zero-copy + load dma": ("both",), "save dma + load zero-copy": ("both",),
-         "staged": ("save", "load_verified"), "auto": ("save", "load", "load_verified", "both")}
+MODES = {
+    "zero-copy": ("save", "load", "load_verified", "both"),
+    "dma": ("save", "load", "load_verified", "both"),
+    "save zero-copy + load dma": ("both",),
+    "save dma + load zero-copy": ("both",),
+    "staged": ("save", "load_verified"),
+    "auto": ("save", "load", "load_verified", "both"),
+}
 RUN_PATHS = ["zero-copy", "dma", "auto"]
 
 
@@ -322,18 +374,38 @@ def _rows_for(args: argparse.Namespace, case: Case, page: int, reps: int, paths:
     rows = []
     for path in paths:
         r = reps if path != "staged" else max(1, reps // 3)
-        rows.append(dict(layout=case.name, page=page, object_bytes=obj, path=path,
-                         **measure(_engine(case.arena, case.groups, path, args.ctas), case, r, MODES[path],
-                                   queued=path != "staged")))
+        rows.append(
+            dict(
+                layout=case.name,
+                page=page,
+                object_bytes=obj,
+                path=path,
+                **measure(
+                    _engine(case.arena, case.groups, path, args.ctas),
+                    case,
+                    r,
+                    MODES[path],
+                    queued=path != "staged",
+                ),
+            )
+        )
     return rows
 
 
-def _page_rows(args: argparse.Namespace, arena: Any, page: int, payload: int, reps: int,
-               slots: str = "scattered") -> list[dict]:
+def _page_rows(
+    args: argparse.Namespace, arena: Any, page: int, payload: int, reps: int, slots: str = "scattered"
+) -> list[dict]:
     nobj = max(1, payload // (4 * page))
     groups = _layouts(page, 2 * nobj + 8, "cuda")
-    case = Case(f"attention kv-first {page // KiB} KiB" + _RUNS[slots], groups, arena, payload, args.batches,
-                seed=page, slots=slots)
+    case = Case(
+        f"attention kv-first {page // KiB} KiB" + _RUNS[slots],
+        groups,
+        arena,
+        payload,
+        args.batches,
+        seed=page,
+        slots=slots,
+    )
     if slots == "runs":
         return _rows_for(args, case, page, reps, RUN_PATHS)
     paths = [p for p in PATHS if p != "staged" or (not args.no_staged and page in (16 * KiB, 1 * MiB))]
@@ -343,15 +415,17 @@ def _page_rows(args: argparse.Namespace, arena: Any, page: int, payload: int, re
 _RUNS = {"scattered": "", "runs": ", slots in runs"}
 
 
-def _granite_rows(args: argparse.Namespace, arena: Any, payload: int, reps: int,
-                  slots: str = "scattered") -> list[dict]:
+def _granite_rows(
+    args: argparse.Namespace, arena: Any, payload: int, reps: int, slots: str = "scattered"
+) -> list[dict]:
     from umbp.transfer import model_layouts as L
 
     s = L.granite_sizes()
     nobj = max(1, payload // (s["page_bytes"] * s["attention_layers"]))
     groups, _ = L.granite_hybrid(2 * nobj + 16, device="cuda")
-    case = Case("granite-4.0-h-350m hybrid" + _RUNS[slots], groups, arena, payload, args.batches, seed=7,
-                slots=slots)
+    case = Case(
+        "granite-4.0-h-350m hybrid" + _RUNS[slots], groups, arena, payload, args.batches, seed=7, slots=slots
+    )
     paths = RUN_PATHS if slots == "runs" else [p for p in PATHS if p != "staged"]
     return _rows_for(args, case, s["page_bytes"], reps, paths)
 
@@ -364,14 +438,25 @@ def _sweep(args: argparse.Namespace, arena: Any, payload: int, reps: int) -> lis
     case = Case("sweep", groups, arena, payload, args.batches, seed=1)
     out = []
     for ctas in (int(c) for c in args.sweep_ctas.split(",") if c):
-        r = measure(_engine(arena, groups, "zero-copy", ctas), case, max(2, reps // 2), ("save", "load", "both"),
-                    queued=False)
+        r = measure(
+            _engine(arena, groups, "zero-copy", ctas),
+            case,
+            max(2, reps // 2),
+            ("save", "load", "both"),
+            queued=False,
+        )
         out.append(dict(ctas=ctas, block=1024, num_warps=4, **r))
     for cfg in (c for c in args.sweep_blocks.split(",") if c):
         block, warps = (int(v) for v in cfg.split("x"))
         eng = _engine(arena, groups, "zero-copy", args.ctas, block=block, num_warps=warps)
-        out.append(dict(ctas=args.ctas or 0, block=block, num_warps=warps,
-                        **measure(eng, case, max(2, reps // 2), ("save", "load", "both"), queued=False)))
+        out.append(
+            dict(
+                ctas=args.ctas or 0,
+                block=block,
+                num_warps=warps,
+                **measure(eng, case, max(2, reps // 2), ("save", "load", "both"), queued=False),
+            )
+        )
     return out
 
 
@@ -397,8 +482,13 @@ def plot(res: dict[str, Any], path: Path) -> None:
     base = res["baseline"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, runs, color in (("zero-copy", False, "C0"), ("dma", False, "C1"), ("dma", True, "C2")):
-        kern = [r for r in res["rows"] if r["path"] == name and r["layout"].startswith("attention")
-                and ("slots in runs" in r["layout"]) == runs]
+        kern = [
+            r
+            for r in res["rows"]
+            if r["path"] == name
+            and r["layout"].startswith("attention")
+            and ("slots in runs" in r["layout"]) == runs
+        ]
         x = [r["page"] // KiB for r in kern]
         label = name + (", slots in runs" if runs else "")
         for mode, style in (("save", "o-"), ("load", "s--"), ("both", "D-.")):
@@ -429,33 +519,56 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def print_table(res: dict[str, Any]) -> None:
     base = res["baseline"]
-    print(f"\n{res['env']['gpu']}  torch {res['env']['torch']}  triton {res['env']['triton']}  "
-          f"payload {res['payload_bytes'] // MiB} MiB/direction in {res['batches']} batches, median of {res['reps']}")
-    print(f"baseline 1 GiB pinned copy: D2H {base['d2h']:.1f}  H2D {base['h2d']:.1f}  both {base['both']:.1f} GB/s")
-    print("zero-copy kernel sweep at 16 KiB (ctas/BLOCKxwarps: save/load/both GB/s): " + "  ".join(
-        f"{r['ctas'] or 'SMs'}/{r['block']}x{r['num_warps']}: {r['save']:.1f}/{r['load']:.1f}/{r['both']:.1f}"
-        for r in res["ctas_sweep"]))
-    hdr = (f"{'layout':<46} {'object':>8} {'path':<26} {'save D2H':>13} {'queued':>13} {'load H2D':>13} "
-           f"{'queued':>13} {'load+verify':>13} {'both':>13} {'queued':>13} {'both x' + str(SUSTAIN):>13} ok")
+    print(
+        f"\n{res['env']['gpu']}  torch {res['env']['torch']}  triton {res['env']['triton']}  "
+        f"payload {res['payload_bytes'] // MiB} MiB/direction in {res['batches']} batches, median of {res['reps']}"
+    )
+    print(
+        f"baseline 1 GiB pinned copy: D2H {base['d2h']:.1f}  H2D {base['h2d']:.1f}  both {base['both']:.1f} GB/s"
+    )
+    print(
+        "zero-copy kernel sweep at 16 KiB (ctas/BLOCKxwarps: save/load/both GB/s): "
+        + "  ".join(
+            f"{r['ctas'] or 'SMs'}/{r['block']}x{r['num_warps']}: {r['save']:.1f}/{r['load']:.1f}/{r['both']:.1f}"
+            for r in res["ctas_sweep"]
+        )
+    )
+    hdr = (
+        f"{'layout':<46} {'object':>8} {'path':<26} {'save D2H':>13} {'queued':>13} {'load H2D':>13} "
+        f"{'queued':>13} {'load+verify':>13} {'both':>13} {'queued':>13} {'both x' + str(SUSTAIN):>13} ok"
+    )
     print(hdr)
     print("-" * len(hdr))
     late = []
     for r in res["rows"]:
-        cells = [_cell(r.get("save"), base["d2h"]), _cell(r.get("save_queued"), base["d2h"]),
-                 _cell(r.get("load"), base["h2d"]), _cell(r.get("load_queued"), base["h2d"]),
-                 _cell(r.get("load_verified"), base["h2d"]), _cell(r.get("both"), base["both"]),
-                 _cell(r.get("both_queued"), base["both"]), _cell(r.get("both_sustained"), base["both"])]
-        print(f"{r['layout']:<46} {_size(r['object_bytes']):>8} {r['path']:<26} " + " ".join(f"{c:>13}" for c in cells)
-              + f" {'yes' if r.get('sample_ok') else 'NO'}")
+        cells = [
+            _cell(r.get("save"), base["d2h"]),
+            _cell(r.get("save_queued"), base["d2h"]),
+            _cell(r.get("load"), base["h2d"]),
+            _cell(r.get("load_queued"), base["h2d"]),
+            _cell(r.get("load_verified"), base["h2d"]),
+            _cell(r.get("both"), base["both"]),
+            _cell(r.get("both_queued"), base["both"]),
+            _cell(r.get("both_sustained"), base["both"]),
+        ]
+        print(
+            f"{r['layout']:<46} {_size(r['object_bytes']):>8} {r['path']:<26} "
+            + " ".join(f"{c:>13}" for c in cells)
+            + f" {'yes' if r.get('sample_ok') else 'NO'}"
+        )
         late += [f"{r['layout']} {r['path']} {m}" for m in QUEUED if r.get(m + "_queued_ahead", 1.0) < 1.0]
-    print("cells: GB/s (ratio to the pinned copy of the same direction; 'both' to both-at-once). 'both': one "
-          f"pass of the payload each way; 'both x{SUSTAIN}': {SUSTAIN} passes back to back (sustained). "
-          "'queued': the same calls issued behind GPU work, timed from when the device could start (host "
-          f"planning hidden, as behind a serving step's forward). Targets: >= {TARGET_RATIO} per direction at "
-          f"16-64 KiB, >= {TARGET_BOTH:.0f} GB/s both.")
+    print(
+        "cells: GB/s (ratio to the pinned copy of the same direction; 'both' to both-at-once). 'both': one "
+        f"pass of the payload each way; 'both x{SUSTAIN}': {SUSTAIN} passes back to back (sustained). "
+        "'queued': the same calls issued behind GPU work, timed from when the device could start (host "
+        f"planning hidden, as behind a serving step's forward). Targets: >= {TARGET_RATIO} per direction at "
+        f"16-64 KiB, >= {TARGET_BOTH:.0f} GB/s both."
+    )
     if late:
-        print("queued cells that include host time (the GPU's sleep ended before every call was issued in some "
-              "repetitions): " + "; ".join(late))
+        print(
+            "queued cells that include host time (the GPU's sleep ended before every call was issued in some "
+            "repetitions): " + "; ".join(late)
+        )
 
 
 def _size(n: int) -> str:

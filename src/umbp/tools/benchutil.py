@@ -71,15 +71,19 @@ def check_output(tool: str, path: str | Path, directory: bool = False) -> None:
     folder = Path(path).expanduser() if directory else Path(path).expanduser().parent
     blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
-        raise SystemExit(f"{tool}: cannot write --out {path}: {blocker} is a file, not a folder; pass --out with a "
-                         "path in a writable folder")
+        raise SystemExit(
+            f"{tool}: cannot write --out {path}: {blocker} is a file, not a folder; pass --out with a "
+            "path in a writable folder"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise SystemExit(f"{tool}: cannot write --out {path}: {exc.strerror or exc}; pass --out with a path in a "
-                         "writable folder") from None
+        raise SystemExit(
+            f"{tool}: cannot write --out {path}: {exc.strerror or exc}; pass --out with a path in a "
+            "writable folder"
+        ) from None
 
 
 def write_json(path: str | Path, payload: Any, indent: int = 2) -> Path:

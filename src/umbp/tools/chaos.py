@@ -82,7 +82,9 @@ class Result:
     wall_s: float = 0.0
 
     def defended_wrong_tokens(self) -> int:
-        return self.arm_wrong_tokens + sum(t.wrong_tokens for k, t in self.kinds.items() if k not in self.undefended)
+        return self.arm_wrong_tokens + sum(
+            t.wrong_tokens for k, t in self.kinds.items() if k not in self.undefended
+        )
 
     def ok(self) -> bool:
         return self.crashes == 0 and self.defended_wrong_tokens() == 0
@@ -127,7 +129,9 @@ def build_references(llm, opts: Options, fresh: int) -> tuple[list[list[list[int
             user = H.random_prompt(opts.user_tokens, seed=opts.seed * 1000 + 100 * (t + 1) + c)
             prompt = prompt + out.token_ids + user
         convs.append(turns)
-    fresh_prompts = [H.random_prompt(opts.first_tokens + 200, seed=opts.seed * 1000 + 500 + i) for i in range(fresh)]
+    fresh_prompts = [
+        H.random_prompt(opts.first_tokens + 200, seed=opts.seed * 1000 + 500 + i) for i in range(fresh)
+    ]
     for p in fresh_prompts:
         refs[tuple(p)] = H.run_prompt(llm, p, max_tokens=opts.max_tokens)
     return convs, fresh_prompts, refs
@@ -140,7 +144,9 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> list:
 
     from umbp.tools.vllm_harness import TurnResult
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=0)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=0
+    )
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     results = []
     for out in outs:
@@ -196,8 +202,13 @@ class Bench:
         self.start_engine()
 
     def extra(self) -> dict[str, Any]:
-        remote: dict[str, Any] = {"url": self.proxy.url, "timeout_s": 0.5, "connect_timeout_s": 0.5,
-                                  "retry_interval_s": 0.2, "quarantine_s": 1.0}
+        remote: dict[str, Any] = {
+            "url": self.proxy.url,
+            "timeout_s": 0.5,
+            "connect_timeout_s": 0.5,
+            "retry_interval_s": 0.2,
+            "quarantine_s": 1.0,
+        }
         if self.opts.secret:
             os.environ.setdefault(SECRET_ENV, os.urandom(32).hex())
             remote["auth_key_env"] = SECRET_ENV
@@ -216,10 +227,16 @@ class Bench:
         from umbp.tools.demo import umbp_scheduler
 
         self.engines += 1
-        transfer = {"kv_connector": "UMBPConnector", "kv_connector_module_path": "umbp.vllm",
-                    "kv_role": "kv_both", "kv_connector_extra_config": self.extra()}
+        transfer = {
+            "kv_connector": "UMBPConnector",
+            "kv_connector_module_path": "umbp.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": self.extra(),
+        }
         self.llm = H.make_llm_for_arch(self.opts.arch, self.opts.model_dir, kv_transfer_config=transfer)
-        self.rig = Rig(umbp_scheduler(self.llm), get_kv_transfer_group()._worker, self.server, self.proxy, self.rng)
+        self.rig = Rig(
+            umbp_scheduler(self.llm), get_kv_transfer_group()._worker, self.server, self.proxy, self.rng
+        )
         self.rig.install()
 
     def restart_engine(self) -> None:
@@ -284,8 +301,11 @@ class Campaign:
         self.fresh = list(fresh)
         self.next_prompt = 0
         self.last_dlogprob = 0.0
-        self.result = Result(kinds={k: Tally() for k in opts.kinds}, secret=opts.secret,
-                             undefended=sorted(undefended(opts.secret) & set(opts.kinds)))
+        self.result = Result(
+            kinds={k: Tally() for k in opts.kinds},
+            secret=opts.secret,
+            undefended=sorted(undefended(opts.secret) & set(opts.kinds)),
+        )
 
     def take_prompt(self, kind: Kind) -> list[int]:
         if kind.fresh_prompt and self.fresh:
@@ -294,8 +314,14 @@ class Campaign:
         self.next_prompt += 1
         return p
 
-    def turn(self, bench: Bench, prompt: list[int], tally: Tally | None, measure: bool = True,
-             beside: Sequence[list[int]] = ()) -> tuple[int, bool]:
+    def turn(
+        self,
+        bench: Bench,
+        prompt: list[int],
+        tally: Tally | None,
+        measure: bool = True,
+        beside: Sequence[list[int]] = (),
+    ) -> tuple[int, bool]:
         """Run one prompt (and `beside` in the same batch) and check every output; (wrong tokens, crashed).
         Keeps the prompt's largest |dlogprob| of a right token in self.last_dlogprob; with `measure`, also
         in the result's noise figures (not for an undefended kind's victim: an undetected swap may move a
@@ -311,15 +337,24 @@ class Campaign:
                 tally.crashes += 1
             bench.restart_engine()
             return 0, True
-        checked = [wrong_tokens(out, self.refs[tuple(p)], self.opts.tol) for p, out in zip([prompt, *beside], outs)]
+        checked = [
+            wrong_tokens(out, self.refs[tuple(p)], self.opts.tol) for p, out in zip([prompt, *beside], outs)
+        ]
         wrong, worst = sum(w for w, _ in checked), checked[0][1]
         self.last_dlogprob = worst
         self.result.wrong_tokens += wrong
         if wrong == 0 and measure:  # how close right answers are to the reference: what --tol must allow
             self.result.max_abs_dlogprob = max([self.result.max_abs_dlogprob, *(d for _, d in checked)])
             restored = bench.counters()["restored_tokens"] - restored0
-            self.result.closest_calls.append((worst, len(prompt), restored, outs[0].num_cached_tokens,
-                                              ",".join(bench.rig.last_sources) if restored else ""))
+            self.result.closest_calls.append(
+                (
+                    worst,
+                    len(prompt),
+                    restored,
+                    outs[0].num_cached_tokens,
+                    ",".join(bench.rig.last_sources) if restored else "",
+                )
+            )
             bench.rig.last_sources = []
             self.result.closest_calls = sorted(self.result.closest_calls, reverse=True)[:8]
         return wrong, False
@@ -350,8 +385,9 @@ class Campaign:
         beside = [self.take_prompt(KINDS["dram_bitflip"]) for _ in range(kind.beside)]
         beside = [p for p in beside if p != prompt]
         rig.pending, rig.recording = kind, True
-        wrong, crashed = self.turn(bench, prompt, tally, measure=kind.name not in self.result.undefended,
-                                   beside=beside)
+        wrong, crashed = self.turn(
+            bench, prompt, tally, measure=kind.name not in self.result.undefended, beside=beside
+        )
         rig = bench.rig  # a new one after a crash
         landed = crashed or rig.injected
         if kind.beside and not crashed:  # the race happened only if DRAM evicted while the batch ran
@@ -366,13 +402,18 @@ class Campaign:
             tally.not_landed += 1
             return False
         self.result.faults += 1
-        self.result.events.append({
-            "kind": kind.name, "prompt_tokens": len(prompt), "wrong_tokens": wrong, "crashed": crashed,
-            "max_dlogprob_right": self.last_dlogprob,
-            "load_failures": after["load_failures"] - before["load_failures"],
-            "restored_tokens": after["restored_tokens"] - before["restored_tokens"],
-            "read": sorted({(t.group, t.source) for t in targets}),
-        })
+        self.result.events.append(
+            {
+                "kind": kind.name,
+                "prompt_tokens": len(prompt),
+                "wrong_tokens": wrong,
+                "crashed": crashed,
+                "max_dlogprob_right": self.last_dlogprob,
+                "load_failures": after["load_failures"] - before["load_failures"],
+                "restored_tokens": after["restored_tokens"] - before["restored_tokens"],
+                "read": sorted({(t.group, t.source) for t in targets}),
+            }
+        )
         tally.injected += 1
         tally.wrong_tokens += wrong
         tally.wrong_turns += wrong > 0
@@ -393,8 +434,11 @@ class Campaign:
                 if self.fault(bench, kind):
                     break
             if self.opts.progress and (i + 1) % 20 == 0:
-                print(f"umbp chaos: {i + 1} faults planned so far; {self.result.tally_line()} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(
+                    f"umbp chaos: {i + 1} faults planned so far; {self.result.tally_line()} "
+                    f"({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
         return self.result
 
 
@@ -424,16 +468,30 @@ def run_campaign(opts: Options) -> Result:
 
 # ---------------------------------------------------------------- the command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--faults", type=int, default=DEFAULT_FAULTS, help="faults to inject (default %(default)s)")
-    parser.add_argument("--kinds", default="all", help="comma-separated fault kinds (default: all); see docs/faults.md")
-    parser.add_argument("--arch", default="granite", help="tiny model architecture (a Mamba2 hybrid by default)")
+    parser.add_argument(
+        "--faults", type=int, default=DEFAULT_FAULTS, help="faults to inject (default %(default)s)"
+    )
+    parser.add_argument(
+        "--kinds", default="all", help="comma-separated fault kinds (default: all); see docs/faults.md"
+    )
+    parser.add_argument(
+        "--arch", default="granite", help="tiny model architecture (a Mamba2 hybrid by default)"
+    )
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tol", type=float, default=1e-4,
-                        help="largest |dlogprob| of a right token (right turns differ by up to ~1e-5 here)")
-    parser.add_argument("--no-secret", dest="secret", action="store_false",
-                        help="run the shared tier without a tenant secret (unauthenticated: forged values verify)")
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=1e-4,
+        help="largest |dlogprob| of a right token (right turns differ by up to ~1e-5 here)",
+    )
+    parser.add_argument(
+        "--no-secret",
+        dest="secret",
+        action="store_false",
+        help="run the shared tier without a tenant secret (unauthenticated: forged values verify)",
+    )
     parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/chaos.json", help="JSON result path")
 
@@ -442,12 +500,23 @@ def run(args: argparse.Namespace) -> int:
     from umbp.tools.benchutil import write_json
     from umbp.tools.tiny_models import build_tiny_model
 
-    kinds = tuple(KINDS) if args.kinds == "all" else tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    kinds = (
+        tuple(KINDS) if args.kinds == "all" else tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    )
     workdir = Path(args.workdir).expanduser()
     print(f"umbp chaos: building a tiny random-weight {args.arch} model in {workdir} ...", flush=True)
     model_dir = build_tiny_model(args.arch, workdir / args.arch)
-    opts = Options(faults=args.faults, kinds=kinds, conversations=args.conversations, turns=args.turns,
-                   seed=args.seed, tol=args.tol, arch=args.arch, model_dir=str(model_dir), secret=args.secret)
+    opts = Options(
+        faults=args.faults,
+        kinds=kinds,
+        conversations=args.conversations,
+        turns=args.turns,
+        seed=args.seed,
+        tol=args.tol,
+        arch=args.arch,
+        model_dir=str(model_dir),
+        secret=args.secret,
+    )
     result = run_campaign(opts)
     out = write_json(args.out, asdict(result))
     print_report(result)
@@ -456,17 +525,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(result: Result) -> None:
-    head = (f"{'fault kind':20} {'tier':6} {'injected':>8} {'detected-as-miss':>16} {'restored-ok':>11} "
-            f"{'wrong tokens':>12} {'crashes':>7}")
+    head = (
+        f"{'fault kind':20} {'tier':6} {'injected':>8} {'detected-as-miss':>16} {'restored-ok':>11} "
+        f"{'wrong tokens':>12} {'crashes':>7}"
+    )
     print()
     print(head)
     print("-" * len(head))
     for name, t in result.kinds.items():
         mark = " *" if name in result.undefended else ""
-        print(f"{name:20} {KINDS[name].reads:6} {t.injected:>8} {t.miss:>16} {t.restored_ok:>11} "
-              f"{t.wrong_tokens:>12} {t.crashes:>7}{mark}")
+        print(
+            f"{name:20} {KINDS[name].reads:6} {t.injected:>8} {t.miss:>16} {t.restored_ok:>11} "
+            f"{t.wrong_tokens:>12} {t.crashes:>7}{mark}"
+        )
     secret = "with a tenant secret (values MACed)" if result.secret else "without a tenant secret"
     print(f"(* not defended yet: {', '.join(result.undefended) or 'none'}; shared tier {secret})")
-    print(f"arm turns {result.arm_turns}, wrong tokens {result.arm_wrong_tokens}; max |dlogprob| of right "
-          f"tokens {result.max_abs_dlogprob:.1e}; defended kinds: wrong tokens {result.defended_wrong_tokens()}")
+    print(
+        f"arm turns {result.arm_turns}, wrong tokens {result.arm_wrong_tokens}; max |dlogprob| of right "
+        f"tokens {result.max_abs_dlogprob:.1e}; defended kinds: wrong tokens {result.defended_wrong_tokens()}"
+    )
     print(result.tally_line(), flush=True)

@@ -69,8 +69,23 @@ class RedisServer:
     def start(self) -> None:
         import redis
 
-        argv = [self.exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                "--dir", self.dir, "--logfile", os.path.join(self.dir, "redis.log"), "--protected-mode", "yes"]
+        argv = [
+            self.exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--logfile",
+            os.path.join(self.dir, "redis.log"),
+            "--protected-mode",
+            "yes",
+        ]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -203,11 +218,11 @@ class ManglingProxy:
         if mode == "flip" and match is not None:
             at = match.end() + 64
             if at < len(data):
-                data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+                data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
             client.sendall(data)
             return True
         if mode == "huge_len" and match is not None:
-            client.sendall(data[:match.start()] + b"$4611686018427387904\r\n" + data[match.end():])
+            client.sendall(data[: match.start()] + b"$4611686018427387904\r\n" + data[match.end() :])
             return True
         if mode == "garbage":
             client.sendall(b"%\x00\xffnot resp at all\r\n" + os.urandom(64))
@@ -218,7 +233,7 @@ class ManglingProxy:
             for i in range(len(data)):
                 if time.monotonic() > deadline:
                     break
-                client.sendall(data[i:i + 1])
+                client.sendall(data[i : i + 1])
                 time.sleep(0.05)
         return False  # close (and after garbage, nested, drip: the stream is out of step anyway)
 
@@ -240,17 +255,18 @@ class ManglingProxy:
 
 # ---------------------------------------------------------------- byte damage, one medium at a time
 
+
 def flip_byte(buf: np.ndarray, rng: random.Random) -> None:
     buf[rng.randrange(buf.size)] ^= 0xFF
 
 
 def zero_block(buf: np.ndarray, rng: random.Random) -> bool:
     """Zero one 4 KiB block that is not zero already; False if there is none."""
-    blocks = [b for b in range(0, buf.size, ROW) if buf[b:b + ROW].any()]
+    blocks = [b for b in range(0, buf.size, ROW) if buf[b : b + ROW].any()]
     if not blocks:
         return False
     b = rng.choice(blocks)
-    buf[b:b + ROW] = 0
+    buf[b : b + ROW] = 0
     return True
 
 
@@ -259,7 +275,7 @@ def swap_words(buf: np.ndarray, rng: random.Random) -> bool:
     row has two different words. The first such row: the rows at the end of an attention page may hold
     token positions past the prompt, which nothing reads (a swap there would be harmless)."""
     for r in range(buf.size // ROW):
-        words = buf[r * ROW:(r + 1) * ROW].view(np.uint64)
+        words = buf[r * ROW : (r + 1) * ROW].view(np.uint64)
         distinct = np.flatnonzero(words != words[0])
         if distinct.size:
             i, j = 0, int(rng.choice(distinct.tolist()))

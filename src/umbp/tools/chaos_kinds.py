@@ -189,7 +189,9 @@ class Kind:
     inject: Inject  # at placement: damage the targets (those read from `reads`); True when it did
     what: str  # one line for the docs and the table
     fresh_prompt: bool = False  # the prompt must be computed anew under the fault (disk full)
-    at_lookup: bool = False  # injected before the scheduler's lookup (inject gets no targets), not at placement
+    at_lookup: bool = (
+        False  # injected before the scheduler's lookup (inject gets no targets), not at placement
+    )
     beside: int = 0  # other prompts computed in the same batch as the victim (their saves make DRAM evict)
 
 
@@ -204,6 +206,7 @@ def _dram_damage(how: str) -> Inject:
         if t is None:
             return False
         return DAMAGE[how](rig.worker.arena.view(t.offset, t.nbytes), rig.rng) is not False
+
     return inject
 
 
@@ -229,6 +232,7 @@ def _ssd_damage(how: str) -> Inject:
         if rec is None:
             return False
         return rec.edit(lambda buf: DAMAGE[how](buf, rig.rng)) is not False
+
     return inject
 
 
@@ -253,6 +257,7 @@ def _ssd_stale(rig: Rig, targets: list[Target]) -> bool:
                 changed = not np.array_equal(buf, data)
                 buf[:] = data
                 return changed
+
             if rec.edit(put):
                 return True
     return False
@@ -304,6 +309,7 @@ def _redis_damage(how: str) -> Inject:
             return False
         _set_value(rig, t, bytes(v))
         return True
+
     return inject
 
 
@@ -324,7 +330,9 @@ def _redis_peer_value(rig: Rig, targets: list[Target]) -> tuple[Target, bytearra
         if mine is None:
             continue
         pattern = f"{rig.value_prefix}d:*:g{t.group}:*"
-        names = sorted(n for n in r.scan_iter(match=pattern, count=1000) if n != rig.value_key(t.rank_key).encode())
+        names = sorted(
+            n for n in r.scan_iter(match=pattern, count=1000) if n != rig.value_key(t.rank_key).encode()
+        )
         for name in rig.rng.sample(names, len(names)):
             v = r.get(name)
             if v is not None and len(v) == len(mine) and v != mine:
@@ -349,8 +357,10 @@ def _redis_forged(rig: Rig, targets: list[Target]) -> bool:
     if got is None:
         return False
     t, v = got
-    at = KEY_CRC_AT if _header_size(v) == VALUE_HEADER else _header_size(v) - 4  # sealed: the header's last field
-    v[at:at + 4] = zlib.crc32(t.rank_key.encode()).to_bytes(4, "little")
+    at = (
+        KEY_CRC_AT if _header_size(v) == VALUE_HEADER else _header_size(v) - 4
+    )  # sealed: the header's last field
+    v[at : at + 4] = zlib.crc32(t.rank_key.encode()).to_bytes(4, "little")
     _set_value(rig, t, bytes(v))
     return True
 
@@ -382,6 +392,7 @@ def _hostile(mode: str) -> Inject:
             return False
         rig.proxy.arm(mode)
         return True
+
     return inject
 
 
@@ -389,6 +400,7 @@ def _hostile_lookup(mode: str) -> Inject:
     def inject(rig: Rig, targets: list[Target]) -> bool:
         rig.proxy.arm(mode)  # the next reply is the lookup's EXISTS answer
         return True
+
     return inject
 
 
@@ -417,42 +429,79 @@ def _under_pressure(rig: Rig, targets: list[Target]) -> bool:
     return bool(targets)
 
 
-KINDS: dict[str, Kind] = {k.name: k for k in [
-    Kind("dram_bitflip", "dram", _dram_damage("bitflip"), "one byte of an arena slot flipped"),
-    Kind("dram_zeroed", "dram", _dram_damage("zeroed"), "one 4 KiB block of an arena slot zeroed"),
-    Kind("dram_stale", "dram", _dram_stale, "another object's bytes in the slot (a slot reused too early)"),
-    Kind("dram_reordered", "dram", _dram_damage("reordered"), "two 8-byte words of one 4 KiB row swapped"),
-    Kind("ssd_bitflip", "ssd", _ssd_damage("bitflip"), "one byte of the record's payload flipped on disk"),
-    Kind("ssd_zeroed", "ssd", _ssd_damage("zeroed"), "one 4 KiB block of the payload zeroed on disk"),
-    Kind("ssd_stale", "ssd", _ssd_stale, "another record's payload written over it (a misdirected write)"),
-    Kind("ssd_truncated", "ssd", _ssd_truncated, "the segment file cut inside the record"),
-    Kind("ssd_reordered", "ssd", _ssd_damage("reordered"), "two words of one 4 KiB row swapped on disk"),
-    Kind("ssd_disk_full", "ssd", _disk_full, "computed while every SSD write failed with ENOSPC",
-         fresh_prompt=True),
-    Kind("redis_bitflip", "remote", _redis_damage("bitflip"), "one payload byte of the value flipped"),
-    Kind("redis_zeroed", "remote", _redis_damage("zeroed"), "one 4 KiB block of the value zeroed"),
-    Kind("redis_truncated", "remote", _redis_truncated, "the value cut to half its length"),
-    Kind("redis_stale", "remote", _redis_stale, "another key's value stored under this key"),
-    Kind("redis_forged", "remote", _redis_forged, "another key's value relabelled for this key (no secret)"),
-    Kind("redis_reordered", "remote", _redis_damage("reordered"), "two words of one 4 KiB row swapped"),
-    Kind("redis_value_gone", "remote", _redis_deleted, "the value deleted, its marker left"),
-    Kind("redis_flushall", "remote", _redis_flushall, "FLUSHALL between lookup and read"),
-    Kind("redis_killed", "remote", _redis_kill, "server killed -9 between lookup and read, restarted empty"),
-    Kind("hostile_flip", "remote", _hostile("flip"), "proxy flips a byte of the value on the wire"),
-    Kind("hostile_huge_len", "remote", _hostile("huge_len"), "proxy rewrites the value's length to 2^62"),
-    Kind("hostile_garbage", "remote", _hostile("garbage"), "proxy answers with bytes that are not RESP"),
-    Kind("hostile_nested", "remote", _hostile("nested"), "proxy answers with 100,000 nested arrays"),
-    Kind("hostile_close", "remote", _hostile("close"), "proxy closes the connection as the reply comes"),
-    Kind("hostile_drip", "remote", _hostile("drip"), "proxy drips the reply a byte per 50 ms"),
-    Kind("lookup_garbage", "remote", _hostile_lookup("garbage"), "proxy answers the lookup with non-RESP bytes",
-         at_lookup=True),
-    Kind("lookup_nested", "remote", _hostile_lookup("nested"), "proxy answers the lookup with 100,000 nested arrays",
-         at_lookup=True),
-    Kind("evict_race_dram", "ssd", _evicted_from_dram, "evicted from DRAM between lookup and load"),
-    Kind("evict_race_batch", "dram", _under_pressure, "restored while 3 other prompts in its batch fill DRAM",
-         beside=3),
-    Kind("evict_race_all", "ssd", _evicted_everywhere, "evicted from DRAM, SSD and Redis after the lookup"),
-]}
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in [
+        Kind("dram_bitflip", "dram", _dram_damage("bitflip"), "one byte of an arena slot flipped"),
+        Kind("dram_zeroed", "dram", _dram_damage("zeroed"), "one 4 KiB block of an arena slot zeroed"),
+        Kind(
+            "dram_stale", "dram", _dram_stale, "another object's bytes in the slot (a slot reused too early)"
+        ),
+        Kind(
+            "dram_reordered", "dram", _dram_damage("reordered"), "two 8-byte words of one 4 KiB row swapped"
+        ),
+        Kind(
+            "ssd_bitflip", "ssd", _ssd_damage("bitflip"), "one byte of the record's payload flipped on disk"
+        ),
+        Kind("ssd_zeroed", "ssd", _ssd_damage("zeroed"), "one 4 KiB block of the payload zeroed on disk"),
+        Kind(
+            "ssd_stale", "ssd", _ssd_stale, "another record's payload written over it (a misdirected write)"
+        ),
+        Kind("ssd_truncated", "ssd", _ssd_truncated, "the segment file cut inside the record"),
+        Kind("ssd_reordered", "ssd", _ssd_damage("reordered"), "two words of one 4 KiB row swapped on disk"),
+        Kind(
+            "ssd_disk_full",
+            "ssd",
+            _disk_full,
+            "computed while every SSD write failed with ENOSPC",
+            fresh_prompt=True,
+        ),
+        Kind("redis_bitflip", "remote", _redis_damage("bitflip"), "one payload byte of the value flipped"),
+        Kind("redis_zeroed", "remote", _redis_damage("zeroed"), "one 4 KiB block of the value zeroed"),
+        Kind("redis_truncated", "remote", _redis_truncated, "the value cut to half its length"),
+        Kind("redis_stale", "remote", _redis_stale, "another key's value stored under this key"),
+        Kind(
+            "redis_forged", "remote", _redis_forged, "another key's value relabelled for this key (no secret)"
+        ),
+        Kind("redis_reordered", "remote", _redis_damage("reordered"), "two words of one 4 KiB row swapped"),
+        Kind("redis_value_gone", "remote", _redis_deleted, "the value deleted, its marker left"),
+        Kind("redis_flushall", "remote", _redis_flushall, "FLUSHALL between lookup and read"),
+        Kind(
+            "redis_killed", "remote", _redis_kill, "server killed -9 between lookup and read, restarted empty"
+        ),
+        Kind("hostile_flip", "remote", _hostile("flip"), "proxy flips a byte of the value on the wire"),
+        Kind("hostile_huge_len", "remote", _hostile("huge_len"), "proxy rewrites the value's length to 2^62"),
+        Kind("hostile_garbage", "remote", _hostile("garbage"), "proxy answers with bytes that are not RESP"),
+        Kind("hostile_nested", "remote", _hostile("nested"), "proxy answers with 100,000 nested arrays"),
+        Kind("hostile_close", "remote", _hostile("close"), "proxy closes the connection as the reply comes"),
+        Kind("hostile_drip", "remote", _hostile("drip"), "proxy drips the reply a byte per 50 ms"),
+        Kind(
+            "lookup_garbage",
+            "remote",
+            _hostile_lookup("garbage"),
+            "proxy answers the lookup with non-RESP bytes",
+            at_lookup=True,
+        ),
+        Kind(
+            "lookup_nested",
+            "remote",
+            _hostile_lookup("nested"),
+            "proxy answers the lookup with 100,000 nested arrays",
+            at_lookup=True,
+        ),
+        Kind("evict_race_dram", "ssd", _evicted_from_dram, "evicted from DRAM between lookup and load"),
+        Kind(
+            "evict_race_batch",
+            "dram",
+            _under_pressure,
+            "restored while 3 other prompts in its batch fill DRAM",
+            beside=3,
+        ),
+        Kind(
+            "evict_race_all", "ssd", _evicted_everywhere, "evicted from DRAM, SSD and Redis after the lookup"
+        ),
+    ]
+}
 
 
 class Enospc:

@@ -20,24 +20,37 @@ from umbp.tools.benchutil import write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arch", default="granite",
-                        help="tiny model architecture (granite, nemotron_h, falcon_h1, zamba2, qwen3_next)")
+    parser.add_argument(
+        "--arch",
+        default="granite",
+        help="tiny model architecture (granite, nemotron_h, falcon_h1, zamba2, qwen3_next)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=840)
     parser.add_argument("--unit", type=int, default=16, help="vLLM --prefix-match-unit")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per turn")
     parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/demo.json", help="JSON result path")
     parser.add_argument("--only", choices=["umbp", "old"], help="run one setting only")
-    parser.add_argument("--restart", choices=["ssd", "redis"],
-                        help="instead: engine 1 (a process) computes the prompt and exits, engine 2 (a new "
-                             "process, empty DRAM) restores it from the SSD tier or a shared Redis tier")
-    parser.add_argument("--redis-url", default=None,
-                        help="with --restart redis or --pd store: this server (default: start redis-server on "
-                             "127.0.0.1)")
-    parser.add_argument("--pd", nargs="?", const="auto", choices=["auto", "nixl", "store"],
-                        help="instead: a 1P1D (prefill and decode instance, a proxy) on this machine: 'nixl' "
-                             "(MultiConnector[NIXL, umbp] on P), 'store' (through umbp's shared tier); "
-                             "default nixl when importable")
+    parser.add_argument(
+        "--restart",
+        choices=["ssd", "redis"],
+        help="instead: engine 1 (a process) computes the prompt and exits, engine 2 (a new "
+        "process, empty DRAM) restores it from the SSD tier or a shared Redis tier",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="with --restart redis or --pd store: this server (default: start redis-server on 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--pd",
+        nargs="?",
+        const="auto",
+        choices=["auto", "nixl", "store"],
+        help="instead: a 1P1D (prefill and decode instance, a proxy) on this machine: 'nixl' "
+        "(MultiConnector[NIXL, umbp] on P), 'store' (through umbp's shared tier); "
+        "default nixl when importable",
+    )
 
 
 def run_setting(arch: str, model_dir: Path, prompt: list[int], args, boundary_page: bool) -> dict:
@@ -111,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.out, result)
     print_table(result, rows)
     ok = all(
-        row["tokens_identical"] and row["logprobs_identical"]
+        row["tokens_identical"]
+        and row["logprobs_identical"]
         and (row["restored_from_umbp"] == row["gpu_prefix_hit"] if row["boundary_page"] else True)
         for _, row in rows
     )
@@ -142,8 +156,10 @@ def _run_pd(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
 
 def print_table(result: dict, rows: list[tuple[str, dict]]) -> None:
     print()
-    print(f"{result['arch']} (tiny, random weights), prefix_match_unit={result['prefix_match_unit']}, "
-          f"{result['prompt_tokens']}-token prompt; GPU prefix cache dropped between turns 1 and 2")
+    print(
+        f"{result['arch']} (tiny, random weights), prefix_match_unit={result['prefix_match_unit']}, "
+        f"{result['prompt_tokens']}-token prompt; GPU prefix cache dropped between turns 1 and 2"
+    )
     header = f"{'':24} {'GPU prefix hit':>14} {'Restored from umbp':>19}  Result"
     print(header)
     print("-" * len(header) + "-" * 30)

@@ -20,12 +20,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", required=True, help="comma list: full:B, swa:B:W, state:B")
     parser.add_argument("--unit", type=int, required=True, help="prefix_match_unit (hash block size)")
     parser.add_argument("--max-tokens", type=int, required=True, help="most tokens that may be restored")
-    parser.add_argument("--present", action="append", default=[], metavar="G=t1,t2",
-                        help="token ends stored for group G (repeatable)")
+    parser.add_argument(
+        "--present",
+        action="append",
+        default=[],
+        metavar="G=t1,t2",
+        help="token ends stored for group G (repeatable)",
+    )
     parser.add_argument("--hashed-tokens", type=int, default=None, help="where the request's keys end")
     parser.add_argument("--eagle", action="store_true", help="EAGLE block drop on every group")
     parser.add_argument("--eagle-groups", default="", help="comma list of groups that take EAGLE's drop")
-    parser.add_argument("--dcp", type=int, default=1, help="decode_context_parallel_size (block sizes per rank)")
+    parser.add_argument(
+        "--dcp", type=int, default=1, help="decode_context_parallel_size (block sizes per rank)"
+    )
 
 
 def parse_groups(text: str) -> list:
@@ -57,7 +64,9 @@ def parse_present(items: list[str], num_groups: int) -> list[set[int]]:
             g = int(group)
             present[g].update(int(t) for t in ends.split(",") if t.strip())
         except (ValueError, IndexError):
-            raise SystemExit(f"umbp explain: bad --present {item!r}; use G=t1,t2 with G < {num_groups}") from None
+            raise SystemExit(
+                f"umbp explain: bad --present {item!r}; use G=t1,t2 with G < {num_groups}"
+            ) from None
     return present
 
 
@@ -68,8 +77,16 @@ def run(args: argparse.Namespace) -> int:
     present = parse_present(args.present, len(groups))
     eagle_groups = {int(g) for g in args.eagle_groups.split(",") if g.strip()} or None
     try:
-        text = explain(groups, args.unit, present, args.max_tokens, eagle=args.eagle, eagle_groups=eagle_groups,
-                       hashed_tokens=args.hashed_tokens, dcp_world_size=args.dcp)
+        text = explain(
+            groups,
+            args.unit,
+            present,
+            args.max_tokens,
+            eagle=args.eagle,
+            eagle_groups=eagle_groups,
+            hashed_tokens=args.hashed_tokens,
+            dcp_world_size=args.dcp,
+        )
     except ValueError as exc:
         raise SystemExit(f"umbp explain: {exc}") from None
     print(text)

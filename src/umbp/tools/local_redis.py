@@ -16,14 +16,31 @@ class LocalRedis:
         """`tool` names the caller in errors; `instead` is the option that points it at a running server."""
         exe = shutil.which("redis-server")
         if exe is None:
-            raise RuntimeError(f"{tool}: redis-server not found; apt-get install redis-server, or pass {instead}")
+            raise RuntimeError(
+                f"{tool}: redis-server not found; apt-get install redis-server, or pass {instead}"
+            )
         self.tool = tool
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.dir = tempfile.mkdtemp(prefix="umbp-redis-")
-        argv = [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                "--dir", self.dir, "--logfile", os.path.join(self.dir, "redis.log"), "--protected-mode", "yes"]
+        argv = [
+            exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--logfile",
+            os.path.join(self.dir, "redis.log"),
+            "--protected-mode",
+            "yes",
+        ]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._wait()

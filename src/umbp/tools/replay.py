@@ -23,29 +23,51 @@ OUT_IS_DIR = True  # --out is a folder (umbp.cli checks it can be written before
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layout", action="append", default=None, metavar="NAME|JSON",
-                        help="kimi-k3, granite-4.0-h or a layout JSON file (repeatable; default: both built-ins)")
+    parser.add_argument(
+        "--layout",
+        action="append",
+        default=None,
+        metavar="NAME|JSON",
+        help="kimi-k3, granite-4.0-h or a layout JSON file (repeatable; default: both built-ins)",
+    )
     parser.add_argument("--trace", help="replay this JSONL trace instead of generating one")
     parser.add_argument("--write-trace", metavar="PATH", help="write the (generated) trace as JSONL")
-    parser.add_argument("--sessions", type=int, default=280, help="generated sessions (default 280 = 4 per slot)")
+    parser.add_argument(
+        "--sessions", type=int, default=280, help="generated sessions (default 280 = 4 per slot)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="generator seed")
     parser.add_argument("--concurrency", type=int, default=70, help="sessions in flight (default 70)")
-    parser.add_argument("--boundary-page", choices=("both", "on", "off"), default="both",
-                        help="umbp's boundary page on, off (the old behaviour) or both (default)")
-    parser.add_argument("--retention", default="0,layout",
-                        help="prefix_cache_retention_interval values, comma list; 'layout' = the layout's "
-                             "positive value (default 0,layout)")
-    parser.add_argument("--drop", choices=("layout", "on", "off"), default="layout",
-                        help="EAGLE/DSpark-style drop (default: the layout's)")
+    parser.add_argument(
+        "--boundary-page",
+        choices=("both", "on", "off"),
+        default="both",
+        help="umbp's boundary page on, off (the old behaviour) or both (default)",
+    )
+    parser.add_argument(
+        "--retention",
+        default="0,layout",
+        help="prefix_cache_retention_interval values, comma list; 'layout' = the layout's "
+        "positive value (default 0,layout)",
+    )
+    parser.add_argument(
+        "--drop",
+        choices=("layout", "on", "off"),
+        default="layout",
+        help="EAGLE/DSpark-style drop (default: the layout's)",
+    )
     parser.add_argument("--gpu-blocks", type=int, help="override the layout's GPU block pool size")
     parser.add_argument("--dram-gb", type=float, help="override the layout's umbp DRAM per rank (GB)")
     parser.add_argument("--think-s", type=float, help="generated traces: mean think time between turns (s)")
     parser.add_argument("--jobs", type=int, default=1, help="settings run in parallel processes (default 1)")
     parser.add_argument("--out", default="umbp-out/replay", help="output directory")
     parser.add_argument("--max-explain", type=int, default=20, help="umbp explain texts kept per setting")
-    parser.add_argument("--require", type=float, metavar="PCT",
-                        help="exit 1 if a boundary-page-on setting restores less than PCT%% of the oracle's "
-                             "restorable tokens")
+    parser.add_argument(
+        "--require",
+        type=float,
+        metavar="PCT",
+        help="exit 1 if a boundary-page-on setting restores less than PCT%% of the oracle's "
+        "restorable tokens",
+    )
     parser.add_argument("--print-layout", action="store_true", help="print the layout(s) as JSON and exit")
     parser.add_argument("--dry-run", action="store_true", help="build/write the trace and stop")
     parser.add_argument("--no-plots", action="store_true")
@@ -58,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     from umbp.replay.deployments import LayoutError, load_layout
 
     try:
-        layouts = [_overrides(load_layout(name), args) for name in (args.layout or ["kimi-k3", "granite-4.0-h"])]
+        layouts = [
+            _overrides(load_layout(name), args) for name in (args.layout or ["kimi-k3", "granite-4.0-h"])
+        ]
     except LayoutError as exc:
         print(f"umbp replay: {exc}", file=sys.stderr)
         return 2
@@ -69,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
     if turns is None:
         return 2
     if args.dry_run:
-        print(f"umbp replay: {len(turns):,} turns, {sum(t.prompt_tokens for t in turns) / 1e6:.1f}M prompt tokens")
+        print(
+            f"umbp replay: {len(turns):,} turns, {sum(t.prompt_tokens for t in turns) / 1e6:.1f}M prompt tokens"
+        )
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     summaries = _run_all(layouts, _settings(args, layouts), turns, args)
@@ -78,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _overrides(layout, args):
     drop = None if args.drop == "layout" else args.drop == "on"
-    return layout.with_overrides(eagle_drop=drop, num_gpu_blocks=args.gpu_blocks, dram_gb_per_rank=args.dram_gb)
+    return layout.with_overrides(
+        eagle_drop=drop, num_gpu_blocks=args.gpu_blocks, dram_gb_per_rank=args.dram_gb
+    )
 
 
 def _turns(args):
@@ -130,7 +158,9 @@ def _one(layout, setting, turns, concurrency: int, workdir: str, max_explain: in
         if progress is not None and counter["n"] % 25 == 0:
             progress.put(25)
 
-    result = replay(layout, setting, turns, concurrency, Path(workdir), on_finish=tick, max_explain=max_explain)
+    result = replay(
+        layout, setting, turns, concurrency, Path(workdir), on_finish=tick, max_explain=max_explain
+    )
     if progress is not None:
         progress.put(counter["n"] % 25)
     return summarize(result, max_examples=max_explain), [r.to_json() for r in result.records]
@@ -150,12 +180,19 @@ def _run_all(layouts, settings, turns, args) -> dict[tuple[str, str], tuple]:
         queue = _LocalQueue(bar)
         for lay, s in jobs:
             _describe(bar, lay, s)
-            results[(lay.name, s.label)] = _one(lay, s, turns, args.concurrency, workdir, args.max_explain, queue)
+            results[(lay.name, s.label)] = _one(
+                lay, s, turns, args.concurrency, workdir, args.max_explain, queue
+            )
     else:
         with Manager() as manager, ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
             queue = manager.Queue()
-            futures = {pool.submit(_one, lay, s, turns, args.concurrency, workdir, args.max_explain, queue):
-                       (lay.name, s.label) for lay, s in jobs}
+            futures = {
+                pool.submit(_one, lay, s, turns, args.concurrency, workdir, args.max_explain, queue): (
+                    lay.name,
+                    s.label,
+                )
+                for lay, s in jobs
+            }
             while any(not f.done() for f in futures):
                 _drain(queue, bar, timeout=0.5)
             _drain(queue, bar, timeout=0)
@@ -210,13 +247,19 @@ def _finish(layouts, results, args) -> int:
     from umbp.replay.report import header_line, plot, table, verdict, write_json
 
     out = Path(args.out)
-    payload = {"concurrency": args.concurrency, "trace": args.trace or f"generated, seed {args.seed}",
-               "layouts": {}, "verdict": []}
+    payload = {
+        "concurrency": args.concurrency,
+        "trace": args.trace or f"generated, seed {args.seed}",
+        "layouts": {},
+        "verdict": [],
+    }
     failed = False
     for lay in layouts:
         summaries = [results[key][0] for key in results if key[0] == lay.name]
         for s in summaries:
-            _write_records(out / f"requests-{lay.name}-{_slug(s['label'])}.jsonl", results[(lay.name, s["label"])][1])
+            _write_records(
+                out / f"requests-{lay.name}-{_slug(s['label'])}.jsonl", results[(lay.name, s["label"])][1]
+            )
         head = header_line(lay.summary(), summaries[0])
         print()
         print(table(summaries, head))
@@ -228,8 +271,11 @@ def _finish(layouts, results, args) -> int:
             png = plot(summaries, head, out / f"replay-{lay.name}.png")
             print(f"plot: {png}" if png else "plot: skipped (matplotlib not installed)")
         if args.require is not None:
-            failed |= any(s["restored_fraction_of_restorable"] * 100 < args.require
-                          for s in summaries if s["boundary_page"])
+            failed |= any(
+                s["restored_fraction_of_restorable"] * 100 < args.require
+                for s in summaries
+                if s["boundary_page"]
+            )
     write_json(out / "replay.json", payload)
     print(f"\nJSON: {out / 'replay.json'}; per-request records: {out}/requests-*.jsonl")
     sys.stdout.flush()

@@ -32,13 +32,24 @@ _UMBP_LABEL = re.compile(r'\b(group|tier)="([^"]*)"')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ssd", action="append", default=[], metavar="DIR",
-                        help="an ssd_dirs entry of the connector's config (repeatable)")
-    parser.add_argument("--remote", default=None, metavar="URL|JSON",
-                        help="the shared tier: a redis:// URL or the connector's remote options as JSON")
+    parser.add_argument(
+        "--ssd",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="an ssd_dirs entry of the connector's config (repeatable)",
+    )
+    parser.add_argument(
+        "--remote",
+        default=None,
+        metavar="URL|JSON",
+        help="the shared tier: a redis:// URL or the connector's remote options as JSON",
+    )
     parser.add_argument("--metrics", default=None, metavar="URL", help="a vLLM /metrics endpoint")
     parser.add_argument("--no-sizes", action="store_true", help="remote: count objects only (no STRLEN)")
-    parser.add_argument("--max-keys", type=int, default=1_000_000, help="remote: stop after this many objects")
+    parser.add_argument(
+        "--max-keys", type=int, default=1_000_000, help="remote: stop after this many objects"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -87,8 +98,10 @@ def ssd_report(base: str) -> TierReport:
     from umbp.pool.ssd.format import scan
 
     if not os.path.isdir(base):
-        raise StatsError(f"umbp stats: {base} is not a directory; pass an ssd_dirs entry of the connector's "
-                         "kv_connector_extra_config")
+        raise StatsError(
+            f"umbp stats: {base} is not a directory; pass an ssd_dirs entry of the connector's "
+            "kv_connector_extra_config"
+        )
     report = TierReport(f"ssd {base}")
     for ns in sorted(os.listdir(base)):
         if not _NAMESPACE.match(ns) or not os.path.isdir(os.path.join(base, ns)):
@@ -98,8 +111,12 @@ def ssd_report(base: str) -> TierReport:
             if not os.path.isdir(path):
                 continue
             found = scan(path)
-            shard = Shard(ns, rank.replace("-", ":"), segments=len(found.segments),
-                          disk_bytes=sum(s.size for s in found.segments))
+            shard = Shard(
+                ns,
+                rank.replace("-", ":"),
+                segments=len(found.segments),
+                disk_bytes=sum(s.size for s in found.segments),
+            )
             for key, rec in found.records.items():
                 parsed = _parse(key)
                 if parsed is None:
@@ -122,7 +139,9 @@ def remote_report(spec: str, sizes: bool, max_keys: int) -> TierReport:
 
     options = json.loads(spec) if spec.lstrip().startswith("{") else {"url": spec}
     tier = RedisTier.from_options(options)
-    name = redact_url(options["url"]) if "url" in options else ",".join(map(redact_url, options.get("urls", [])))
+    name = (
+        redact_url(options["url"]) if "url" in options else ",".join(map(redact_url, options.get("urls", [])))
+    )
     report = TierReport(f"remote {name}")
     shards: dict[tuple[str, str], Shard] = {}
     seen = 0
@@ -133,13 +152,17 @@ def remote_report(spec: str, sizes: bool, max_keys: int) -> TierReport:
             if parsed is None:
                 report.foreign += 1
                 continue
-            shard = shards.setdefault((parsed.namespace, parsed.rank.tag()), Shard(parsed.namespace, parsed.rank.tag()))
+            shard = shards.setdefault(
+                (parsed.namespace, parsed.rank.tag()), Shard(parsed.namespace, parsed.rank.tag())
+            )
             if length == 0:
                 shard.markers_without_value += 1
                 continue
             shard.add(parsed.group, parsed.prefix_hash, max(0, (length or HEADER_SIZE) - HEADER_SIZE))
     except (redis.RedisError, OSError) as exc:
-        raise StatsError(f"umbp stats: cannot read {name}: {exc}; is the server up and the URL right?") from None
+        raise StatsError(
+            f"umbp stats: cannot read {name}: {exc}; is the server up and the URL right?"
+        ) from None
     finally:
         tier.close()
     report.shards = [shards[k] for k in sorted(shards)]
@@ -156,8 +179,10 @@ def metrics_report(url: str) -> dict[str, float]:
         with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - an operator-given URL
             text = resp.read().decode()
     except OSError as exc:
-        raise StatsError(f"umbp stats: cannot read {url}: {exc}; is vLLM running with --kv-transfer-config "
-                         "UMBPConnector, and is this its /metrics URL?") from None
+        raise StatsError(
+            f"umbp stats: cannot read {url}: {exc}; is vLLM running with --kv-transfer-config "
+            "UMBPConnector, and is this its /metrics URL?"
+        ) from None
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _METRIC.match(line)
@@ -195,8 +220,10 @@ def print_tier(report: TierReport) -> None:
     print(report.tier)
     for s in report.shards:
         groups = ", ".join(f"g{g} {n}" for g, n in sorted(s.groups.items()))
-        line = (f"  {s.namespace}  {s.rank:<22} {s.objects:>9,} objects ({groups or '-'})  "
-                f"payload {_size(s.payload_bytes)}")
+        line = (
+            f"  {s.namespace}  {s.rank:<22} {s.objects:>9,} objects ({groups or '-'})  "
+            f"payload {_size(s.payload_bytes)}"
+        )
         if report.tier.startswith("ssd"):
             line += f"  {s.segments} segments, {_size(s.disk_bytes)} on disk"
         if s.markers_without_value:
@@ -218,8 +245,13 @@ def _jsonable(report: TierReport) -> dict[str, Any]:
         d["groups"] = {f"g{g}": n for g, n in sorted(s.groups.items())}
         shards.append(d)
     complete = {ns: {"objects": n, "ranks": r} for ns, (n, r) in report.complete().items()}
-    return {"tier": report.tier, "shards": shards, "complete": complete, "foreign": report.foreign,
-            "notes": report.notes}
+    return {
+        "tier": report.tier,
+        "shards": shards,
+        "complete": complete,
+        "foreign": report.foreign,
+        "notes": report.notes,
+    }
 
 
 def _gather(args: argparse.Namespace):
@@ -247,7 +279,10 @@ def run(args: argparse.Namespace) -> int:
     """Exit code: 0 every source was read; 1 some were unreachable (the rest is printed); 2 none was
     readable, or nothing was asked for."""
     if not (args.ssd or args.remote or args.metrics):
-        print("umbp stats: nothing to inspect; give --ssd DIR, --remote URL and/or --metrics URL", file=sys.stderr)
+        print(
+            "umbp stats: nothing to inspect; give --ssd DIR, --remote URL and/or --metrics URL",
+            file=sys.stderr,
+        )
         return 2
     tiers, metrics, unreachable = _gather(args)
     asked = len(args.ssd) + bool(args.remote) + bool(args.metrics)

@@ -25,8 +25,16 @@ from umbp.pool import Arena
 from umbp.transfer.api import Handle, Moves, TransferEngine
 from umbp.transfer.geometry import GroupGeometry, LayerGeometry, layer_geometry
 
-__all__ = ["GroupGeometry", "Handle", "LayerGeometry", "Moves", "TransferEngine", "layer_geometry",
-           "make_engine", "triton_available"]
+__all__ = [
+    "GroupGeometry",
+    "Handle",
+    "LayerGeometry",
+    "Moves",
+    "TransferEngine",
+    "layer_geometry",
+    "make_engine",
+    "triton_available",
+]
 
 
 def triton_available() -> bool:
@@ -37,8 +45,12 @@ def triton_available() -> bool:
     return True
 
 
-def make_engine(arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
-                backend: str = "auto", **options: Any) -> TransferEngine:
+def make_engine(
+    arena: Arena,
+    groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
+    backend: str = "auto",
+    **options: Any,
+) -> TransferEngine:
     """'auto': the kernel path when the pages are on CUDA, Triton imports and the arena is page-locked;
     else the staged path. `options` go to the kernel engine (ctas, block, num_warps, max_staging_bytes)."""
     devices = {t.device.type for layers in groups.values() for t, _ in layers}

@@ -70,8 +70,12 @@ class TransferEngine:
 
     backend = "?"
 
-    def __init__(self, arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
-                 piece_bytes: int = PIECE_BYTES):
+    def __init__(
+        self,
+        arena: Arena,
+        groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
+        piece_bytes: int = PIECE_BYTES,
+    ):
         self.arena = arena
         self.arena_tensor = arena.tensor_view(0, arena.capacity_bytes)
         self.groups = {g: GroupGeometry(list(layers), piece_bytes) for g, layers in groups.items()}
@@ -116,7 +120,9 @@ class TransferEngine:
     def _load(self, batch: list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]) -> Handle:
         raise NotImplementedError
 
-    def _checked(self, batch: Sequence[Moves], load: bool) -> list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]:
+    def _checked(
+        self, batch: Sequence[Moves], load: bool
+    ) -> list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]:
         """Validate a batch before anything touches memory: a bad id or offset in a kernel is corruption."""
         out, starts, reaches = [], [], []
         for m in batch:
@@ -125,15 +131,22 @@ class TransferEngine:
                 raise KeyError(f"umbp: group {m.group} is not registered with the transfer engine")
             ids, offs = _int64(m.block_ids), _int64(m.offsets)
             if ids.size != offs.size or (m.digests is not None and len(m.digests) != ids.size):
-                raise ValueError("umbp: block_ids, offsets (and digests) of a Moves must have one entry per object")
+                raise ValueError(
+                    "umbp: block_ids, offsets (and digests) of a Moves must have one entry per object"
+                )
             geom.check_blocks(ids)
             if m.slot_bytes is not None and m.slot_bytes < geom.object_bytes:
-                raise ValueError(f"umbp: slot_bytes {m.slot_bytes} is smaller than group {m.group}'s objects "
-                                 f"({geom.object_bytes} bytes)")
+                raise ValueError(
+                    f"umbp: slot_bytes {m.slot_bytes} is smaller than group {m.group}'s objects "
+                    f"({geom.object_bytes} bytes)"
+                )
             reach = slot_reach(geom.object_bytes, m)
-            if offs.size and (offs.min() < 0 or offs.max() + reach > self.arena.capacity_bytes
-                              or np.any(offs & 7)):
-                raise ValueError("umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch")
+            if offs.size and (
+                offs.min() < 0 or offs.max() + reach > self.arena.capacity_bytes or np.any(offs & 7)
+            ):
+                raise ValueError(
+                    "umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch"
+                )
             if load and _has_repeats(ids):
                 raise ValueError(f"umbp: a load writes block ids of group {m.group} twice")
             starts.append(offs)

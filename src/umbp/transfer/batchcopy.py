@@ -29,8 +29,12 @@ class _Location(ctypes.Structure):
 class _Attributes(ctypes.Structure):
     """cudaMemcpyAttributes; location hints left invalid (they matter only for managed memory)."""
 
-    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _Location), ("dst_hint", _Location),
-                ("flags", ctypes.c_uint)]
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_hint", _Location),
+        ("dst_hint", _Location),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 BatchCopy = Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
@@ -50,8 +54,11 @@ def load() -> BatchCopy | None:
         return None
     fail_index = version.value < 13000  # CUDA 12.8/12.9 had a failIdx out-parameter before the stream
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t] \
+    fn.argtypes = (
+        [ctypes.c_void_p] * 3
+        + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         + [ctypes.c_void_p] * (2 if fail_index else 1)
+    )
     attrs = _Attributes(_ORDER_STREAM, _Location(0, 0), _Location(0, 0), 0)
     first = (ctypes.c_size_t * 1)(0)  # one attribute set, for copies 0..count-1
     failed = ctypes.c_size_t(0)

@@ -41,7 +41,9 @@ def _page_dims(tensor: torch.Tensor, block_dim: int) -> list[tuple[int, int]]:
     dims = [(size, stride) for size, stride in dims if size > 1]
     for _size, stride in dims:
         if stride <= 0:
-            raise ValueError(f"umbp: a KV page dim has stride {stride}; overlapping/broadcast views are not pages")
+            raise ValueError(
+                f"umbp: a KV page dim has stride {stride}; overlapping/broadcast views are not pages"
+            )
     return dims
 
 
@@ -101,7 +103,9 @@ class GroupGeometry:
             cuts = np.arange(0, layer.seg_bytes, piece_bytes, dtype=np.int64)
             lens = np.minimum(piece_bytes, layer.seg_bytes - cuts)
             seg_src = (layer.base + layer.seg_offsets)[:, None] + cuts[None, :]
-            seg_obj = off + (np.arange(layer.seg_offsets.size, dtype=np.int64) * layer.seg_bytes)[:, None] + cuts
+            seg_obj = (
+                off + (np.arange(layer.seg_offsets.size, dtype=np.int64) * layer.seg_bytes)[:, None] + cuts
+            )
             src.append(seg_src.ravel())
             obj.append(seg_obj.ravel())
             nbytes.append(np.broadcast_to(lens, seg_src.shape).ravel())

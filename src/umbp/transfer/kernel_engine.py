@@ -43,8 +43,14 @@ FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a pl
 class DeviceHandle(Handle):
     """Completes when its CUDA event does; values come from a small page-locked tensor."""
 
-    def __init__(self, sizes: list[int], event: torch.cuda.Event | None, host: torch.Tensor,
-                 keep: list[torch.Tensor], mix: np.ndarray | None):
+    def __init__(
+        self,
+        sizes: list[int],
+        event: torch.cuda.Event | None,
+        host: torch.Tensor,
+        keep: list[torch.Tensor],
+        mix: np.ndarray | None,
+    ):
         super().__init__(sizes)
         self._event, self._host, self._keep, self._mix = event, host, keep, mix
 
@@ -67,11 +73,20 @@ class KernelEngine(TransferEngine):
     backend = "kernel"
     RAMP = 4  # a dma batch that finds its direction idle: its first round is 1/RAMP of a buffer (see _rounds)
 
-    def __init__(self, arena: Arena, groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
-                 piece_bytes: int = PIECE_BYTES, ctas: int | None = None, block: int = 1024,
-                 num_warps: int = 4, max_staging_bytes: int = 128 << 20, save_path: str = "auto",
-                 load_path: str = "auto", dma_min_run_bytes: int | None = None,
-                 dma_min_batch_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        arena: Arena,
+        groups: Mapping[int, Sequence[tuple[torch.Tensor, int]]],
+        piece_bytes: int = PIECE_BYTES,
+        ctas: int | None = None,
+        block: int = 1024,
+        num_warps: int = 4,
+        max_staging_bytes: int = 128 << 20,
+        save_path: str = "auto",
+        load_path: str = "auto",
+        dma_min_run_bytes: int | None = None,
+        dma_min_batch_bytes: int = 1 << 20,
+    ):
         super().__init__(arena, groups, piece_bytes)
         cuda = self.device.type == "cuda"
         if cuda and not arena.pinned:
@@ -79,8 +94,10 @@ class KernelEngine(TransferEngine):
         from umbp.transfer import triton_kernels as kernels  # imports Triton
 
         if not cuda and not kernels.interpreting():
-            raise ValueError("umbp: the kernel path on CPU tensors runs only under TRITON_INTERPRET=1 (tests); "
-                             "use backend='staged' on CPU")
+            raise ValueError(
+                "umbp: the kernel path on CPU tensors runs only under TRITON_INTERPRET=1 (tests); "
+                "use backend='staged' on CPU"
+            )
         self.kernel, self.fetch = kernels.copy_objects, kernels.fetch_words
         self.block, self.num_warps, self.max_staging_bytes = block, num_warps, max_staging_bytes
         # a ring buffer holds max_staging_bytes of slots plus their runs' alignment pads (_plan_runs), so
@@ -101,7 +118,9 @@ class KernelEngine(TransferEngine):
         self.dma_min_batch_bytes = dma_min_batch_bytes
         self.dma_min_run_bytes = dma_min_run_bytes  # one bar for both ways: mixing DMA one way with SM
         # traffic the other way ran at half the copy engines' both-ways rate (docs/transfer.md)
-        self.ctas = ctas or (torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4)
+        self.ctas = ctas or (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4
+        )
         self.arena_base = self.arena_tensor.data_ptr()
         self.align = {g: geom.alignment() for g, geom in self.groups.items()}
         rows = max((geom.object_bytes for geom in self.groups.values()), default=0) // ROW_BYTES + 2
@@ -109,8 +128,10 @@ class KernelEngine(TransferEngine):
         self.ktab = torch.from_numpy(ktab.view(np.int64).copy()).to(self.device)
         # rows of a checksum tile (triton_kernels.py): enough for the longest piece wherever it starts, a power of
         # two, at most 16. A tile is computed whole, so a taller one than needed wastes work on masked rows
-        longest = max((int(geom.template.nbytes.max()) for geom in self.groups.values() if geom.template.nbytes.size),
-                      default=ROW_BYTES)
+        longest = max(
+            (int(geom.template.nbytes.max()) for geom in self.groups.values() if geom.template.nbytes.size),
+            default=ROW_BYTES,
+        )
         span = (longest + ROW_BYTES - 8) // ROW_BYTES + 1
         self.crows = min(16, 1 << (span - 1).bit_length())
         self.tmpl, self.toff = _templates(self.groups, self.device)
@@ -295,11 +316,17 @@ class KernelEngine(TransferEngine):
         none was given (the object is then not checked); None when no object of the batch has one."""
         if all(m.digests is None for _g, m, _i, _o in batch):
             return None
-        want = np.concatenate([np.stack([np.zeros(ids.size, np.uint64), np.ones(ids.size, np.uint64)])
-                               if m.digests is None else
-                               np.stack([np.asarray(m.digests, np.uint64) ^ _mix([(g, m, ids, o)]),
-                                         np.zeros(ids.size, np.uint64)])
-                               for g, m, ids, o in batch], axis=1)  # digests less their length term: _Plan.sums
+        want = np.concatenate(
+            [
+                np.stack([np.zeros(ids.size, np.uint64), np.ones(ids.size, np.uint64)])
+                if m.digests is None
+                else np.stack(
+                    [np.asarray(m.digests, np.uint64) ^ _mix([(g, m, ids, o)]), np.zeros(ids.size, np.uint64)]
+                )
+                for g, m, ids, o in batch
+            ],
+            axis=1,
+        )  # digests less their length term: _Plan.sums
         return self._upload(want.view(np.int64))
 
     @staticmethod
@@ -308,7 +335,9 @@ class KernelEngine(TransferEngine):
             return torch.ones(got.shape, dtype=torch.int8, device=got.device)
         return ((got == want[0]) | (want[1] != 0)).to(torch.int8)
 
-    def _staging(self, batch: Batch, direction: int) -> tuple[torch.Tensor, list[np.ndarray], tuple[np.ndarray, ...], list]:
+    def _staging(
+        self, batch: Batch, direction: int
+    ) -> tuple[torch.Tensor, list[np.ndarray], tuple[np.ndarray, ...], list]:
         """Device staging laid out like the batch's runs of adjacent arena slots (pads between objects
         included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, per-Moves row
         addresses, copy runs as arrays (arena offset, staging offset, bytes), its ring slot: see _acquire)."""
@@ -328,9 +357,9 @@ class KernelEngine(TransferEngine):
             return
         for a, s, n in zip(arena.tolist(), staging.tolist(), size.tolist()):
             if to_arena:
-                self.arena_tensor[a:a + n].copy_(stg[s:s + n], non_blocking=True)
+                self.arena_tensor[a : a + n].copy_(stg[s : s + n], non_blocking=True)
             else:
-                stg[s:s + n].copy_(self.arena_tensor[a:a + n], non_blocking=True)
+                stg[s : s + n].copy_(self.arena_tensor[a : a + n], non_blocking=True)
 
     def _ring_slot(self, direction: int, nbytes: int) -> list:
         """[buffer, event after which it is free]: one of two per direction, taken in turn (rounds are cut
@@ -434,8 +463,9 @@ class KernelEngine(TransferEngine):
                     continue
                 e = min(ids.size, s + max(1, room))  # an object over the budget gets a round of its own
                 digests = None if m.digests is None else list(m.digests)[s:e]
-                rounds[-1].append((geom, Moves(m.group, ids[s:e], offs[s:e], digests, m.slot_bytes),
-                                   ids[s:e], offs[s:e]))
+                rounds[-1].append(
+                    (geom, Moves(m.group, ids[s:e], offs[s:e], digests, m.slot_bytes), ids[s:e], offs[s:e])
+                )
                 used += (e - s) * c
                 s = e
         return [r for r in rounds if r]
@@ -457,7 +487,7 @@ class KernelEngine(TransferEngine):
         nobj = int(counts.sum())
         host = self._host_buffer(4 * nseg + nobj * (1 + len(rows) + sums))
         words = host.numpy()
-        seg = words[:4 * nseg].reshape(4, nseg)
+        seg = words[: 4 * nseg].reshape(4, nseg)
         per = np.array([g.template.obj.size for g, _m, _i, _o in batch], np.int64)
         pieces = counts * per
         seg[0] = np.cumsum(pieces) - pieces
@@ -467,23 +497,47 @@ class KernelEngine(TransferEngine):
         plan = _Plan(host, nseg, int(pieces.sum()), nobj, len(rows), sums)
         at = plan.ids_at
         for column in ([ids for _g, _m, ids, _o in batch], *rows):
-            np.concatenate(column, out=words[at:at + nobj])
+            np.concatenate(column, out=words[at : at + nobj])
             at += nobj
         words[at:] = 0
         if self.device.type == "cuda":
             plan.buf = self._fetch(host, stream)
         return plan
 
-    def _copy(self, plan: _Plan, src: int | None, dst: int | None, align16: bool, checksum: bool = False,
-              ok: torch.Tensor | None = None, store: bool = True) -> None:
+    def _copy(
+        self,
+        plan: _Plan,
+        src: int | None,
+        dst: int | None,
+        align16: bool,
+        checksum: bool = False,
+        ok: torch.Tensor | None = None,
+        store: bool = True,
+    ) -> None:
         """Run the copy kernel over a plan; src / dst: the plan's row column, or None for the KV pages."""
         if plan.n == 0:
             return
         col = [plan.at(c) if c is not None else 0 for c in (src, dst)]
         self.kernel[(min(plan.n, self.ctas),)](
-            plan.buf, plan.nseg, plan.n, self.tmpl, self.tmpl.shape[1], plan.ids_at, col[0], col[1],
-            plan.sums_at(), self.ktab, self._dummy if ok is None else ok, BLOCK=self.block, SRC_KV=src is None,
-            DST_KV=dst is None, CHECKSUM=checksum, GUARD=ok is not None, ALIGN16=align16, STORE=store, CROWS=self.crows,
+            plan.buf,
+            plan.nseg,
+            plan.n,
+            self.tmpl,
+            self.tmpl.shape[1],
+            plan.ids_at,
+            col[0],
+            col[1],
+            plan.sums_at(),
+            self.ktab,
+            self._dummy if ok is None else ok,
+            BLOCK=self.block,
+            SRC_KV=src is None,
+            DST_KV=dst is None,
+            CHECKSUM=checksum,
+            GUARD=ok is not None,
+            ALIGN16=align16,
+            STORE=store,
+            CROWS=self.crows,
             num_warps=self.num_warps,
         )
 
@@ -528,8 +582,9 @@ class KernelEngine(TransferEngine):
         s.wait_stream(caller)
         return torch.cuda.stream(s)
 
-    def _finish(self, batch: Batch, values: torch.Tensor, keep: list[torch.Tensor], mix: np.ndarray | None,
-                stream) -> Handle:
+    def _finish(
+        self, batch: Batch, values: torch.Tensor, keep: list[torch.Tensor], mix: np.ndarray | None, stream
+    ) -> Handle:
         """mix: for saves, each object's psum64 length term (xored in on the host: see _Plan.sums). Runs on
         `stream` (the current one): the handle completes after everything queued there."""
         sizes = [ids.size for _g, _m, ids, _o in batch]
@@ -550,7 +605,14 @@ class _Plan:
     _expected), so the device needs no extra op per group."""
 
     def __init__(self, buf: torch.Tensor, nseg: int, n: int, nobj: int, ncols: int, has_sums: bool):
-        self.buf, self.nseg, self.n, self.nobj, self.ncols, self.has_sums = buf, nseg, n, nobj, ncols, has_sums
+        self.buf, self.nseg, self.n, self.nobj, self.ncols, self.has_sums = (
+            buf,
+            nseg,
+            n,
+            nobj,
+            ncols,
+            has_sums,
+        )
 
     @property
     def ids_at(self) -> int:
@@ -566,7 +628,7 @@ class _Plan:
 
     def sums(self) -> torch.Tensor:
         at = self.sums_at()
-        return self.buf[at:at + self.nobj]
+        return self.buf[at : at + self.nobj]
 
 
 def _templates(groups: Mapping[int, Any], device: torch.device) -> tuple[torch.Tensor, dict[int, int]]:
@@ -623,15 +685,18 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _mix(batch: Batch) -> np.ndarray:
     """Each object's psum64 length term (umbp.pool.psum), as uint64."""
-    return np.concatenate([np.full(ids.size, digest_mix(g.object_bytes), np.int64)
-                           for g, _m, ids, _o in batch]).view(np.uint64)
+    return np.concatenate(
+        [np.full(ids.size, digest_mix(g.object_bytes), np.int64) for g, _m, ids, _o in batch]
+    ).view(np.uint64)
 
 
 def _sorted_runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(first and last index of each run, in offset order; the order; sorted offsets; sorted sizes)."""
     offs = np.concatenate([o for _g, _m, _i, o in batch])
     size = np.concatenate([np.full(ids.size, g.object_bytes, np.int64) for g, _m, ids, _o in batch])
-    reach = np.concatenate([np.full(ids.size, slot_reach(g.object_bytes, m), np.int64) for g, m, ids, _o in batch])
+    reach = np.concatenate(
+        [np.full(ids.size, slot_reach(g.object_bytes, m), np.int64) for g, m, ids, _o in batch]
+    )
     order = np.argsort(offs, kind="stable")
     so, sr, ss = offs[order], reach[order], size[order]
     cut = np.flatnonzero(so[1:] != so[:-1] + sr[:-1]) + 1
@@ -655,4 +720,4 @@ def _plan_runs(sorted_runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, tuple[n
 
 def _aligned(nbytes: int, device: torch.device) -> torch.Tensor:
     raw = torch.empty(nbytes + 16, dtype=torch.uint8, device=device)
-    return raw[(-raw.data_ptr()) % 16:]
+    return raw[(-raw.data_ptr()) % 16 :]

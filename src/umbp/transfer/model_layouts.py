@@ -58,30 +58,63 @@ def _fill(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def attention(num_layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int,
-              dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-              kv_first: bool = True) -> list[tuple[torch.Tensor, int]]:
-    shape = (2, num_blocks, block_size, heads, head_dim) if kv_first else (num_blocks, 2, block_size, heads, head_dim)
-    return [(_fill(torch.empty(shape, dtype=dtype, device=device)), 1 if kv_first else 0)
-            for _ in range(num_layers)]
+def attention(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    kv_first: bool = True,
+) -> list[tuple[torch.Tensor, int]]:
+    shape = (
+        (2, num_blocks, block_size, heads, head_dim)
+        if kv_first
+        else (num_blocks, 2, block_size, heads, head_dim)
+    )
+    return [
+        (_fill(torch.empty(shape, dtype=dtype, device=device)), 1 if kv_first else 0)
+        for _ in range(num_layers)
+    ]
 
 
-def kernel_split(num_layers: int, num_blocks: int, block_size: int, k: int, heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu") -> list[tuple[torch.Tensor, int]]:
+def kernel_split(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    k: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float16,
+    device: str | torch.device = "cpu",
+) -> list[tuple[torch.Tensor, int]]:
     out = []
     for _ in range(num_layers):
-        t = _fill(torch.empty((2, num_blocks * k, block_size // k, heads, head_dim), dtype=dtype, device=device))
+        t = _fill(
+            torch.empty((2, num_blocks * k, block_size // k, heads, head_dim), dtype=dtype, device=device)
+        )
         out.append((t.unflatten(1, (num_blocks, k)), 1))
     return out
 
 
-def hybrid(num_slots: int, num_blocks: int, block_size: int, heads: int, head_dim: int,
-           state_bytes: list[int], dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> tuple[Groups, list[torch.Tensor]]:
+def hybrid(
+    num_slots: int,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    head_dim: int,
+    state_bytes: list[int],
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> tuple[Groups, list[torch.Tensor]]:
     """Group 0: the attention layer of every slot; group 1 + j: state layer j of every slot (a raw int8
     view of state_bytes[j] bytes at the start of each padded page). Returns (groups, backing buffers)."""
     page = 2 * block_size * heads * head_dim * torch.empty(0, dtype=dtype).element_size()
     if max(state_bytes, default=0) > page:
-        raise ValueError(f"state page of {max(state_bytes)} bytes does not fit the {page}-byte attention page")
+        raise ValueError(
+            f"state page of {max(state_bytes)} bytes does not fit the {page}-byte attention page"
+        )
     raws = [_fill(torch.empty((num_blocks, page), dtype=torch.int8, device=device)) for _ in range(num_slots)]
     groups: Groups = {0: [(r.view(dtype).view(num_blocks, 2, block_size, heads, head_dim), 0) for r in raws]}
     for j, nbytes in enumerate(state_bytes):
@@ -99,16 +132,31 @@ def granite_sizes(cfg: dict[str, Any] = GRANITE_4_0_H_350M, dtype_bytes: int = 2
     ssm = cfg["mamba_n_heads"] * cfg["mamba_d_head"] * cfg["mamba_d_state"] * dtype_bytes
     block_size = 16 * math.ceil((conv + ssm) / (16 * attn_token))
     n_attn = sum(t == "attention" for t in cfg["layer_types"])
-    return dict(head_dim=head_dim, kv_heads=cfg["num_key_value_heads"], attn_token_bytes=attn_token,
-                state_bytes=conv + ssm, block_size=block_size, page_bytes=block_size * attn_token,
-                attention_layers=n_attn, mamba_layers=len(cfg["layer_types"]) - n_attn)
+    return dict(
+        head_dim=head_dim,
+        kv_heads=cfg["num_key_value_heads"],
+        attn_token_bytes=attn_token,
+        state_bytes=conv + ssm,
+        block_size=block_size,
+        page_bytes=block_size * attn_token,
+        attention_layers=n_attn,
+        mamba_layers=len(cfg["layer_types"]) - n_attn,
+    )
 
 
-def granite_hybrid(num_blocks: int, device: str | torch.device = "cpu",
-                   cfg: dict[str, Any] = GRANITE_4_0_H_350M) -> tuple[Groups, dict[str, int]]:
+def granite_hybrid(
+    num_blocks: int, device: str | torch.device = "cpu", cfg: dict[str, Any] = GRANITE_4_0_H_350M
+) -> tuple[Groups, dict[str, int]]:
     """The Granite-4.0-H-350M layout: slots = attention layers; mamba layers / slots state groups."""
     s = granite_sizes(cfg)
     slots = s["attention_layers"]
-    groups, _ = hybrid(slots, num_blocks, s["block_size"], s["kv_heads"], s["head_dim"],
-                       [s["state_bytes"]] * (s["mamba_layers"] // slots), device=device)
+    groups, _ = hybrid(
+        slots,
+        num_blocks,
+        s["block_size"],
+        s["kv_heads"],
+        s["head_dim"],
+        [s["state_bytes"]] * (s["mamba_layers"] // slots),
+        device=device,
+    )
     return groups, s

@@ -107,9 +107,27 @@ def _piece_checksum(src, dst, objw, nw, ktab, STORE: tl.constexpr, CROWS: tl.con
 
 
 @triton.jit(do_not_specialize=["nseg", "n", "ids_at", "src_at", "dst_at", "sums_at"])
-def copy_objects(plan, nseg, n, tmpl, ntmpl, ids_at, src_at, dst_at, sums_at, ktab, ok, BLOCK: tl.constexpr,
-                 SRC_KV: tl.constexpr, DST_KV: tl.constexpr, CHECKSUM: tl.constexpr, GUARD: tl.constexpr,
-                 ALIGN16: tl.constexpr, STORE: tl.constexpr = True, CROWS: tl.constexpr = 16):
+def copy_objects(
+    plan,
+    nseg,
+    n,
+    tmpl,
+    ntmpl,
+    ids_at,
+    src_at,
+    dst_at,
+    sums_at,
+    ktab,
+    ok,
+    BLOCK: tl.constexpr,
+    SRC_KV: tl.constexpr,
+    DST_KV: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    GUARD: tl.constexpr,
+    ALIGN16: tl.constexpr,
+    STORE: tl.constexpr = True,
+    CROWS: tl.constexpr = 16,
+):
     """n pieces. `*_at`: word offsets in `plan` of the block ids, the source and destination rows (unused
     on a KV side) and the checksums (xored into atomically: several pieces make one object's digest).
     `ktab`: psum64's lane weights K (umbp.pool.psum.lane_table), enough for the largest object."""

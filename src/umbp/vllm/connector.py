@@ -56,8 +56,12 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info(
             "umbp: %s connector (the umbp package, not vLLM's in-tree UMBPStoreConnector), namespace %s, "
             "unit %d, groups %s, eagle groups %s; pool paths: %s",
-            role.name.lower(), self.layout.namespace, self.layout.unit,
-            [type(g).__name__ for g in self.layout.groups], sorted(self.layout.eagle_groups), native.describe(),
+            role.name.lower(),
+            self.layout.namespace,
+            self.layout.unit,
+            [type(g).__name__ for g in self.layout.groups],
+            sorted(self.layout.eagle_groups),
+            native.describe(),
         )
 
     @classmethod
@@ -181,7 +185,9 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         finished, failed = self._worker.take_transfer_results()
         sent, self._worker.delivered = self._worker.delivered, set()
-        return KVConnectorTransferResults(finished_sending=sent, finished_recving=finished, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=finished, failed_recving=failed
+        )
 
     def build_connector_worker_meta(self):
         return self._worker.take_worker_meta() if self._worker is not None else None

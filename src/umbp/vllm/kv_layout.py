@@ -48,8 +48,9 @@ def umbp_group(spec) -> object:
     merges only groups whose specs are equal)."""
     tag = group_tag(spec)
     if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindow(block_size=spec.block_size, window=spec.sliding_window, tag=tag,
-                             dcp_sharded=spec.dcp_sharded)
+        return SlidingWindow(
+            block_size=spec.block_size, window=spec.sliding_window, tag=tag, dcp_sharded=spec.dcp_sharded
+        )
     if isinstance(spec, FullAttentionSpec):
         return FullAttention(block_size=spec.block_size, tag=tag, dcp_sharded=spec.dcp_sharded)
     if isinstance(spec, MambaSpec):
@@ -116,7 +117,11 @@ def dcp_interleave(vllm_config, kv_cache_config: KVCacheConfig) -> int:
     if legacy > 1:
         interleave = legacy
     transfer = vllm_config.kv_transfer_config
-    nixl = transfer is not None and hasattr(transfer, "has_connector") and transfer.has_connector("NixlConnector")
+    nixl = (
+        transfer is not None
+        and hasattr(transfer, "has_connector")
+        and transfer.has_connector("NixlConnector")
+    )
     if nixl and getattr(parallel, "_allow_auto_resolve_cp_interleave_size", False):
         interleave = min(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
     return interleave

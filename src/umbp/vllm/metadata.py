@@ -31,7 +31,9 @@ class SaveJob:
     group: int
     moves: list[PageMove]
     ssd: bool = False  # also write through to this rank's SSD tier
-    fence: bool = True  # the next forward may rewrite these pages (boundary page, state): it waits for the copy
+    fence: bool = (
+        True  # the next forward may rewrite these pages (boundary page, state): it waits for the copy
+    )
 
 
 @dataclass
@@ -48,7 +50,9 @@ class UMBPOffloadMetadata(KVConnectorMetadata):
 
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
-    handoffs_done: list[str] = field(default_factory=list)  # store-mediated P/D: report these finished_sending
+    handoffs_done: list[str] = field(
+        default_factory=list
+    )  # store-mediated P/D: report these finished_sending
 
     def is_empty(self) -> bool:
         return not self.saves and not self.loads and not self.handoffs_done
@@ -69,8 +73,9 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPWorkerMetadata:
         assert isinstance(other, UMBPWorkerMetadata)
-        merged = UMBPWorkerMetadata(ssd_evicted=self.ssd_evicted | other.ssd_evicted,
-                                    load_failed=self.load_failed | other.load_failed)
+        merged = UMBPWorkerMetadata(
+            ssd_evicted=self.ssd_evicted | other.ssd_evicted, load_failed=self.load_failed | other.load_failed
+        )
         for name in ("saved", "failed", "ssd_saved"):
             dst = getattr(merged, name)
             for src in (getattr(self, name), getattr(other, name)):

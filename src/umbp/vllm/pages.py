@@ -70,7 +70,9 @@ class GroupPages:
             t.index_copy_(layer.block_dim, ids, pages)
 
 
-def group_pages(kv_caches: dict[str, torch.Tensor], layer_names: list[str], num_blocks: int) -> GroupPages | None:
+def group_pages(
+    kv_caches: dict[str, torch.Tensor], layer_names: list[str], num_blocks: int
+) -> GroupPages | None:
     layers = []
     for name in layer_names:
         tensor = kv_caches.get(name)

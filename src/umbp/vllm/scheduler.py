@@ -39,7 +39,11 @@ logger = logging.getLogger("umbp.vllm")
 
 SAVE_CONFIRM_STEPS = 64
 REMOTE_REUSE_S = 0.5  # a request's shared-tier answers are reused this long (see _add_remote)
-MUTABLE = (BOUNDARY_PAGE, BOUNDARY_STATE, PROMPT_TAIL)  # plans whose pages a running request's next forward may rewrite  # steps after which an unconfirmed save is given up (its keys never become visible)
+MUTABLE = (
+    BOUNDARY_PAGE,
+    BOUNDARY_STATE,
+    PROMPT_TAIL,
+)  # plans whose pages a running request's next forward may rewrite  # steps after which an unconfirmed save is given up (its keys never become visible)
 
 
 @dataclass
@@ -88,9 +92,14 @@ class SchedulerSide:
         self.cfg = cfg
         self.layout = layout
         self.block_pool = block_pool
-        self.index = DramIndex(cfg.dram_bytes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
-                               alignment=ARENA_PAGE, keep_keys=False,  # evictions are only counted here
-                               max_evict_objects=1024)  # a ~3 ms eviction per step at most, not 10% of 30 M
+        self.index = DramIndex(
+            cfg.dram_bytes,
+            high_watermark=cfg.high_watermark,
+            low_watermark=cfg.low_watermark,
+            alignment=ARENA_PAGE,
+            keep_keys=False,  # evictions are only counted here
+            max_evict_objects=1024,
+        )  # a ~3 ms eviction per step at most, not 10% of 30 M
         self.rank_tags = {r.tag() for r in layout.ranks}
         self.requests: dict[str, TrackedRequest] = {}
         self.loads: dict[str, PendingLoad] = {}
@@ -109,7 +118,9 @@ class SchedulerSide:
         # block_size * dcp tokens (each rank holds its shard of it under its own key)
         self.spans = layout.spans
         # full-attention groups (MLA included) -> span: every hit needs all their whole blocks (_add_remote)
-        self._full_blocks = {g: spec.block_size for g, spec in enumerate(self.spans) if isinstance(spec, FullAttention)}
+        self._full_blocks = {
+            g: spec.block_size for g, spec in enumerate(self.spans) if isinstance(spec, FullAttention)
+        }
         self._max_block = max((spec.block_size for spec in self.spans), default=0)
         # attention-only layouts also restore into the prompt's last block (umbp.hybrid.tail); None: off
         # (off with speculative decoding: a tail key covers [0, e) only, not the tokens past e that a
@@ -117,15 +128,18 @@ class SchedulerSide:
         spec = layout.identity.speculative_method
         self._tail_unit = cfg.tail_unit if cfg.boundary_page and not spec else 0
         self._tail_span = tail_span(layout.groups, self._tail_unit, layout.dcp, layout.eagle_groups)
-        self._rank_heads = [[key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))]
-                            for r in layout.ranks]
+        self._rank_heads = [
+            [key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))] for r in layout.ranks
+        ]
         if cfg.ssd_dirs:
             self.ssd_keys = scan_ssd(cfg.ssd_dirs, layout.namespace, layout.ranks)
             logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
         # store-mediated P/D (umbp.vllm.handoff): a producer confirms hand-offs, a consumer waits for them
         if role in ("kv_producer", "kv_consumer") and self.remote is None:
-            raise ConfigError(f"umbp: kv_role {role!r} is store-mediated P/D and needs the shared tier "
-                              "('remote' in kv_connector_extra_config); beside a P/D connector use 'kv_both'")
+            raise ConfigError(
+                f"umbp: kv_role {role!r} is store-mediated P/D and needs the shared tier "
+                "('remote' in kv_connector_extra_config); beside a P/D connector use 'kv_both'"
+            )
         self.producer = Producer(self, cfg.handoff_timeout_s) if role == "kv_producer" else None
         self.consumer = Consumer(self, cfg.handoff_wait_s) if role == "kv_consumer" else None
         self.job_ids = itertools.count(1)
@@ -178,7 +192,7 @@ class SchedulerSide:
         if not tracked.keys:
             tracked.keys = [[] for _ in self.layout.groups]
         for head, keys in zip(self._logical_heads, tracked.keys):
-            keys.extend(head + hx for hx in hexes[len(keys):])
+            keys.extend(head + hx for hx in hexes[len(keys) :])
         return tracked.keys
 
     def present_sets(self, request, limit: int) -> list[set[int]]:
@@ -239,13 +253,18 @@ class SchedulerSide:
         if asks:
             self._ask_remote(tracked, asks, present, now)
 
-    def _ask_remote(self, tracked: TrackedRequest, asks: list[tuple[int, int]], present: list[set[int]],
-                    now: float) -> None:
+    def _ask_remote(
+        self, tracked: TrackedRequest, asks: list[tuple[int, int]], present: list[set[int]], now: float
+    ) -> None:
         """One pipelined exists() for these (group, end) objects of every rank; caches the answers."""
         hexes, unit = self._hexes(tracked), self.layout.unit
         cut = [(g, hexes[t // unit - 1]) for g, t in asks]
         keys = [heads[g] + hx for heads in self._rank_heads for g, hx in cut]  # rank-major
-        held = np.asarray(self.remote.exists(keys), dtype=bool).reshape(len(self._rank_heads), len(asks)).all(axis=0)
+        held = (
+            np.asarray(self.remote.exists(keys), dtype=bool)
+            .reshape(len(self._rank_heads), len(asks))
+            .all(axis=0)
+        )
         for (g, t), ok in zip(asks, held.tolist()):
             tracked.remote[(g, t)] = (now, ok)
             if ok:
@@ -270,7 +289,7 @@ class SchedulerSide:
             tracked.forget_hashes()
             self.count("hash_rewrites")
             hexes = tracked.hexes
-        hexes.extend(bytes(h).hex() for h in hashes[len(hexes):])
+        hexes.extend(bytes(h).hex() for h in hashes[len(hexes) :])
         return hexes
 
     def _drop_quarantined(self, all_keys: list[list[str]], present: list[set[int]]) -> None:
@@ -299,7 +318,9 @@ class SchedulerSide:
         if self._tail_span is not None:
             hit = self._extend_into_tail(tracked, request, hit, num_computed_tokens, max_tokens)
         tracked.hit, tracked.hit_local = hit, num_computed_tokens
-        if self.consumer is not None and self.consumer.hold(request, tracked, hit.tokens, num_computed_tokens):
+        if self.consumer is not None and self.consumer.hold(
+            request, tracked, hit.tokens, num_computed_tokens
+        ):
             return None, False  # P's hand-off is not visible yet: vLLM asks again next step
         if hit.tokens <= num_computed_tokens:
             return 0, False
@@ -342,7 +363,9 @@ class SchedulerSide:
         if self.remote is not None and asks:
             hexes = [bytes(self.prefix_hash(request, e)).hex() for _, e in asks]
             rank_keys = [heads[g] + hx for heads in self._rank_heads for (g, _), hx in zip(asks, hexes)]
-            found = np.asarray(self.remote.exists(rank_keys), dtype=bool).reshape(len(self._rank_heads), len(asks))
+            found = np.asarray(self.remote.exists(rank_keys), dtype=bool).reshape(
+                len(self._rank_heads), len(asks)
+            )
             held |= {ge for ge, ok in zip(asks, found.all(axis=0).tolist()) if ok}
         now = time.monotonic()
         held -= {ge for ge, key in keys.items() if self.quarantine.get(key, 0) > now}
@@ -437,14 +460,20 @@ class SchedulerSide:
                 self.requests[req_id].planner.reset()
                 self.requests[req_id].forget_hashes()
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens or {}
-        offloads_of, scheduled_of, unit = state.boundary_state_offloads, scheduler_output.num_scheduled_tokens, self.layout.unit
+        offloads_of, scheduled_of, unit = (
+            state.boundary_state_offloads,
+            scheduler_output.num_scheduled_tokens,
+            self.layout.unit,
+        )
         busy = []  # most decode steps leave every planner idle: then no block tables are built (vLLM makes
         for req_id in state.req_ids:  # a list per group and request; that was ~3/4 of umbp's step cost)
             tracked = self.requests.get(req_id)
             if tracked is None or req_id in self.loads:
                 continue
             request = tracked.request
-            computed = request.num_computed_tokens + scheduled_of.get(req_id, 0) - len(spec_tokens.get(req_id, ()))
+            computed = (
+                request.num_computed_tokens + scheduled_of.get(req_id, 0) - len(spec_tokens.get(req_id, ()))
+            )
             hashed = len(request.block_hashes) * unit
             offloads = offloads_of.get(req_id, ())
             if offloads or not tracked.planner.idle(computed, hashed):
@@ -454,8 +483,9 @@ class SchedulerSide:
             if block_ids is None:
                 continue
             tracked = self.requests[req_id]
-            plans = tracked.planner.step(computed_tokens=computed, hashed_tokens=hashed, block_ids=block_ids,
-                                         offloads=offloads)
+            plans = tracked.planner.step(
+                computed_tokens=computed, hashed_tokens=hashed, block_ids=block_ids, offloads=offloads
+            )
             self.queue_saves(tracked.request, plans)
 
     def queue_saves(self, request, plans: Sequence[StorePlan]) -> None:
@@ -481,7 +511,9 @@ class SchedulerSide:
                     continue
                 self.in_flight_keys.add(key)
                 moves, keys = by_job.setdefault((group, mutable), ([], []))
-                moves.append(PageMove(plan.block_id, slot.offset, nbytes, self.prefix_hash(request, plan.key_end)))
+                moves.append(
+                    PageMove(plan.block_id, slot.offset, nbytes, self.prefix_hash(request, plan.key_end))
+                )
                 keys.append(key)
         self._count_evictions()
         for (group, mutable), (moves, keys) in sorted(by_job.items()):
@@ -582,7 +614,9 @@ class SchedulerSide:
         for job_id in stale:
             save = self.saves.pop(job_id)
             save.failed = True
-            logger.warning("umbp: save job %d unconfirmed after %d steps; dropped", job_id, SAVE_CONFIRM_STEPS)
+            logger.warning(
+                "umbp: save job %d unconfirmed after %d steps; dropped", job_id, SAVE_CONFIRM_STEPS
+            )
             self._finish_save(save)
 
     def _finish_save(self, save: PendingSave) -> None:
@@ -661,4 +695,3 @@ def key_head(probe: str) -> str:
     if not probe.endswith(":00"):
         raise RuntimeError(f"umbp: unexpected key layout {probe!r}")
     return probe[:-2]
-

@@ -164,7 +164,9 @@ class WorkerSide:
             self.feeder = ThreadPoolExecutor(1, thread_name_prefix="umbp-tier-feed")
             atexit.register(self.close)  # queued writes must reach the disk/server without a clean shutdown
         logger.info(
-            "umbp: rank %s arena %.2f GiB, groups %s", self.rank.tag(), self.cfg.dram_bytes / 2**30,
+            "umbp: rank %s arena %.2f GiB, groups %s",
+            self.rank.tag(),
+            self.cfg.dram_bytes / 2**30,
             {g: p.object_bytes for g, p in self.groups.items()},
         )
 
@@ -236,8 +238,10 @@ class WorkerSide:
         together = self._together(self.engine.save, [[moves] for _job, moves in part])
         if together is not None:
             handle, firsts = together
-            self.pending_saves += [PendingSave(job, handle, self.polls, first)
-                                   for (job, _moves), first in zip(part, firsts, strict=True)]
+            self.pending_saves += [
+                PendingSave(job, handle, self.polls, first)
+                for (job, _moves), first in zip(part, firsts, strict=True)
+            ]
             return
         for job, moves in part:
             try:
@@ -272,8 +276,12 @@ class WorkerSide:
             raise ValueError(f"umbp: page of {nbytes} bytes exceeds its slot of {job.moves[0].nbytes}")
         for move in job.moves:
             self.slots.pop(move.offset, None)  # being rewritten: invalid until the copy is done
-        return Moves(job.group, [m.block_id for m in job.moves], [m.offset for m in job.moves],
-                     slot_bytes=slot_span(max(m.nbytes for m in job.moves)))
+        return Moves(
+            job.group,
+            [m.block_id for m in job.moves],
+            [m.offset for m in job.moves],
+            slot_bytes=slot_span(max(m.nbytes for m in job.moves)),
+        )
 
     def poll_saves(self, wait_older: bool = False) -> None:
         """Finish the saves whose copies (then tier writes) are done; with wait_older, wait for those
@@ -351,8 +359,9 @@ class WorkerSide:
         self.count("stored_bytes_rank", nbytes * len(job.moves))
         return keys, [self.arena.view(m.offset, nbytes) for m in job.moves]
 
-    def _feed_tiers(self, ssd: bool, keys: list[str], views: list, digests: list[int]
-                    ) -> tuple[list[bool] | None, list[bool] | None]:
+    def _feed_tiers(
+        self, ssd: bool, keys: list[str], views: list, digests: list[int]
+    ) -> tuple[list[bool] | None, list[bool] | None]:
         """On the feeder thread: queue the objects' writes (each tier copies and checks the bytes against
         the digests the save computed). Touches only the tiers, which are thread-safe."""
         disk, remote = self.ssd, self.remote
@@ -437,8 +446,12 @@ class WorkerSide:
         slot's record. Returns (reads, the logical key of the first object a tier did not return, or
         None)."""
         keys = [self.rank_key(group, move.prefix_hash) for group, move, _n in tier_moves]
-        datas = [torch.from_numpy(self.arena.view(move.promote_offset, nbytes)) if move.promote_offset >= 0
-                 else torch.empty(nbytes, dtype=torch.uint8) for _g, move, nbytes in tier_moves]
+        datas = [
+            torch.from_numpy(self.arena.view(move.promote_offset, nbytes))
+            if move.promote_offset >= 0
+            else torch.empty(nbytes, dtype=torch.uint8)
+            for _g, move, nbytes in tier_moves
+        ]
         got = [False] * len(tier_moves)
         for source, tier in (("ssd", self.ssd), ("remote", self.remote)):
             idx = [i for i, (_g, move, _n) in enumerate(tier_moves) if move.source == source]
@@ -496,8 +509,10 @@ class WorkerSide:
             data = torch.stack([d for _, d in rows])
             self.groups[group].scatter([b for b, _ in rows], data)
             self.count("loaded_bytes", data.numel())
-        task.batch = [Moves(g, ids, offs, digs if self.cfg.checksum else None, slot_span(self.layout.object_bytes[g]))
-                      for g, (ids, offs, digs) in sorted(task.slotted.items())]
+        task.batch = [
+            Moves(g, ids, offs, digs if self.cfg.checksum else None, slot_span(self.layout.object_bytes[g]))
+            for g, (ids, offs, digs) in sorted(task.slotted.items())
+        ]
 
     def _load_alone(self, task: PendingLoad) -> None:
         task.handle, task.first = self.engine.load(task.batch), 0
@@ -515,7 +530,9 @@ class WorkerSide:
         if not all(all(w) for w in results):
             task.ok = False
             return
-        self.count("loaded_bytes", sum(len(m.block_ids) * self.groups[m.group].object_bytes for m in task.batch))
+        self.count(
+            "loaded_bytes", sum(len(m.block_ids) * self.groups[m.group].object_bytes for m in task.batch)
+        )
 
     def poll_loads(self, wait: bool = False) -> None:
         """Advance every load as far as it can go without waiting (or to the end, with wait)."""

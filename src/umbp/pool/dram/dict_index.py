@@ -39,7 +39,6 @@ class _Entry:
     doomed: bool = False  # removed while pinned or reserved: free when the last user lets go
 
 
-
 class DictIndex:
     """The reference DramIndex: one Python entry per object. See the module docstring."""
 
@@ -125,7 +124,9 @@ class DictIndex:
         """A slot for a new object, evicting LRU objects if needed; None if it cannot fit now (everything
         else pinned or being written) or the key is busy. The key stays invisible until commit()."""
         if type(nbytes) is not int or nbytes < 0:  # noqa: E721 - exact type: bool is not a size
-            raise BufferSizeError(f"umbp: object '{key}' has invalid size {nbytes!r}; sizes are ints >= 0 bytes")
+            raise BufferSizeError(
+                f"umbp: object '{key}' has invalid size {nbytes!r}; sizes are ints >= 0 bytes"
+            )
         if nbytes > self.capacity_bytes:
             raise too_large_error(key, nbytes, self.capacity_bytes)
         state = self.state(key)
@@ -152,8 +153,13 @@ class DictIndex:
         adjacent slots is one copy for the transfer engine's DMA path instead of one per object.
         Otherwise exactly reserve() per key. Each slot is still committed, pinned and freed on its own."""
         keys = list(keys)
-        simple = (len(keys) >= 2 and len(set(keys)) == len(keys) and type(nbytes) is int  # noqa: E721
-                  and 0 < nbytes <= self.capacity_bytes and all(self.state(k) == ABSENT for k in keys))
+        simple = (
+            len(keys) >= 2
+            and len(set(keys)) == len(keys)
+            and type(nbytes) is int  # noqa: E721
+            and 0 < nbytes <= self.capacity_bytes
+            and all(self.state(k) == ABSENT for k in keys)
+        )
         if not simple:  # reserve() gives each odd case its own answer or error
             return [self.reserve(k, nbytes) for k in keys]
         npages = -(-nbytes // self.alignment)

@@ -62,7 +62,12 @@ class Slot(NamedTuple):
 
 def check_capacity(capacity_bytes: Any, alignment: Any = 4096) -> None:
     """Raise a clear error for a capacity/alignment that cannot make an arena."""
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 8 or alignment & (alignment - 1):
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int)
+        or alignment < 8
+        or alignment & (alignment - 1)
+    ):
         raise OptionValueError(
             f"umbp: alignment must be a power of two >= 8 bytes, got {alignment!r}; the default 4096 suits KV pages"
         )
@@ -98,7 +103,6 @@ def too_large_error(key: str, nbytes: int, capacity_bytes: int) -> ObjectTooLarg
         f"umbp: object '{key}' is {human_bytes(nbytes)} but the DRAM arena holds {human_bytes(capacity_bytes)}; "
         "raise capacity_bytes (dram_gb) or store smaller pages"
     )
-
 
 
 def make_table(alignment: int, keep_keys: bool, use_native: bool | None = None) -> Any:
@@ -182,7 +186,9 @@ class DramIndex:
         """A slot for a new object, evicting LRU objects if needed; None if it cannot fit now (everything
         else pinned or being written) or the key is busy. The key stays invisible until commit()."""
         if type(nbytes) is not int or nbytes < 0:  # noqa: E721 - exact type: bool is not a size
-            raise BufferSizeError(f"umbp: object '{key}' has invalid size {nbytes!r}; sizes are ints >= 0 bytes")
+            raise BufferSizeError(
+                f"umbp: object '{key}' has invalid size {nbytes!r}; sizes are ints >= 0 bytes"
+            )
         if nbytes > self.capacity_bytes:
             raise too_large_error(key, nbytes, self.capacity_bytes)
         state = self._table.state(key)
@@ -208,8 +214,13 @@ class DramIndex:
         Otherwise exactly reserve() per key. Each slot is still committed, pinned and freed on its own."""
         keys = list(keys)
         state = self._table.state
-        simple = (len(keys) >= 2 and len(set(keys)) == len(keys) and type(nbytes) is int  # noqa: E721
-                  and 0 < nbytes <= self.capacity_bytes and all(state(k) == 0 for k in keys))
+        simple = (
+            len(keys) >= 2
+            and len(set(keys)) == len(keys)
+            and type(nbytes) is int  # noqa: E721
+            and 0 < nbytes <= self.capacity_bytes
+            and all(state(k) == 0 for k in keys)
+        )
         if not simple:  # reserve() gives each odd case its own answer or error
             return [self.reserve(k, nbytes) for k in keys]
         npages = -(-nbytes // self.alignment)
@@ -362,4 +373,6 @@ class DramIndex:
     def allocations(self) -> list[tuple[Any, int, int, str]]:
         """(key, offset, allocated bytes, state) of every entry holding pages; for tests and debugging."""
         align = self.alignment
-        return [(key, start * align, npages * align, state) for key, start, npages, state in self._table.rows()]
+        return [
+            (key, start * align, npages * align, state) for key, start, npages, state in self._table.rows()
+        ]

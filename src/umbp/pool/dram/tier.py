@@ -33,32 +33,63 @@ class DramOptions(Options):
 
     where: ClassVar[str] = "DRAM pool option"
 
-    capacity_bytes: int = option(help="arena size in bytes; give this or `dram_gb`", minimum=1, maximum=PiB,
-                                 gib_alias="dram_gb", error=CapacityError)
-    high_watermark: float = option(0.95, help="a put that would lift usage above this fraction of the arena "
-                                   "first evicts least-recently-used objects ...", above=0, maximum=1)
-    low_watermark: float = option(0.85, help="... down to this fraction (at most `high_watermark`)", above=0,
-                                  maximum=1)
-    pinned: bool | str = option("auto", help="`auto`: page-locked (`torch.empty(pin_memory=True)`) when torch "
-                                "with a GPU is present, else plain memory; `true`: page-locked or a clear error; "
-                                "`false`: never", convert=auto_or_bool, type_doc="`auto`, `true` or `false`")
-    alignment: int = option(4096, help="slot alignment = allocation page in bytes, a power of two", minimum=8,
-                            maximum=1 << 30)
-    prefault: bool = option(True, help="touch every arena page at start-up (no page faults in the hot path; a "
-                            "too-large arena fails at once)")
-    copy_threads: int = option(1, help="threads that copy + checksum one put/get batch; 1 = only the calling "
-                               "thread. More help only batches of large objects (>= 1 MiB in all, >= 128 KiB "
-                               "per object on average)", minimum=1, maximum=256)
+    capacity_bytes: int = option(
+        help="arena size in bytes; give this or `dram_gb`",
+        minimum=1,
+        maximum=PiB,
+        gib_alias="dram_gb",
+        error=CapacityError,
+    )
+    high_watermark: float = option(
+        0.95,
+        help="a put that would lift usage above this fraction of the arena "
+        "first evicts least-recently-used objects ...",
+        above=0,
+        maximum=1,
+    )
+    low_watermark: float = option(
+        0.85, help="... down to this fraction (at most `high_watermark`)", above=0, maximum=1
+    )
+    pinned: bool | str = option(
+        "auto",
+        help="`auto`: page-locked (`torch.empty(pin_memory=True)`) when torch "
+        "with a GPU is present, else plain memory; `true`: page-locked or a clear error; "
+        "`false`: never",
+        convert=auto_or_bool,
+        type_doc="`auto`, `true` or `false`",
+    )
+    alignment: int = option(
+        4096, help="slot alignment = allocation page in bytes, a power of two", minimum=8, maximum=1 << 30
+    )
+    prefault: bool = option(
+        True,
+        help="touch every arena page at start-up (no page faults in the hot path; a "
+        "too-large arena fails at once)",
+    )
+    copy_threads: int = option(
+        1,
+        help="threads that copy + checksum one put/get batch; 1 = only the calling "
+        "thread. More help only batches of large objects (>= 1 MiB in all, >= 128 KiB "
+        "per object on average)",
+        minimum=1,
+        maximum=256,
+    )
 
     def check(self) -> None:
         if self.alignment & (self.alignment - 1):
-            raise self.error("alignment", self.alignment, "a power of two >= 8 (the default 4096 suits KV pages)")
+            raise self.error(
+                "alignment", self.alignment, "a power of two >= 8 (the default 4096 suits KV pages)"
+            )
         if self.low_watermark > self.high_watermark:
-            raise self.fail(f"DRAM pool option 'low_watermark' ({self.low_watermark}) must not exceed "
-                            f"'high_watermark' ({self.high_watermark})")
+            raise self.fail(
+                f"DRAM pool option 'low_watermark' ({self.low_watermark}) must not exceed "
+                f"'high_watermark' ({self.high_watermark})"
+            )
         if self.capacity_bytes < self.alignment:
-            raise CapacityError(f"umbp: DRAM pool option 'capacity_bytes' ({self.capacity_bytes}) is smaller "
-                                f"than one {self.alignment}-byte page; raise capacity_bytes (dram_gb)")
+            raise CapacityError(
+                f"umbp: DRAM pool option 'capacity_bytes' ({self.capacity_bytes}) is smaller "
+                f"than one {self.alignment}-byte page; raise capacity_bytes (dram_gb)"
+            )
 
 
 OPTIONS: dict[str, str] = DramOptions.option_help()  # name -> help, for callers that list the options
@@ -80,11 +111,26 @@ class DramPool(Pool):
         prefault: bool = True,
         copy_threads: int = 1,
     ) -> None:
-        opts = DramOptions(capacity_bytes=capacity_bytes, high_watermark=high_watermark,
-                           low_watermark=low_watermark, pinned=pinned, alignment=alignment, prefault=prefault,
-                           copy_threads=copy_threads)
-        capacity_bytes, high_watermark, low_watermark = opts.capacity_bytes, opts.high_watermark, opts.low_watermark
-        pinned, alignment, prefault, copy_threads = opts.pinned, opts.alignment, opts.prefault, opts.copy_threads
+        opts = DramOptions(
+            capacity_bytes=capacity_bytes,
+            high_watermark=high_watermark,
+            low_watermark=low_watermark,
+            pinned=pinned,
+            alignment=alignment,
+            prefault=prefault,
+            copy_threads=copy_threads,
+        )
+        capacity_bytes, high_watermark, low_watermark = (
+            opts.capacity_bytes,
+            opts.high_watermark,
+            opts.low_watermark,
+        )
+        pinned, alignment, prefault, copy_threads = (
+            opts.pinned,
+            opts.alignment,
+            opts.prefault,
+            opts.copy_threads,
+        )
         self._index = DramIndex(capacity_bytes, high_watermark, low_watermark, alignment, track_evicted=False)
         self._arena: Arena | None = Arena(self._index.capacity_bytes, pinned, prefault=prefault)
         self._lock = threading.Lock()
@@ -93,8 +139,16 @@ class DramPool(Pool):
             ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="umbp-copy") if copy_threads > 1 else None
         )
         self._counters = dict.fromkeys(
-            ("hits", "misses", "puts", "put_duplicates", "put_failures", "checksum_failures",
-             "bytes_written", "bytes_read"),
+            (
+                "hits",
+                "misses",
+                "puts",
+                "put_duplicates",
+                "put_failures",
+                "checksum_failures",
+                "bytes_written",
+                "bytes_read",
+            ),
             0,
         )
 
@@ -105,8 +159,15 @@ class DramPool(Pool):
 
     @classmethod
     def from_config(cls, opts: DramOptions) -> DramPool:
-        return cls(opts.capacity_bytes, opts.high_watermark, opts.low_watermark, opts.pinned,
-                   alignment=opts.alignment, prefault=opts.prefault, copy_threads=opts.copy_threads)
+        return cls(
+            opts.capacity_bytes,
+            opts.high_watermark,
+            opts.low_watermark,
+            opts.pinned,
+            alignment=opts.alignment,
+            prefault=opts.prefault,
+            copy_threads=opts.copy_threads,
+        )
 
     # ---- properties ----------------------------------------------------------------------------------
 
@@ -163,7 +224,9 @@ class DramPool(Pool):
             self._commit_batch(keys, slots, digests, results)
         return results
 
-    def _reserve_batch(self, keys: Sequence[str], srcs: list[np.ndarray]) -> tuple[list[bool], list[Slot | None]]:
+    def _reserve_batch(
+        self, keys: Sequence[str], srcs: list[np.ndarray]
+    ) -> tuple[list[bool], list[Slot | None]]:
         counters, index = self._counters, self._index
         results: list[bool] = []
         slots: list[Slot | None] = []
@@ -182,8 +245,9 @@ class DramPool(Pool):
                 slots.append(slot)
         return results, slots
 
-    def _commit_batch(self, keys: Sequence[str], slots: list[Slot | None], digests: list[int],
-                      results: list[bool]) -> None:
+    def _commit_batch(
+        self, keys: Sequence[str], slots: list[Slot | None], digests: list[int], results: list[bool]
+    ) -> None:
         counters, index = self._counters, self._index
         it = iter(digests)
         for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):

@@ -50,15 +50,25 @@ def client_kwargs(cfg: RemoteConfig) -> dict[str, Any]:
     """redis-py connection settings: no retries (a failure is a miss; the tier decides when to reconnect),
     RESP2, no health-check pings on the hot path."""
     kw: dict[str, Any] = {
-        "username": cfg.username, "password": cfg.password, "socket_timeout": cfg.timeout_s,
-        "socket_connect_timeout": cfg.connect_timeout_s, "max_connections": cfg.max_connections,
-        "protocol": 2, "retry": Retry(NoBackoff(), 0), "health_check_interval": 0, "client_name": "umbp",
+        "username": cfg.username,
+        "password": cfg.password,
+        "socket_timeout": cfg.timeout_s,
+        "socket_connect_timeout": cfg.connect_timeout_s,
+        "max_connections": cfg.max_connections,
+        "protocol": 2,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+        "client_name": "umbp",
         "socket_keepalive": True,
     }
     if cfg.tls:
-        kw.update(ssl_ca_certs=cfg.tls_ca_file, ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file,
-                  ssl_cert_reqs="required" if cfg.tls_verify else "none",
-                  ssl_check_hostname=cfg.tls_check_hostname)
+        kw.update(
+            ssl_ca_certs=cfg.tls_ca_file,
+            ssl_certfile=cfg.tls_cert_file,
+            ssl_keyfile=cfg.tls_key_file,
+            ssl_cert_reqs="required" if cfg.tls_verify else "none",
+            ssl_check_hostname=cfg.tls_check_hostname,
+        )
     return kw
 
 
@@ -77,7 +87,11 @@ class Standalone:
 
     def groups(self, keys: list[str]) -> dict[str, list[Group]]:
         n = len(keys)
-        return {self.name: [Group(self._prefix, range(i, min(i + MGET_CHUNK, n))) for i in range(0, n, MGET_CHUNK)]}
+        return {
+            self.name: [
+                Group(self._prefix, range(i, min(i + MGET_CHUNK, n))) for i in range(0, n, MGET_CHUNK)
+            ]
+        }
 
     def pool(self, node: str) -> redis.ConnectionPool:
         return self._pool

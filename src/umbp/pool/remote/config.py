@@ -35,9 +35,9 @@ OPTIONS: dict[str, str] = {
     "tls_check_hostname": "check the certificate's host name (default true; needs tls_verify)",
     "connect_timeout_s": "TCP/TLS connect + handshake timeout in seconds (default 0.5)",
     "timeout_s": "deadline of one call (lookup, load or save batch) in seconds, plus its bytes at "
-                 "min_throughput_mib_s (default 2.0)",
+    "min_throughput_mib_s (default 2.0)",
     "min_throughput_mib_s": "slowest transfer a call waits for: its deadline grows by its bytes at this rate "
-                            "(default 64)",
+    "(default 64)",
     "max_connections": "connections per server in the client pool (default 32)",
     "key_prefix": "prefix of every Redis key this tier writes; clear() stays inside it (default 'umbp:')",
     "ttl_s": "expire objects this many seconds after they were stored (default none)",
@@ -48,12 +48,12 @@ OPTIONS: dict[str, str] = {
     "write_batch": "objects per background write round trip (default 16)",
     "hash_tag_chars": "cluster only: last N hex chars of a key form its hash tag, 16**N slots (default 2)",
     "auth_key_env": "name of an environment variable holding this tenant's secret (>= 16 bytes): values are "
-                    "MACed, and the Redis namespace is derived from it (see docs/remote.md)",
+    "MACed, and the Redis namespace is derived from it (see docs/remote.md)",
     "auth_key_file": "path of a file holding this tenant's secret (instead of auth_key_env)",
     "auth_old_key_envs": "key rotation: environment variables holding previous secrets, accepted for reads",
     "auth_old_key_files": "key rotation: files holding previous secrets, accepted for reads",
     "auth_mac": "'auto' (default: aes-gmac when the cryptography package is installed, else hmac-sha256), "
-                "'hmac-sha256' or 'aes-gmac'",
+    "'hmac-sha256' or 'aes-gmac'",
     "encrypt": "true: AES-GCM encryption at rest (needs the auth key and the remote-crypto extra)",
 }
 
@@ -83,8 +83,15 @@ def _as_bool(name: str, value: Any) -> bool:
     raise _bad(name, value, "true or false")
 
 
-def _as_number(name: str, value: Any, *, minimum: float, maximum: float = math.inf, integer: bool = False,
-               strings: bool = True) -> Any:
+def _as_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float,
+    maximum: float = math.inf,
+    integer: bool = False,
+    strings: bool = True,
+) -> Any:
     """A finite number in [minimum, maximum] (an integer where `integer`); a bool, NaN, an infinity or a
     number out of range is an error naming the option."""
     kinds = int | float | str if strings else int | float
@@ -211,16 +218,23 @@ class RemoteConfig:
                 "or set cluster=true for a Redis Cluster"
             )
         if self.cluster and any(e.db for e in eps):
-            raise OptionValueError("umbp: Redis Cluster has only database 0; drop the /db from the cluster urls")
+            raise OptionValueError(
+                "umbp: Redis Cluster has only database 0; drop the /db from the cluster urls"
+            )
         if "{" in self.key_prefix or "}" in self.key_prefix:
             raise _bad("key_prefix", self.key_prefix, "free of '{' and '}' (they would change hash slots)")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise OptionValueError("umbp: remote options tls_cert_file and tls_key_file go together; give both")
+            raise OptionValueError(
+                "umbp: remote options tls_cert_file and tls_key_file go together; give both"
+            )
         if self.encrypt and self.auth_key is None:
-            raise OptionValueError("umbp: remote option encrypt needs a tenant secret: set auth_key_env or auth_key_file")
+            raise OptionValueError(
+                "umbp: remote option encrypt needs a tenant secret: set auth_key_env or auth_key_file"
+            )
         if self.auth_old_keys and self.auth_key is None:
-            raise OptionValueError("umbp: remote options auth_old_key_* need the current key too (auth_key_env or "
-                                   "auth_key_file)")
+            raise OptionValueError(
+                "umbp: remote options auth_old_key_* need the current key too (auth_key_env or auth_key_file)"
+            )
         if self.tls_check_hostname and not self.tls_verify:
             return replace(self, tls_check_hostname=False).validate()
         if any(u.startswith("rediss://") for u in self.urls) and not self.tls:
@@ -242,12 +256,23 @@ class RemoteConfig:
 
     def summary(self) -> dict[str, Any]:
         """What stats() shows: the settings without any secret."""
-        return {"urls": [redact_url(u) for u in self.urls], "cluster": self.cluster, "tls": self.tls,
-                "auth": "password" if self.password else "none", "user": self.username,
-                "key_prefix": self.key_prefix, "ttl_s": self.ttl_s, "quarantine_s": self.quarantine_s,
-                "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
-                "values": "unauthenticated" if self.auth_key is None else "encrypted" if self.encrypt
-                else f"authenticated ({self.auth_mac})"}
+        return {
+            "urls": [redact_url(u) for u in self.urls],
+            "cluster": self.cluster,
+            "tls": self.tls,
+            "auth": "password" if self.password else "none",
+            "user": self.username,
+            "key_prefix": self.key_prefix,
+            "ttl_s": self.ttl_s,
+            "quarantine_s": self.quarantine_s,
+            "timeout_s": self.timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
+            "values": "unauthenticated"
+            if self.auth_key is None
+            else "encrypted"
+            if self.encrypt
+            else f"authenticated ({self.auth_mac})",
+        }
 
 
 def _urls_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
@@ -268,11 +293,16 @@ def _urls_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
 # milliseconds for poll() (a C int), a TTL becomes Redis' PX milliseconds; beyond them a value would pass
 # here and then break every call.
 _NUMBERS: dict[str, tuple[float, float, bool]] = {
-    "connect_timeout_s": (0.001, 3600.0, False), "timeout_s": (0.001, 3600.0, False),
-    "max_connections": (1, 65536, True), "ttl_s": (0.001, 10 * 365 * 86400.0, False),
-    "quarantine_s": (0.0, 30 * 86400.0, False), "quarantine_max_keys": (1, 100_000_000, True),
-    "retry_interval_s": (0.0, 3600.0, False), "write_queue_bytes": (4096, 1 << 40, True),
-    "write_batch": (1, 65536, True), "hash_tag_chars": (1, 4, True),
+    "connect_timeout_s": (0.001, 3600.0, False),
+    "timeout_s": (0.001, 3600.0, False),
+    "max_connections": (1, 65536, True),
+    "ttl_s": (0.001, 10 * 365 * 86400.0, False),
+    "quarantine_s": (0.0, 30 * 86400.0, False),
+    "quarantine_max_keys": (1, 100_000_000, True),
+    "retry_interval_s": (0.0, 3600.0, False),
+    "write_queue_bytes": (4096, 1 << 40, True),
+    "write_batch": (1, 65536, True),
+    "hash_tag_chars": (1, 4, True),
     "min_throughput_mib_s": (0.001, 1e6, False),
 }
 
@@ -342,14 +372,18 @@ def _secret_from_file(option: str, path: Any) -> bytes:
         with open(path, "rb") as f:
             value = f.read(1 << 16).strip()
     except OSError as exc:
-        raise OptionValueError(f"umbp: remote option {option}: cannot read {path!r}: {exc.strerror}") from None
+        raise OptionValueError(
+            f"umbp: remote option {option}: cannot read {path!r}: {exc.strerror}"
+        ) from None
     return _long_enough(option, value)
 
 
 def _long_enough(option: str, secret: bytes) -> bytes:
     if len(secret) < MIN_SECRET_BYTES:
-        raise OptionValueError(f"umbp: remote option {option}: the secret must be at least {MIN_SECRET_BYTES} "
-                               f"bytes (it has {len(secret)}; e.g. `openssl rand -hex 32`)")
+        raise OptionValueError(
+            f"umbp: remote option {option}: the secret must be at least {MIN_SECRET_BYTES} "
+            f"bytes (it has {len(secret)}; e.g. `openssl rand -hex 32`)"
+        )
     return secret
 
 
@@ -396,8 +430,14 @@ def redact_options(value: Any) -> str:
     if isinstance(value, str):
         return repr(redact_url(value))
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k!r}: {'<hidden>' if 'password' in str(k) else redact_options(v)}"
-                               for k, v in value.items()) + "}"
+        return (
+            "{"
+            + ", ".join(
+                f"{k!r}: {'<hidden>' if 'password' in str(k) else redact_options(v)}"
+                for k, v in value.items()
+            )
+            + "}"
+        )
     if isinstance(value, list | tuple):
         return "[" + ", ".join(redact_options(v) for v in value) + "]"
     return repr(value) if isinstance(value, int | float | bool | type(None)) else f"<{type(value).__name__}>"

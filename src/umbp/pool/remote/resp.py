@@ -346,8 +346,17 @@ class Wire:
         self.expect_crlf()
         return out
 
-    def framed_payloads(self, lead: bytes, field: int, tails: Sequence[bytes], dsts: Sequence[np.ndarray],
-                        rows: np.ndarray, fields: bytearray, r0: int, r1: int) -> int:
+    def framed_payloads(
+        self,
+        lead: bytes,
+        field: int,
+        tails: Sequence[bytes],
+        dsts: Sequence[np.ndarray],
+        rows: np.ndarray,
+        fields: bytearray,
+        r0: int,
+        r1: int,
+    ) -> int:
         """framed_payload for replies r0..r1-1 of a batch of same-size values, each value's 4 KiB row
         sums (psum.row_sums_into) into rows[r] and its `field` bytes into fields[r * field:]. Returns
         the first reply not read: r1, or one that is not so framed (nothing of it consumed). On a plain
@@ -356,7 +365,20 @@ class Wire:
         lib = native.lib
         if lib is not None and self.fd >= 0 and len(self.buf) >= _NATIVE_MIN_BUFFER:
             r, self.start, self.end, err, errnum = lib.read_frames(
-                self.fd, self.left_ms(), self.buf, self.start, self.end, lead, field, tails, dsts, rows, fields, r0, r1)
+                self.fd,
+                self.left_ms(),
+                self.buf,
+                self.start,
+                self.end,
+                lead,
+                field,
+                tails,
+                dsts,
+                rows,
+                fields,
+                r0,
+                r1,
+            )
             if err:
                 raise _stream_error(err, errnum)
             return r

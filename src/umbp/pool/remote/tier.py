@@ -69,13 +69,43 @@ log = logging.getLogger("umbp.remote")
 
 
 _COUNTERS = (
-    "exists_keys", "exists_present", "lookup_errors", "quarantine_skips", "unavailable_skips",
-    "hits", "misses", "misses_absent", "load_errors", "checksum_failures", "header_failures",
-    "size_mismatches", "version_mismatches", "key_mismatches", "bytes_read",
-    "puts", "put_duplicates", "puts_dropped", "puts_dropped_queue_full", "puts_dropped_unavailable",
-    "puts_dropped_checksum", "bytes_written", "async_accepted", "auth_failures", "unauthenticated_values", "unsupported_values",
-    "old_key_hits", "write_queue_hits",
-    "connection_errors", "timeouts", "protocol_errors", "unexpected_replies", "reply_errors", "pool_exhausted", "redirects", "quarantined", "stale_markers_removed",
+    "exists_keys",
+    "exists_present",
+    "lookup_errors",
+    "quarantine_skips",
+    "unavailable_skips",
+    "hits",
+    "misses",
+    "misses_absent",
+    "load_errors",
+    "checksum_failures",
+    "header_failures",
+    "size_mismatches",
+    "version_mismatches",
+    "key_mismatches",
+    "bytes_read",
+    "puts",
+    "put_duplicates",
+    "puts_dropped",
+    "puts_dropped_queue_full",
+    "puts_dropped_unavailable",
+    "puts_dropped_checksum",
+    "bytes_written",
+    "async_accepted",
+    "auth_failures",
+    "unauthenticated_values",
+    "unsupported_values",
+    "old_key_hits",
+    "write_queue_hits",
+    "connection_errors",
+    "timeouts",
+    "protocol_errors",
+    "unexpected_replies",
+    "reply_errors",
+    "pool_exhausted",
+    "redirects",
+    "quarantined",
+    "stale_markers_removed",
     "corrupt_removed",
 )
 
@@ -181,9 +211,12 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
         self._old = old_codecs(cfg)  # key rotation: (namespace, codec) of previous secrets, read-only
         self._closed = False
         if not self._codec.sealed:
-            log.warning("umbp: the shared tier at %s is unauthenticated: anyone who can write to it can plant "
-                        "values this process loads, and read its KV bytes; set auth_key_env or auth_key_file "
-                        "(docs/remote.md)", ", ".join(redact_url(u) for u in cfg.urls))
+            log.warning(
+                "umbp: the shared tier at %s is unauthenticated: anyone who can write to it can plant "
+                "values this process loads, and read its KV bytes; set auth_key_env or auth_key_file "
+                "(docs/remote.md)",
+                ", ".join(redact_url(u) for u in cfg.urls),
+            )
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> RedisTier:
@@ -200,7 +233,13 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
     def _node_failed(self, node: str, exc: BaseException) -> None:
         """Leave the server alone for retry_interval_s; drop its idle connections (stale after a restart)."""
         timeout = isinstance(exc, TimeoutError | redis.TimeoutError)
-        kind = "timeouts" if timeout else "protocol_errors" if isinstance(exc, ProtocolError) else "connection_errors"
+        kind = (
+            "timeouts"
+            if timeout
+            else "protocol_errors"
+            if isinstance(exc, ProtocolError)
+            else "connection_errors"
+        )
         msg = redact_url(f"{node}: {type(exc).__name__}: {exc}")
         with self._lock:
             self._counters[kind] += 1
@@ -347,8 +386,9 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
             held = self._quarantine.held(keys)
             skips = int(hit[held].sum())
             hit[held] = False
-        self._count(exists_keys=len(keys), exists_present=int(hit.sum()), lookup_errors=errors,
-                    quarantine_skips=skips)
+        self._count(
+            exists_keys=len(keys), exists_present=int(hit.sum()), lookup_errors=errors, quarantine_skips=skips
+        )
         return hit.tolist()
 
     # ---- remove / clear ------------------------------------------------------------------------------
@@ -391,13 +431,16 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
             return esc(self.config.redis_prefix) + "*"
         return f"{esc(self.config.redis_prefix)}{tag}[dm]:{esc(startswith)}*"
 
-    def scan_objects(self, startswith: str = "", sizes: bool = True, limit: int | None = None,
-                     batch: int = 1000) -> Iterator[tuple[str, int | None]]:
+    def scan_objects(
+        self, startswith: str = "", sizes: bool = True, limit: int | None = None, batch: int = 1000
+    ) -> Iterator[tuple[str, int | None]]:
         """(umbp key, stored value bytes or None) of every visible object (marker key present) on every
         master, for operators (`umbp stats`); SCAN, so the server keeps serving. With sizes, one pipelined
         STRLEN per `batch` keys; a value of 0 bytes means its marker has no value (healed on next put).
         Stops after `limit` objects. Network errors raise: this is a tool, not the serving path."""
-        marker = _glob_escape(self.config.redis_prefix) + ("{*}" if isinstance(self._backend, Cluster) else "")
+        marker = _glob_escape(self.config.redis_prefix) + (
+            "{*}" if isinstance(self._backend, Cluster) else ""
+        )
         pattern = f"{marker}m:{_glob_escape(startswith)}*"
         seen = 0
         for client in self._backend.primaries():
@@ -415,7 +458,9 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
             if limit is not None and seen >= limit:
                 return
 
-    def _sized(self, client: redis.Redis, names: list[bytes], sizes: bool) -> Iterator[tuple[str, int | None]]:
+    def _sized(
+        self, client: redis.Redis, names: list[bytes], sizes: bool
+    ) -> Iterator[tuple[str, int | None]]:
         split = [self._split_marker(n) for n in names]  # (everything before "m:", the umbp key)
         lengths: list[int | None] = [None] * len(names)
         if sizes and names:
@@ -429,9 +474,9 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
     def _split_marker(self, name: bytes) -> tuple[bytes, bytes]:
         """`<prefix>[{tag}]m:<key>` -> (`<prefix>[{tag}]`, `<key>`)."""
         at = len(self.config.redis_prefix.encode())
-        if name[at:at + 1] == b"{":
+        if name[at : at + 1] == b"{":
             at = name.index(b"}", at) + 1
-        return name[:at], name[at + 2:]
+        return name[:at], name[at + 2 :]
 
     # ---- stats / lifecycle ---------------------------------------------------------------------------
 

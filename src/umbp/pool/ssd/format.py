@@ -138,14 +138,25 @@ def _header_crc(head: bytes, tail: bytes) -> int:
     return zlib.crc32(tail, zlib.crc32(head))
 
 
-def pack_header(block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int) -> None:
+def pack_header(
+    block: np.ndarray, key_bytes: bytes, flags: int, seq: int, length: int, checksum: int
+) -> None:
     """A format-1 record header into `block` (a writable, contiguous 4 KiB uint8 view), zeroing the rest of
     the block. This code no longer writes format 1; tests use it to build directories written before."""
     pack_header_at(memoryview(block), 0, key_bytes, flags, seq, length, checksum, BLOCK, VERSION_1)
 
 
-def pack_header_at(view: memoryview, at: int, key_bytes: bytes, flags: int, seq: int, length: int,
-                   checksum: int, span: int = 0, version: int = VERSION) -> None:
+def pack_header_at(
+    view: memoryview,
+    at: int,
+    key_bytes: bytes,
+    flags: int,
+    seq: int,
+    length: int,
+    checksum: int,
+    span: int = 0,
+    version: int = VERSION,
+) -> None:
     """One header at byte `at` of a writable byte view, zero-padded to `span` bytes (0: to its entry_span,
     as packed into a group head). Buffer copies, no numpy slice, zeros sliced from a memoryview."""
     head = _HEAD.pack(MAGIC, version, flags, len(key_bytes), 0, seq, length, checksum)
@@ -157,8 +168,16 @@ def pack_header_at(view: memoryview, at: int, key_bytes: bytes, flags: int, seq:
     view[at + n : at + end] = _ZEROS[n:end]
 
 
-def pack_headers(view: memoryview, ats: list[int], keys: list[bytes], flags: list[int], seqs: list[int],
-                 lengths: list[int], checksums: list[int], span: int = 0) -> None:
+def pack_headers(
+    view: memoryview,
+    ats: list[int],
+    keys: list[bytes],
+    flags: list[int],
+    seqs: list[int],
+    lengths: list[int],
+    checksums: list[int],
+    span: int = 0,
+) -> None:
     """pack_header_at for a write group's entries: one C call when the extension is built, else the loop.
     The loop cost the writer thread ~2.5 µs a record on the H200 hosts, a fifth of its CPU
     (bench/results/archive/2026-12-03-remote-kept-connections-29.txt)."""
@@ -169,8 +188,14 @@ def pack_headers(view: memoryview, ats: list[int], keys: list[bytes], flags: lis
         pack_header_at(view, *args, span)
 
 
-def pack_group(view: memoryview, keys: list[bytes], flags: list[int], seqs: list[int], lengths: list[int],
-               checksums: list[int]) -> int:
+def pack_group(
+    view: memoryview,
+    keys: list[bytes],
+    flags: list[int],
+    seqs: list[int],
+    lengths: list[int],
+    checksums: list[int],
+) -> int:
     """A group head for these entries at the start of `view` (writable, at least head_bytes long, any
     content): the head, the entries back to back, zeros to the block boundary. Returns its bytes."""
     ats, at = [], _GROUP.size
@@ -195,7 +220,10 @@ def parse_header(block: bytes | memoryview | np.ndarray, version: int = VERSION_
     if got_version != version or key_len > MAX_KEY_BYTES or flags not in (DATA, TOMBSTONE, SUMMARY):
         return None
     key_bytes = raw[_HEADER.size : _HEADER.size + key_len]
-    if len(key_bytes) != key_len or _header_crc(raw[:_CRC_AT], raw[_CRC_AT + 4 : _HEADER.size + key_len]) != crc:
+    if (
+        len(key_bytes) != key_len
+        or _header_crc(raw[:_CRC_AT], raw[_CRC_AT + 4 : _HEADER.size + key_len]) != crc
+    ):
         return None
     try:
         key = key_bytes.decode()

@@ -117,12 +117,25 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
         health_interval_s: float = 1.0,
         prefault: bool = True,
     ) -> None:
-        dirs = [os.fspath(dirs)] if isinstance(dirs, str | os.PathLike) else [
-            os.fspath(d) if isinstance(d, os.PathLike) else d for d in dirs]
-        o = SsdOptions(dirs=dirs, capacity_bytes=capacity_bytes, queue_bytes=queue_bytes, direct_io=direct_io,
-                       segment_bytes=segment_bytes, low_watermark=low_watermark, max_io_bytes=max_io_bytes,
-                       io_threads=io_threads, copy_threads=copy_threads, track_evicted=track_evicted,
-                       health_interval_s=health_interval_s, prefault=prefault)
+        dirs = (
+            [os.fspath(dirs)]
+            if isinstance(dirs, str | os.PathLike)
+            else [os.fspath(d) if isinstance(d, os.PathLike) else d for d in dirs]
+        )
+        o = SsdOptions(
+            dirs=dirs,
+            capacity_bytes=capacity_bytes,
+            queue_bytes=queue_bytes,
+            direct_io=direct_io,
+            segment_bytes=segment_bytes,
+            low_watermark=low_watermark,
+            max_io_bytes=max_io_bytes,
+            io_threads=io_threads,
+            copy_threads=copy_threads,
+            track_evicted=track_evicted,
+            health_interval_s=health_interval_s,
+            prefault=prefault,
+        )
         dirs = list(o.dirs)
         self._direct_mode = o.direct_io
         shard_cap = o.capacity_bytes // len(dirs)
@@ -145,8 +158,11 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
         self._io_threads = o.io_threads
         self._copy_threads = o.copy_threads
         track_evicted, prefault = o.track_evicted, o.prefault
-        self._copy_pool = (ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="umbp-ssd-copy")
-                           if self._copy_threads > 1 else None)
+        self._copy_pool = (
+            ThreadPoolExecutor(self._copy_threads - 1, thread_name_prefix="umbp-ssd-copy")
+            if self._copy_threads > 1
+            else None
+        )
         self._health_interval = o.health_interval_s
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -161,12 +177,37 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
         self._evicted: list[str] = []
         self._stopping = self._closed = False
         self._counters = dict.fromkeys(
-            ("puts", "put_duplicates", "dropped_backpressure", "dropped_failed", "dropped_write_error",
-             "dropped_no_space",
-             "put_checksum_mismatch", "records_written", "bytes_written", "tombstones", "tombstones_dropped", "hits", "hits_staged",
-             "misses", "checksum_failures", "read_errors", "bytes_read", "evictions", "evicted_bytes",
-             "segments_reclaimed", "copied_forward", "copied_forward_bytes", "segments_lost", "write_errors",
-             "enospc", "seal_errors", "foreign_records", "restart_damaged_records", "restart_withheld_records"),
+            (
+                "puts",
+                "put_duplicates",
+                "dropped_backpressure",
+                "dropped_failed",
+                "dropped_write_error",
+                "dropped_no_space",
+                "put_checksum_mismatch",
+                "records_written",
+                "bytes_written",
+                "tombstones",
+                "tombstones_dropped",
+                "hits",
+                "hits_staged",
+                "misses",
+                "checksum_failures",
+                "read_errors",
+                "bytes_read",
+                "evictions",
+                "evicted_bytes",
+                "segments_reclaimed",
+                "copied_forward",
+                "copied_forward_bytes",
+                "segments_lost",
+                "write_errors",
+                "enospc",
+                "seal_errors",
+                "foreign_records",
+                "restart_damaged_records",
+                "restart_withheld_records",
+            ),
             0,
         )
         self._ndirs = len(dirs)
@@ -179,9 +220,12 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
             raise
         for shard in self._shards:
             # io_hooks.WRITE_DEPTH writes and a seal (its fdatasync can take a while) run at once
-            shard.io = ThreadPoolExecutor(io_hooks.WRITE_DEPTH + 1, thread_name_prefix=f"umbp-ssd-io-{shard.number}")
-            shard.thread = threading.Thread(target=self._writer, args=(shard,), daemon=True,
-                                            name=f"umbp-ssd-writer-{shard.number}")
+            shard.io = ThreadPoolExecutor(
+                io_hooks.WRITE_DEPTH + 1, thread_name_prefix=f"umbp-ssd-io-{shard.number}"
+            )
+            shard.thread = threading.Thread(
+                target=self._writer, args=(shard,), daemon=True, name=f"umbp-ssd-writer-{shard.number}"
+            )
             shard.thread.start()
 
     # ---- construction from options -------------------------------------------------------------------------
@@ -190,10 +234,20 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
     def from_options(cls, options: Mapping[str, Any]) -> SsdTier:
         """Build from a config mapping (SsdOptions: unknown keys are named, every value is checked)."""
         o = SsdOptions.from_options(options)
-        return cls(o.dirs, o.capacity_bytes, o.queue_bytes, o.direct_io, segment_bytes=o.segment_bytes,
-                   low_watermark=o.low_watermark, max_io_bytes=o.max_io_bytes, io_threads=o.io_threads,
-                   copy_threads=o.copy_threads, track_evicted=o.track_evicted,
-                   health_interval_s=o.health_interval_s, prefault=o.prefault)
+        return cls(
+            o.dirs,
+            o.capacity_bytes,
+            o.queue_bytes,
+            o.direct_io,
+            segment_bytes=o.segment_bytes,
+            low_watermark=o.low_watermark,
+            max_io_bytes=o.max_io_bytes,
+            io_threads=o.io_threads,
+            copy_threads=o.copy_threads,
+            track_evicted=o.track_evicted,
+            health_interval_s=o.health_interval_s,
+            prefault=o.prefault,
+        )
 
     # ---- routing and bookkeeping (callers hold the lock) ------------------------------------------------
 
@@ -298,7 +352,9 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
     @property
     def max_object_bytes(self) -> int:
         """The largest payload put() accepts (for any key up to MAX_KEY_BYTES)."""
-        room = min(self._queue_bytes, self._shards[0].capacity - seal_bytes(_ENTRY_BYTES + MAX_KEY_BYTES) - BLOCK)
+        room = min(
+            self._queue_bytes, self._shards[0].capacity - seal_bytes(_ENTRY_BYTES + MAX_KEY_BYTES) - BLOCK
+        )
         return max(room, 0) // BLOCK * BLOCK
 
     @property
@@ -323,7 +379,9 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
                 out.append(key in shard.index or (it is not None and it.state != COPYING))
         return out
 
-    def put(self, keys: Sequence[str], buffers: Sequence[Any], checksums: Sequence[int] | None = None) -> list[bool]:
+    def put(
+        self, keys: Sequence[str], buffers: Sequence[Any], checksums: Sequence[int] | None = None
+    ) -> list[bool]:
         """Queue each object for writing; True once it is staged (visible at once), or already present.
         False: not stored now (staging full, directory failed, or `checksums[i]` given and not equal to
         the psum64 of the bytes, which lets a demotion verify the DRAM copy end to end)."""
@@ -448,7 +506,10 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
                 if left is not None and left <= 0:
                     return False
                 self._idle.wait(left)
-            marks = [(s.directory, s.active.fd if s.active is not None else -1, s.written_seq) for s in self._shards]
+            marks = [
+                (s.directory, s.active.fd if s.active is not None else -1, s.written_seq)
+                for s in self._shards
+            ]
         for directory, fd, seq in marks:
             try:
                 if fd >= 0:
