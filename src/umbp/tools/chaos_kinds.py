@@ -511,19 +511,19 @@ class Enospc:
         self.rig = rig
 
     def __enter__(self) -> Enospc:
-        from umbp.pool import ssd
+        from umbp.pool.ssd import io_hooks
 
-        self._saved = ssd._pwritev
+        self._saved = io_hooks.pwritev
         rig = self.rig
 
         def full(fd, iov, offset):
             rig.enospc_hits += 1
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-        ssd._pwritev = full
+        io_hooks.pwritev = full
         return self
 
     def __exit__(self, *exc) -> None:
-        from umbp.pool import ssd
+        from umbp.pool.ssd import io_hooks
 
-        ssd._pwritev = self._saved
+        io_hooks.pwritev = self._saved
