@@ -20,10 +20,7 @@ import os
 import random
 import re
 import select
-import shutil
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from umbp.tools.local_redis import LocalRedis
 
 ROW = 4096  # psum64's row: the words of a row are summed unweighted
 KEY_CRC_AT = 24  # the shared tier's value header: crc32 of the key at bytes 24..28 (remote_format)
@@ -50,65 +49,16 @@ class Target:
     nbytes: int
 
 
-class RedisServer:
+class RedisServer(LocalRedis):
     """A redis-server on a fixed loopback port that can be killed (-9) and started again on that port,
     empty (no persistence): the shared tier's "server lost its data and came back"."""
 
     def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("umbp chaos: redis-server not found (apt-get install redis-server)")
-        self.exe = exe
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="umbp-chaos-redis-")
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        import redis
-
-        argv = [
-            self.exe,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self.dir,
-            "--logfile",
-            os.path.join(self.dir, "redis.log"),
-            "--protected-mode",
-            "yes",
-        ]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"umbp chaos: redis-server exited; see {self.dir}/redis.log")
-            try:
-                if redis.Redis(port=self.port, socket_connect_timeout=0.2).ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.02)
-        raise RuntimeError("umbp chaos: redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        super().__init__("umbp chaos", prefix="umbp-chaos-redis-")
 
     def stop(self) -> None:
         self.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().stop()
 
 
 _BULK = re.compile(rb"\$(\d{4,})\r\n")  # a bulk reply of >= 1000 bytes: a stored value, not a status

@@ -12,20 +12,24 @@ import time
 
 
 class LocalRedis:
-    def __init__(self, tool: str, instead: str) -> None:
+    def __init__(self, tool: str, instead: str | None = None, prefix: str = "umbp-redis-") -> None:
         """`tool` names the caller in errors; `instead` is the option that points it at a running server."""
         exe = shutil.which("redis-server")
         if exe is None:
-            raise RuntimeError(
-                f"{tool}: redis-server not found; apt-get install redis-server, or pass {instead}"
-            )
-        self.tool = tool
+            hint = f", or pass {instead}" if instead else ""
+            raise RuntimeError(f"{tool}: redis-server not found; apt-get install redis-server{hint}")
+        self.tool, self.exe = tool, exe
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="umbp-redis-")
+        self.dir = tempfile.mkdtemp(prefix=prefix)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
+        """Start the server on this instance's port and directory (again, after `kill`), empty."""
         argv = [
-            exe,
+            self.exe,
             "--bind",
             "127.0.0.1",
             "--port",
@@ -42,7 +46,6 @@ class LocalRedis:
             "yes",
         ]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         self._wait()
 
     def _wait(self, timeout: float = 10.0) -> None:
@@ -60,8 +63,17 @@ class LocalRedis:
         self.stop()
         raise RuntimeError(f"{self.tool}: redis-server did not start")
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed server: nothing is saved (no persistence)."""
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(10)
+
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.alive():
             self.proc.terminate()
             try:
                 self.proc.wait(10)
