@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from umbp.pool import Arena
-from umbp.pool.psum import checksum
+from umbp.pool.checksum import checksum
 from umbp.pool.remote.tier import RedisTier
 from umbp.pool.ssd.tier import SsdTier
 from umbp.tools.local_redis import LocalRedis

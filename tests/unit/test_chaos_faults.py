@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from umbp.pool.psum import checksum_u8
+from umbp.pool.checksum import checksum_u8
 from umbp.tools.chaos_faults import DRIP_S, ManglingProxy, flip_byte, swap_words, zero_block
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -1,6 +1,6 @@
 """psum64 format 2 against each class of corruption, on every CPU path, and the paths' bit-for-bit agreement.
 
-Paths: the numpy reference (umbp.pool.psum with the C extension switched off) and each row-value
+Paths: the numpy reference (umbp.pool.checksum with the C extension switched off) and each row-value
 implementation of the C extension this CPU has (portable shift-and-xor, PCLMULQDQ, VPCLMULQDQ). The
 classes with a proof in docs/pool.md (detected with certainty): any change inside one word (every single
 bit flip), any swap of two different words (inside a row or across rows), any swap of two rows that differ
@@ -18,8 +18,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from umbp.pool import native, psum
-from umbp.pool.psum import ROW_BYTES, ROW_WORDS, checksum, copy_many, copy_with_checksum, gf_mul_int
+from umbp.pool import native
+from umbp.pool.checksum import (
+    CHUNK_BYTES,
+    GOLDEN,
+    ROW_BYTES,
+    ROW_WORDS,
+    as_rows,
+    checksum,
+    combine_rows,
+    copy_many,
+    copy_with_checksum,
+    finish,
+    gf_mul_int,
+    row_sums_into,
+)
 
 _NATIVE_IMPLS = ("portable", "clmul", "vclmul")
 
@@ -188,7 +201,7 @@ def _xpow(e: int) -> int:
 
 
 def _definition(data: bytes) -> int:
-    """psum64 format 2 straight from its definition (psum.py's docstring), word by word in Python ints."""
+    """psum64 format 2 straight from its definition (umbp.pool.checksum's docstring), word by word in Python ints."""
     pad = data + bytes(-len(data) % ROW_BYTES)
     h = 0
     for k in range(len(pad) // 8):
@@ -197,7 +210,7 @@ def _definition(data: bytes) -> int:
             r, i = divmod(k, ROW_WORDS)
             m, lane = divmod(i, 64)
             h ^= gf_mul_int(w, _xpow(64 * (512 * r + 8 * lane + 7 - m)))
-    return h ^ ((len(data) * psum._GOLDEN) & ((1 << 64) - 1))
+    return h ^ ((len(data) * GOLDEN) & ((1 << 64) - 1))
 
 
 @pytest.mark.parametrize("n", [0, 1, 8, 77, ROW_BYTES, ROW_BYTES + 13, 2 * ROW_BYTES + 4000])
@@ -213,7 +226,7 @@ def test_values_are_pinned():
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(n=st.integers(0, 3 * psum.CHUNK_BYTES + 5 * ROW_BYTES + 9), seed=st.integers(0, 2**32))
+@given(n=st.integers(0, 3 * CHUNK_BYTES + 5 * ROW_BYTES + 9), seed=st.integers(0, 2**32))
 def test_every_path_gives_the_same_digest(n, seed):
     """One-shot, fused copy (both ways), threaded batch copy and batched combine, on every path."""
     data = _data(n, seed)
@@ -249,8 +262,8 @@ def test_row_values_combine_like_the_whole(path):
     objs = [_data(3 * ROW_BYTES, s) for s in range(4)]
     rows = np.zeros((4, 3), np.uint64)
     for i, o in enumerate(objs):
-        psum.row_sums_into(psum.as_rows(o), rows[i])
-    assert psum.combine_rows(rows, 3 * ROW_BYTES).tolist() == [checksum(o) for o in objs]
+        row_sums_into(as_rows(o), rows[i])
+    assert combine_rows(rows, 3 * ROW_BYTES).tolist() == [checksum(o) for o in objs]
     length = 2 * ROW_BYTES + 10
     run = np.zeros(4 * 3 * ROW_BYTES, np.uint8)
     for i, o in enumerate(objs):
@@ -265,7 +278,7 @@ def test_native_pieces_xor_to_the_whole():
     for p in _available()[1:]:
         native.lib.psum_impl(p)
         parts = native.lib.psum_copy([data[: 2 * ROW_BYTES], data[2 * ROW_BYTES :]], None, [0, 2])
-        assert psum.finish(parts[0] ^ parts[1], data.size) == checksum(data)
+        assert finish(parts[0] ^ parts[1], data.size) == checksum(data)
     native.lib.psum_impl(_available()[-1])
     with pytest.raises(ValueError, match="not available"):
         native.lib.psum_impl("no-such-implementation")

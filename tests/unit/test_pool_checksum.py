@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umbp.pool import Arena, checksum
-from umbp.pool.psum import CHUNK_BYTES, ROW_BYTES, copy_many, copy_with_checksum
+from umbp.pool import Arena
+from umbp.pool.checksum import CHUNK_BYTES, ROW_BYTES, checksum, copy_many, copy_with_checksum
 
 pytestmark = pytest.mark.usefixtures("impl")  # each test on the C extension's paths and on the Python ones
 
@@ -123,7 +123,7 @@ def test_threaded_batch_copy_matches_one_shot():
 def test_batched_combine_equals_one_shot(nrows):
     """combine_rows (the remote tier's batched get) gives checksum()'s value for every object, and a
     changed word changes only its own object's value."""
-    from umbp.pool.psum import as_rows, combine_rows, row_sums_into
+    from umbp.pool.checksum import as_rows, combine_rows, row_sums_into
 
     rng = np.random.default_rng(nrows)
     objs = rng.integers(0, 256, (5, nrows * ROW_BYTES), dtype=np.uint8)
@@ -140,7 +140,7 @@ def test_batched_combine_equals_one_shot(nrows):
 
 
 def test_batched_combine_needs_whole_rows():
-    from umbp.pool.psum import combine_rows
+    from umbp.pool.checksum import combine_rows
 
     with pytest.raises(ValueError):
         combine_rows(np.zeros((2, 1), np.uint64), ROW_BYTES + 8)
@@ -151,7 +151,7 @@ def test_native_psum_copy_pieces_and_bad_input(impl):
     """Pieces of an object (row0s) xor up to its psum64, and a length mismatch or a read-only destination
     is a clear error with nothing written."""
     from umbp.pool import native
-    from umbp.pool.psum import finish
+    from umbp.pool.checksum import finish
 
     data = _data(5 * ROW_BYTES + 99, seed=8)
     cut = 2 * ROW_BYTES

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from umbp.pool import DramPool, ObjectTooLargeError, Pool, SsdTier, TieredPool, TierStack, UmbpError, checksum
+from umbp.pool import DramPool, ObjectTooLargeError, Pool, SsdTier, TieredPool, TierStack, UmbpError
+from umbp.pool.checksum import checksum
 
 
 class DictTier(Pool):

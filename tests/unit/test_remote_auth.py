@@ -16,8 +16,8 @@ from redis_servers import require_redis, start_server  # noqa: E402
 
 require_redis()
 
+from umbp.pool.checksum import checksum_u8  # noqa: E402
 from umbp.pool.errors import OptionValueError  # noqa: E402
-from umbp.pool.psum import checksum_u8  # noqa: E402
 from umbp.pool.remote.auth import SEALED_HEADER_SIZE, namespace_of  # noqa: E402
 from umbp.pool.remote.format import key_crc, pack_header  # noqa: E402
 from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402

@@ -19,7 +19,7 @@ pytest.importorskip("redis")
 
 from fake_resp import FakeResp, drip, endless  # noqa: E402
 from redis_servers import make_tls_files  # noqa: E402
-from umbp.pool.psum import checksum  # noqa: E402
+from umbp.pool.checksum import checksum  # noqa: E402
 from umbp.pool.remote.format import HEADER_SIZE, pack_header  # noqa: E402
 from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
 

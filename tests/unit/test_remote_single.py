@@ -494,7 +494,7 @@ def test_put_async_with_checksums_publishes_only_matching_bytes(tier):
     later save already reusing it) must be dropped, not published under the old key with a checksum
     computed from the new bytes."""
     from umbp.pool import BufferSizeError
-    from umbp.pool.psum import checksum
+    from umbp.pool.checksum import checksum
 
     good, changed = blob(100_000, 5), blob(100_000, 6)
     digest = checksum(good)

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("redis")
 
-from umbp.pool import psum  # noqa: E402
+from umbp.pool.checksum import as_rows, row_values  # noqa: E402
 from umbp.pool.remote.format import (  # noqa: E402
     CHECKSUM_SIZE,
     HEADER_SIZE,
@@ -361,7 +361,7 @@ def test_framed_payloads_reads_a_batch_however_it_arrives(impl, step, pause):
         for i, key in enumerate(keys):
             assert dsts[i].tobytes() == BATCH[key]
             assert fields[i * 8 : i * 8 + 8] == i.to_bytes(8, "little")
-            assert rows[i].tolist() == psum.row_values(psum.as_rows(dsts[i])).tolist()
+            assert rows[i].tolist() == row_values(as_rows(dsts[i])).tolist()
     finally:
         sender.join()
         a.close()

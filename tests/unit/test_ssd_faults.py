@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import umbp.pool.ssd.io_hooks as ssd_io
-from umbp.pool.psum import checksum_u8
+from umbp.pool.checksum import checksum_u8
 from umbp.pool.ssd.format import (
     BLOCK,
     DATA,

@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from umbp.pool import checksum
 from umbp.pool.buffers import aligned_buffer
+from umbp.pool.checksum import checksum
 from umbp.pool.ssd.format import (
     BLOCK,
     DATA,
@@ -168,7 +168,7 @@ def test_native_pack_headers_rejects_bad_input():
 
 @pytest.mark.parametrize("n", [0, 1, 7, 4095, 4096, 4097, 100_003, 3 * 4096])
 def test_block_checksums_equal_psum64(n):
-    """The read path computes psum64 from zero-padded block sums; it must equal umbp.pool.checksum."""
+    """The read path computes psum64 from zero-padded block sums; it must equal umbp.pool.checksum.checksum."""
     data = _blob(n, n)
     rec = aligned_buffer(padded(n))
     rec[:] = 0

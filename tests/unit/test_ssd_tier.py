@@ -121,7 +121,7 @@ def test_batched_puts_of_one_size(tmp_path, size):
     """A put of many objects of one size stages them side by side and sums them together (_copy_in): the
     digests equal psum64 of each object (a wrong expected one is refused), a key given twice in one call
     is stored once, every byte reads back from staging, from disk and after a restart."""
-    from umbp.pool.psum import checksum
+    from umbp.pool.checksum import checksum
 
     blobs = [_blob(size, 100 + i) for i in range(40)]
     keys = [f"b{i}" for i in range(40)]

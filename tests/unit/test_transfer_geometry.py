@@ -106,7 +106,7 @@ def test_overlapping_save_slots_and_double_loads_are_rejected(engine) -> None:
 
 
 def test_digests_are_unsigned_psum64(engine) -> None:
-    from umbp.pool.psum import checksum_u8
+    from umbp.pool.checksum import checksum_u8
 
     geom = engine.groups[1]
     d = engine.save([Moves(1, [2], [4096])]).result()[0][0]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from umbp.pool import Arena
-from umbp.pool.psum import checksum_u8
+from umbp.pool.checksum import checksum_u8
 from umbp.transfer import Moves, make_engine, triton_available
 from umbp.transfer import model_layouts as L
 

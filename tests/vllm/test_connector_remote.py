@@ -130,7 +130,7 @@ def test_a_value_forged_with_a_valid_checksum_is_a_recompute_with_a_tenant_secre
     import numpy as np
     import redis
 
-    from umbp.pool.psum import checksum_u8
+    from umbp.pool.checksum import checksum_u8
     from umbp.pool.remote.auth import SEALED_HEADER_SIZE
 
     monkeypatch.setenv("UMBP_TEST_TENANT_KEY", "tenant-secret-for-the-forgery-test")

@@ -8,6 +8,7 @@
 connector keeps the index in the scheduler and one arena per worker). Depends on numpy; torch optional.
 """
 
+from umbp.pool import checksum  # the package; the function: umbp.pool.checksum.checksum
 from umbp.pool.base import Pool
 from umbp.pool.dram import OPTIONS, Arena, DramIndex, DramPool, PageAllocator, Slot
 from umbp.pool.errors import (
@@ -23,7 +24,6 @@ from umbp.pool.errors import (
     UmbpValueError,
     UnknownOptionError,
 )
-from umbp.pool.psum import checksum
 
 __all__ = [
     "OPTIONS",

@@ -207,7 +207,7 @@ class _Bench:
         import hashlib
         import zlib
 
-        from umbp.pool import checksum
+        from umbp.pool.checksum import checksum
 
         np, hot = self.np, self.src[: 256 * KiB]
         words = hot.view(np.uint64)

@@ -288,7 +288,7 @@ class _Bench:
         """Why psum64 and not crc32: GB/s of each over the same 4 MiB (cache-hot)."""
         import zlib
 
-        from umbp.pool import checksum
+        from umbp.pool.checksum import checksum
 
         hot = self.src[: 4 * MiB]
         out = {}

@@ -255,7 +255,7 @@ def check_sample(engine: Any, case: Case, verified: list[list[Any]]) -> bool:
     import numpy as np
     import torch
 
-    from umbp.pool.psum import checksum_u8
+    from umbp.pool.checksum import checksum_u8
 
     ok = True
     for m in (m for batch in verified for m in batch):

@@ -201,8 +201,8 @@ def check_disjoint(starts: list[np.ndarray], reaches: list[int]) -> None:
 
 
 def digest_mix(nbytes: int) -> int:
-    """The length term psum64 xors in (see umbp.pool.psum), as a signed int64 for device tensors."""
-    from umbp.pool.psum import _GOLDEN
+    """The length term psum64 xors in (see umbp.pool.checksum), as a signed int64 for device tensors."""
+    from umbp.pool.checksum import GOLDEN as _GOLDEN
 
     v = (nbytes * _GOLDEN) & ((1 << 64) - 1)
     return v - (1 << 64) if v >= 1 << 63 else v

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from umbp.pool import Arena
-from umbp.pool.psum import LANES, ROW_BYTES, lane_table
+from umbp.pool.checksum import LANES, ROW_BYTES, lane_table
 from umbp.transfer import batchcopy
 from umbp.transfer.api import Handle, Moves, TransferEngine, digest_mix, slot_reach
 from umbp.transfer.geometry import PIECE_BYTES

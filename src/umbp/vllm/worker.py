@@ -19,8 +19,8 @@ import torch
 
 from umbp.identity import RankCoord, object_key
 from umbp.pool import Arena, Pool
+from umbp.pool.checksum import checksum
 from umbp.pool.composition import TierStack
-from umbp.pool.psum import checksum
 from umbp.transfer import Handle, Moves, make_engine
 from umbp.vllm.config import ARENA_PAGE, UMBPConfig
 from umbp.vllm.kv_layout import Layout

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from umbp.pool.buffers import as_u8
+from umbp.pool.checksum import checksum_u8, copy_with_checksum
 from umbp.pool.dram.index import check_capacity
 from umbp.pool.errors import BufferSizeError, OptionValueError, PinnedMemoryError, human_bytes
-from umbp.pool.psum import checksum_u8, copy_with_checksum
 
 _ROUND = 4096  # the buffer is allocated in whole pages
 

@@ -16,12 +16,12 @@ import numpy as np
 
 from umbp.pool.base import Pool
 from umbp.pool.buffers import prepare_buffers
+from umbp.pool.checksum import copy_many
 from umbp.pool.dram.arena import Arena
 from umbp.pool.dram.index import COMMITTED, PENDING, DramIndex, Slot, too_large_error
 from umbp.pool.errors import BufferSizeError, CapacityError, UmbpError
 from umbp.pool.keycheck import check_keys
 from umbp.pool.options import Options, auto_or_bool, option, option_set
-from umbp.pool.psum import copy_many
 
 GiB = 1 << 30
 PiB = 1 << 50

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from umbp.pool.checksum import checksum_u8
 from umbp.pool.errors import OptionValueError
-from umbp.pool.psum import checksum_u8
 from umbp.pool.remote.format import (
     CHECKSUM_SIZE,
     FORMAT_VERSION,

@@ -5,7 +5,7 @@
     4      2    format version (3), little-endian
     6      2    header size (32): a later version may grow the header and stay readable
     8      8    payload length in bytes
-    16     8    psum64 checksum of the payload (umbp.pool.psum, its format 2)
+    16     8    psum64 checksum of the payload (umbp.pool.checksum, its format 2)
     24     4    crc32 of the object key (utf-8): a value copied or renamed under another key is a miss
     28     4    reserved, zero
 
@@ -20,7 +20,7 @@ import struct
 import zlib
 
 MAGIC = b"UMBP"
-# 3: the checksum is psum64 format 2 (umbp.pool.psum). A value of version 1 carries the additive format-1
+# 3: the checksum is psum64 format 2 (umbp.pool.checksum). A value of version 1 carries the additive format-1
 # digest, which this code cannot check: it is a miss (counted in version_mismatches), never verified.
 # (2 is the sealed layout's version, umbp.pool.remote.auth: skipped here so the two never collide.)
 FORMAT_VERSION = 3

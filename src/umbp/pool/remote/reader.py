@@ -12,10 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from umbp.pool import psum
 from umbp.pool.buffers import prepare_buffers
+from umbp.pool.checksum import (
+    CHUNK_BYTES,
+    ROW_BYTES,
+    as_rows,
+    checksum_u8,
+    combine,
+    combine_rows,
+    row_sums_into,
+)
 from umbp.pool.keycheck import check_keys
-from umbp.pool.psum import checksum_u8
 from umbp.pool.remote.auth import PlainCodec, SealedCodec
 from umbp.pool.remote.backend import Group
 from umbp.pool.remote.calls import (
@@ -141,7 +148,7 @@ class ReaderMixin:
         size = sizes.pop() if len(sizes) == 1 else 0
 
         def read(wire: Wire) -> None:
-            if 0 < size <= psum.CHUNK_BYTES and size % psum.ROW_BYTES == 0:
+            if 0 < size <= CHUNK_BYTES and size % ROW_BYTES == 0:
                 self._read_same_size(
                     wire, window, [keys[i] for i in order], [dsts[i] for i in order], order, res
                 )
@@ -173,7 +180,7 @@ class ReaderMixin:
         size, n, codec = dsts[0].size, len(keys), self._codec
         lead = b"$%d\r\n" % (codec.header_size + size) + codec.lead(size)
         tails = [codec.tail(k) for k in keys]
-        rows = np.zeros((n, size // psum.ROW_BYTES), np.uint64)
+        rows = np.zeros((n, size // ROW_BYTES), np.uint64)
         field = codec.field_size
         fields = bytearray(n * field)
         framed = np.zeros(n, bool)
@@ -195,7 +202,7 @@ class ReaderMixin:
                 stop += 1
             r = stop
         stored = np.frombuffer(fields, np.uint8).reshape(n, field)[:, :8].copy().view("<u8").ravel()
-        good = psum.combine_rows(rows, size) == stored
+        good = combine_rows(rows, size) == stored
         fixed = lead[lead.index(b"\r\n") + 2 :]
         for r in np.flatnonzero(framed).tolist():
             if not good[r]:
@@ -390,26 +397,26 @@ def _recv_with_checksum(
     wire: Wire, dst: np.ndarray, on_chunk: Callable[[memoryview], Any] | None = None
 ) -> int:
     """Receive into dst chunk by chunk and take each chunk's psum64 row values while it is still in cache (the
-    same fused pass as psum.copy_with_checksum, with the socket as the source); equals checksum_u8(dst).
+    same fused pass as umbp.pool.checksum.copy_with_checksum, with the socket as the source); equals checksum_u8(dst).
     `on_chunk` (a sealed value's tag) gets each chunk too, while it is in cache."""
     nbytes = dst.size
-    if nbytes <= psum.CHUNK_BYTES:
+    if nbytes <= CHUNK_BYTES:
         wire.read_into(memoryview(dst))
         if on_chunk is not None:
             on_chunk(memoryview(dst))
         return checksum_u8(dst)
-    full = nbytes // psum.ROW_BYTES * psum.ROW_BYTES
-    rows = np.empty(full // psum.ROW_BYTES, np.uint64)
-    words = dst[:full].view(psum._LE_U64).reshape(-1, psum.ROW_WORDS)
-    for c0 in range(0, nbytes, psum.CHUNK_BYTES):
-        c1 = min(c0 + psum.CHUNK_BYTES, nbytes)
+    full = nbytes // ROW_BYTES * ROW_BYTES
+    rows = np.empty(full // ROW_BYTES, np.uint64)
+    words = as_rows(dst[:full])
+    for c0 in range(0, nbytes, CHUNK_BYTES):
+        c1 = min(c0 + CHUNK_BYTES, nbytes)
         wire.read_into(memoryview(dst[c0:c1]))
         if on_chunk is not None:
             on_chunk(memoryview(dst[c0:c1]))
-        r0, r1 = c0 // psum.ROW_BYTES, min(c1, full) // psum.ROW_BYTES
+        r0, r1 = c0 // ROW_BYTES, min(c1, full) // ROW_BYTES
         if r1 > r0:
-            psum.row_sums_into(words[r0:r1], rows[r0:r1])
-    return psum._combine(rows, dst, full)
+            row_sums_into(words[r0:r1], rows[r0:r1])
+    return combine(rows, dst, full)
 
 
 def _check_value(codec: PlainCodec | SealedCodec, key: str, value: bytes | None, dst: np.ndarray) -> Any:

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from umbp.pool import native, psum
+from umbp.pool import native
+from umbp.pool.checksum import as_rows, row_sums_into
 
 CRLF = b"\r\n"
 _COALESCE = 128 * 1024  # parts below this are copied into one send; larger ones go out as they are
@@ -358,7 +359,7 @@ class Wire:
         r1: int,
     ) -> int:
         """framed_payload for replies r0..r1-1 of a batch of same-size values, each value's 4 KiB row
-        sums (psum.row_sums_into) into rows[r] and its `field` bytes into fields[r * field:]. Returns
+        sums (umbp.pool.checksum.row_sums_into) into rows[r] and its `field` bytes into fields[r * field:]. Returns
         the first reply not read: r1, or one that is not so framed (nothing of it consumed). On a plain
         TCP socket the C extension runs the whole loop without the GIL (receive, match, copy, sum);
         otherwise, and when it is not built, the same steps run here."""
@@ -387,7 +388,7 @@ class Wire:
             if got is None:
                 return r
             fields[r * field : (r + 1) * field] = got
-            psum.row_sums_into(psum.as_rows(dsts[r]), rows[r])
+            row_sums_into(as_rows(dsts[r]), rows[r])
         return r1
 
     def differs_from(self, expected: bytes) -> bool:

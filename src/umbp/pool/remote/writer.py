@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from umbp.pool.buffers import aligned_buffer, prepare_buffers
+from umbp.pool.checksum import copy_with_checksum
 from umbp.pool.dram.allocator import PageAllocator
 from umbp.pool.errors import BufferSizeError
 from umbp.pool.keycheck import check_keys
-from umbp.pool.psum import copy_with_checksum
 from umbp.pool.remote.auth import PlainCodec, SealedCodec
 from umbp.pool.remote.backend import Group, Standalone
 from umbp.pool.remote.calls import (

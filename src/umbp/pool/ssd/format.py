@@ -42,13 +42,13 @@ from typing import NamedTuple
 import numpy as np
 
 from umbp.pool import native
-from umbp.pool.psum import as_rows, combine_padded_rows, row_values
+from umbp.pool.checksum import as_rows, combine_padded_rows, row_values
 
 BLOCK = 4096
 MAGIC = b"UMBP-REC"
 GROUP_MAGIC = b"UMBP-GRP"
 TRAILER_MAGIC = b"UMBP-END"
-# What this code writes; it reads 1 and 3. 3 = 2 with psum64 format 2 checksums (umbp.pool.psum): groups of
+# What this code writes; it reads 1 and 3. 3 = 2 with psum64 format 2 checksums (umbp.pool.checksum): groups of
 # version 2 carry the additive format-1 digest and are skipped by their version (misses); a version-1
 # record's format-1 digest fails the format-2 check (a miss; a false pass has probability 2**-64).
 VERSION = 3
@@ -268,7 +268,7 @@ def block_rows(buf: np.ndarray) -> np.ndarray:
 def psum_of_rows(rows: np.ndarray, length: int) -> int:
     """psum64 of a `length`-byte payload from the row values of its zero-padded 4 KiB blocks.
 
-    Equal to umbp.pool.psum.checksum of the payload because psum64 takes the bytes after the last full
+    Equal to umbp.pool.checksum.checksum of the payload because psum64 takes the bytes after the last full
     row zero-padded, with the next row's weight, which is exactly a zero-padded block's row value; records
     are zero-padded on disk. (tests/unit/test_ssd_format.py checks the equality.)"""
     return int(combine_padded_rows(rows[None, :], length)[0])

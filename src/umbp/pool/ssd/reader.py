@@ -12,8 +12,8 @@ import numpy as np
 
 from umbp.pool import native
 from umbp.pool.buffers import aligned_buffer
+from umbp.pool.checksum import checksum_u8, copy_with_checksum
 from umbp.pool.errors import BufferSizeError
-from umbp.pool.psum import checksum_u8, copy_with_checksum
 from umbp.pool.ssd import io_hooks
 from umbp.pool.ssd.format import (
     BLOCK,

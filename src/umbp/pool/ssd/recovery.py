@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from umbp.pool.psum import checksum_u8
+from umbp.pool.checksum import checksum_u8
 from umbp.pool.ssd.format import (
     _GROUP,
     _HEADER,

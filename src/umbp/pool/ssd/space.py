@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from umbp.pool.buffers import aligned_buffer
-from umbp.pool.psum import checksum_u8
+from umbp.pool.checksum import checksum_u8
 from umbp.pool.ssd import io_hooks
 from umbp.pool.ssd.format import (
     BLOCK,

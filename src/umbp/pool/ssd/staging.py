@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from umbp.pool import native
+from umbp.pool.checksum import copy_with_checksum, run_split
 from umbp.pool.errors import ObjectTooLargeError, UmbpError, human_bytes
 from umbp.pool.keycheck import key_utf8
-from umbp.pool.psum import copy_with_checksum, run_split
 from umbp.pool.ssd.format import (
     BLOCK,
     MAX_KEY_BYTES,
