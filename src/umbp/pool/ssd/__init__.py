@@ -2,7 +2,8 @@
 
     from umbp.pool.ssd import SsdTier
 
-Modules: `tier` (the Pool interface and its bookkeeping), `format` (the on-disk records and groups),
+Modules: `tier` (construction and the Pool interface; its other concerns are mixins beside it:
+`index`, `directory`, `staging`, `reader`, `writer`, `space`), `format` (the on-disk records and groups),
 `recovery` (the start-up scan, resync and flush mark), `options` (SsdOptions). See docs/ssd.md.
 """
 

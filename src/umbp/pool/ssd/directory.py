@@ -135,6 +135,20 @@ class DirectoryMixin:
             os.ftruncate(seg.fd, valid_end)
             seg.size = valid_end
 
+    def _release_shards(self) -> None:
+        for s in self._shards:
+            self._close_shard_files(s)
+
+    @staticmethod
+    def _close_shard_files(shard: _Shard) -> None:
+        for seg in shard.segments:
+            if seg.fd >= 0:
+                os.close(seg.fd)
+                seg.fd = -1
+        if shard.lock_fd >= 0:
+            os.close(shard.lock_fd)  # releases the flock
+            shard.lock_fd = -1
+
 
 def _ensure_directory(directory: str) -> None:
     try:

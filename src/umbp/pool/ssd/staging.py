@@ -1,5 +1,7 @@
 """How `SsdTier.put` stages objects: input checks, staging pages taken under the lock, copies and
-checksums outside it, then the items queued for the directory's writer."""
+checksums outside it, then the items queued for the directory's writer; and how a finished item's
+staging pages are given back (only once no reader holds them, since reads of queued objects are served
+from staging)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from umbp.pool.ssd.shard import (
     _ENTRY_BYTES,
     _PUT,
     _SUM_RUN_BYTES,
+    DONE,
     QUEUED,
     _Item,
+    _Shard,
     _staging_pages,
 )
 
@@ -37,6 +41,50 @@ log = logging.getLogger("umbp.ssd")
 class StagingMixin:
     """Part of SsdTier (umbp.pool.ssd.tier), split out by concern: it works on the tier's own state
     (`self`) under the tier's one lock, so the methods read exactly as they would in one class."""
+
+    def _staging_view(self, it: _Item) -> np.ndarray:
+        return self._staging[it.start * BLOCK : (it.start + it.npages) * BLOCK]
+
+    def _release(self, it: _Item, runs: list[tuple[int, int]] | None = None) -> None:
+        """Give a finished put's staging pages back once no reader holds them; with `runs`, collect them
+        there for one _free_runs of a whole group (records staged together sit side by side)."""
+        if it.state == DONE and it.pins == 0 and it.start >= 0:
+            if runs is None:
+                self._alloc.free(it.start, it.npages)
+                self._room_freed()
+            else:
+                runs.append((it.start, it.npages))
+            it.start = -1
+
+    def _free_runs(self, runs: list[tuple[int, int]]) -> None:
+        """Free collected staging runs, adjacent ones merged first: one allocator call per merged run."""
+        runs.sort()
+        i = 0
+        while i < len(runs):
+            start, n = runs[i]
+            i += 1
+            while i < len(runs) and runs[i][0] == start + n:
+                n += runs[i][1]
+                i += 1
+            self._alloc.free(start, n)
+        self._room_freed()
+
+    def _room_freed(self) -> None:
+        if self._room_waiters:
+            self._room.notify_all()
+
+    def _finish(self, shard: _Shard, it: _Item, runs: list[tuple[int, int]] | None = None) -> None:
+        if shard.staged.get(it.key) is it:
+            del shard.staged[it.key]
+        if it.key not in shard.index and it.key not in shard.staged:  # never made it to disk
+            shard.lru.pop(it.key, None)
+        it.state = DONE
+        self._release(it, runs)
+
+    def _enqueue(self, shard: _Shard, it: _Item) -> None:
+        it.state = QUEUED
+        shard.queue.append(it)
+        shard.cv.notify()
 
     @staticmethod
     def _key_bytes(key: Any) -> bytes:

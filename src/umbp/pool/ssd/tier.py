@@ -22,10 +22,11 @@ Why this shape:
   bytes. Reads of many keys are pipelined: I/O threads fetch the next run of adjacent records while the
   caller checks and copies the current one.
 
-Code: this module holds construction, routing, bookkeeping and the Pool API; the rest of the class
-lives beside it by concern (mixins on the same state): `directory` (lock, scan, rebuild), `staging`
-(put's copies), `reader` (get_into's reads), `writer` (the writer thread), `space` (segments, reclaim),
-with the records they share in `shard` and the replaceable disk calls in `io_hooks`.
+Code: this module holds construction and the Pool API; the rest of the class lives beside it by
+concern (mixins on the same state): `index` (routing, the key index, LRU, ghosts), `directory` (lock,
+scan, rebuild, closing files), `staging` (put's copies, staging pages given back), `reader` (get_into's
+reads), `writer` (the writer thread), `space` (segments, reclaim), with the records they share in
+`shard` and the replaceable disk calls in `io_hooks`.
 
 Thread-safety: one lock guards all metadata; copies and disk I/O run outside it, protected by pins
 (staged items, segments being read) so nothing is freed or closed under a reader.
@@ -37,13 +38,10 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import numpy as np
 
 from umbp.pool.base import Pool
 from umbp.pool.buffers import aligned_buffer, prepare_buffers
@@ -55,9 +53,9 @@ from umbp.pool.ssd.directory import DirectoryMixin
 from umbp.pool.ssd.format import (
     BLOCK,
     MAX_KEY_BYTES,
-    padded,
     seal_bytes,
 )
+from umbp.pool.ssd.index import IndexMixin
 from umbp.pool.ssd.options import SsdOptions
 from umbp.pool.ssd.reader import ReaderMixin
 from umbp.pool.ssd.recovery import write_flush_mark
@@ -69,8 +67,6 @@ from umbp.pool.ssd.shard import (
     _OK,
     _TOMB,
     COPYING,
-    DONE,
-    QUEUED,
     WRITING,
     KiB,
     MiB,
@@ -79,7 +75,6 @@ from umbp.pool.ssd.shard import (
     SsdLockedError,
     _Item,
     _Loc,
-    _Segment,
     _Shard,
     _staging_pages,
 )
@@ -92,7 +87,7 @@ __all__ = ["SsdDirectoryError", "SsdError", "SsdLockedError", "SsdTier"]
 log = logging.getLogger("umbp.ssd")
 
 
-class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin, Pool):
+class SsdTier(IndexMixin, DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin, Pool):
     """The SSD tier: batched exists/put/get_into over segment files in one or more directories.
 
     capacity_bytes bounds the bytes of segment files (headers and padding included), split evenly across
@@ -248,101 +243,6 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
             health_interval_s=o.health_interval_s,
             prefault=o.prefault,
         )
-
-    # ---- routing and bookkeeping (callers hold the lock) ------------------------------------------------
-
-    def _shard_number(self, key: str) -> int:
-        """A stable hash (crc32, not Python's salted hash()): the same key maps to the same directory in
-        every process and after every restart."""
-        return 0 if self._ndirs == 1 else zlib.crc32(key.encode()) % self._ndirs
-
-    def _route(self, key: str) -> _Shard:
-        return self._shards[self._shard_number(key)]
-
-    def _index(self, shard: _Shard, key: str, loc: _Loc, nbytes: int = 0) -> None:
-        """Index key at loc; nbytes, when known, is its payload's bytes on disk (saves the writer a call a
-        record)."""
-        shard.index[key] = loc
-        self._forget_ghost(shard, key)
-        if key not in shard.lru:  # a written put keeps the place it took when it was put
-            shard.lru[key] = None
-        loc.seg.live[key] = None
-        shard.live_bytes += nbytes or padded(loc.length)
-        shard.stored_bytes += loc.length
-
-    def _unindex(self, shard: _Shard, key: str, gone: bool) -> _Loc | None:
-        """Drop key from the index; gone=True means it left without a remove() (reported by drain_evicted)."""
-        loc = shard.index.pop(key, None)
-        if loc is None:
-            return None
-        shard.lru.pop(key, None)
-        loc.seg.live.pop(key, None)
-        shard.live_bytes -= padded(loc.length)
-        shard.stored_bytes -= loc.length
-        if gone:
-            shard.ghosts[key] = loc.seg  # a restart would find it: a remove() must still write a tombstone
-            loc.seg.ghosts[key] = None
-            if self._track_evicted:
-                self._evicted.append(key)
-        return loc
-
-    @staticmethod
-    def _forget_ghost(shard: _Shard, key: str) -> bool:
-        """Drop key's unindexed record from the ghosts (a newer record or a tombstone shadows it); True if
-        there was one."""
-        seg = shard.ghosts.pop(key, None)
-        if seg is not None:
-            seg.ghosts.pop(key, None)
-        return seg is not None
-
-    def _set_reserved(self, shard: _Shard, seg: _Segment) -> None:
-        new = seg.size if seg.sealed else seg.size + seal_bytes(seg.entry_bytes)
-        shard.footprint += new - seg.reserved
-        seg.reserved = new
-
-    def _staging_view(self, it: _Item) -> np.ndarray:
-        return self._staging[it.start * BLOCK : (it.start + it.npages) * BLOCK]
-
-    def _release(self, it: _Item, runs: list[tuple[int, int]] | None = None) -> None:
-        """Give a finished put's staging pages back once no reader holds them; with `runs`, collect them
-        there for one _free_runs of a whole group (records staged together sit side by side)."""
-        if it.state == DONE and it.pins == 0 and it.start >= 0:
-            if runs is None:
-                self._alloc.free(it.start, it.npages)
-                self._room_freed()
-            else:
-                runs.append((it.start, it.npages))
-            it.start = -1
-
-    def _free_runs(self, runs: list[tuple[int, int]]) -> None:
-        """Free collected staging runs, adjacent ones merged first: one allocator call per merged run."""
-        runs.sort()
-        i = 0
-        while i < len(runs):
-            start, n = runs[i]
-            i += 1
-            while i < len(runs) and runs[i][0] == start + n:
-                n += runs[i][1]
-                i += 1
-            self._alloc.free(start, n)
-        self._room_freed()
-
-    def _room_freed(self) -> None:
-        if self._room_waiters:
-            self._room.notify_all()
-
-    def _finish(self, shard: _Shard, it: _Item, runs: list[tuple[int, int]] | None = None) -> None:
-        if shard.staged.get(it.key) is it:
-            del shard.staged[it.key]
-        if it.key not in shard.index and it.key not in shard.staged:  # never made it to disk
-            shard.lru.pop(it.key, None)
-        it.state = DONE
-        self._release(it, runs)
-
-    def _enqueue(self, shard: _Shard, it: _Item) -> None:
-        it.state = QUEUED
-        shard.queue.append(it)
-        shard.cv.notify()
 
     @property
     def queue_bytes(self) -> int:
@@ -613,17 +513,3 @@ class SsdTier(DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin, SpaceMixin
         self._release_shards()
         self._closed = True
         return True
-
-    def _release_shards(self) -> None:
-        for s in self._shards:
-            self._close_shard_files(s)
-
-    @staticmethod
-    def _close_shard_files(shard: _Shard) -> None:
-        for seg in shard.segments:
-            if seg.fd >= 0:
-                os.close(seg.fd)
-                seg.fd = -1
-        if shard.lock_fd >= 0:
-            os.close(shard.lock_fd)  # releases the flock
-            shard.lock_fd = -1
