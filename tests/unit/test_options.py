@@ -13,11 +13,12 @@ from umbp.pool import DramPool, SsdTier
 from umbp.pool.dram.tier import DramOptions
 from umbp.pool.errors import OptionValueError, UmbpValueError, UnknownOptionError
 from umbp.pool.options import _META
+from umbp.pool.remote.config import RemoteConfig
 from umbp.pool.ssd.options import SsdOptions
 from umbp.tools import options_doc
 from umbp.vllm.config import GIB, ConfigError, UMBPConfig, UnknownConfigKeyError
 
-OPTION_SETS = [UMBPConfig, DramOptions, SsdOptions]
+OPTION_SETS = [UMBPConfig, DramOptions, SsdOptions, RemoteConfig]
 REQUIRED = {
     DramOptions: {"capacity_bytes": 1 << 20},
     SsdOptions: {"dirs": "/nonexistent", "capacity_bytes": 1 << 20},
@@ -33,12 +34,14 @@ def _bad_values(hint) -> list:
         return [math.nan, math.inf, -math.inf, True, False, "8", 1.5, [1], {}] + (
             [] if type(None) in args else [None]
         )
-    if hint is float:
-        return [math.nan, math.inf, -math.inf, True, "0.5", None, [0.5]]
-    if hint is str:
-        return [3, None, b"x", ["a"]]
+    if hint is float or args == {float, type(None)}:
+        return [math.nan, math.inf, -math.inf, True, "0.5", [0.5]] + ([] if type(None) in args else [None])
+    if hint is str or args == {str, type(None)}:
+        return [3, b"x", ["a"]] + ([] if type(None) in args else [None])
     if typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, ...):
         return [3, None, [1], [""], {"a": 1}]
+    if args == {tuple[str, ...], type(None)}:
+        return [3, [1], [""], {"a": 1}, []]
     return [object(), 3.5, None]
 
 

@@ -193,7 +193,7 @@ def test_auth_options_are_checked(monkeypatch, tmp_path):
         RemoteConfig.from_options({"auth_key_env": "UMBP_TEST_SURELY_UNSET"})
     with pytest.raises(OptionValueError, match="cannot read"):
         RemoteConfig.from_options({"auth_key_file": str(tmp_path / "missing")})
-    with pytest.raises(OptionValueError, match="encrypt needs a tenant secret"):
+    with pytest.raises(OptionValueError, match="'encrypt' needs a tenant secret"):
         RemoteConfig.from_options({"encrypt": True})
     with pytest.raises(OptionValueError, match="auth_mac"):
         RemoteConfig.from_options({"auth_mac": "md5"})

@@ -30,7 +30,7 @@ def test_defaults_and_round_trip_of_options():
         {
             "url": "redis://10.1.2.3:7000/2",
             "ttl_s": 60,
-            "quarantine_s": "5",
+            "quarantine_s": 5,
             "timeout_s": 0.25,
             "max_connections": 4,
             "key_prefix": "umbp:t1:",
@@ -74,17 +74,19 @@ def test_unknown_keys_are_named_with_a_hint():
         ("min_throughput_mib_s", 0),
         ("min_throughput_mib_s", float("inf")),
         ("max_connections", "1e400"),
+        ("quarantine_s", "5"),
+        ("timeout_s", "2"),
     ],
 )
 def test_numbers_out_of_what_the_tier_can_honour_are_refused_by_name(name, value):
     """Values that used to pass and then break every call (a timeout too large for poll(), an infinite
-    one), NaN, booleans taken as numbers: one error naming the option, whichever way the config is built."""
+    one), NaN, booleans or strings taken as numbers: one error naming the option, whichever way the config
+    is built."""
     with pytest.raises(OptionValueError) as e:
         RemoteConfig.from_options({name: value})
-    assert f"remote option {name} must be" in str(e.value)
-    if not isinstance(value, str):
-        with pytest.raises(OptionValueError, match=f"remote option {name} must be"):
-            RemoteConfig(**{name: value}).validate()
+    assert f"remote tier option '{name}' must be" in str(e.value)
+    with pytest.raises(OptionValueError, match=f"remote tier option '{name}' must be"):
+        RemoteConfig(**{name: value})
 
 
 def test_largest_accepted_timeout_still_serves(tmp_path):
@@ -113,18 +115,25 @@ def test_largest_accepted_timeout_still_serves(tmp_path):
         ({"url": ""}, "non-empty string"),
         ({"urls": []}, "non-empty list"),
         ({"url": "redis://a:1", "urls": ["redis://b:1"]}, "not both"),
-        ({"urls": ["redis://a:1", "redis://b:1"]}, "cluster is false"),
+        ({"urls": ["redis://a:1", "redis://b:1"]}, "'cluster' is false"),
         ({"urls": ["redis://a:1/3"], "cluster": True}, "only database 0"),
-        ({"timeout_s": 0}, "timeout_s must be a number >= 0.001"),
+        ({"timeout_s": 0}, "'timeout_s' must be a finite number >= 0.001 and <= 3600"),
         ({"timeout_s": "fast"}, "timeout_s"),
         ({"max_connections": 2.5}, "an integer"),
         ({"quarantine_s": -1}, "quarantine_s"),
         ({"cluster": "maybe"}, "true or false"),
         ({"ttl_s": True}, "ttl_s"),
-        ({"hash_tag_chars": 5}, "hash_tag_chars must be an integer >= 1 and <= 4"),
+        ({"hash_tag_chars": 5}, "'hash_tag_chars' must be an integer >= 1 and <= 4"),
         ({"key_prefix": "umbp:{x}"}, "free of '{' and '}'"),
         ({"tls_cert_file": "/c.pem"}, "go together"),
         ({"password_env": "UMBP_TEST_SURELY_UNSET_VAR"}, "not set"),
+        ({"password": "x", "password_env": "UMBP_TEST_SURELY_UNSET_VAR"}, "not both"),
+        ({"cluster": "yes"}, "true or false"),
+        ({"tls": 1}, "true or false"),
+        ({"auth_mac": "md5"}, "'auth_mac' must be 'auto' or 'hmac-sha256' or 'aes-gmac'"),
+        ({"encrypt": True}, "needs a tenant secret"),
+        ({"auth_old_key_envs": ["UMBP_TEST_SURELY_UNSET_VAR"]}, "not set"),
+        ({"auth_key_env": "A", "auth_key_file": "/b"}, "not both"),
     ],
 )
 def test_bad_values_have_clear_errors(options, fragment):
@@ -155,6 +164,24 @@ def test_tls_implied_by_rediss_and_hostname_check_follows_verify():
     cfg = RemoteConfig.from_options({"url": "rediss://h:6380", "tls_verify": False})
     assert not cfg.tls_check_hostname
     assert parse_url("redis://[::1]:7/0").host == "::1"
+
+
+def test_values_resolved_from_the_environment_survive_replace(monkeypatch):
+    """password_env, the URL's user and rediss:// are resolved once; dataclasses.replace re-checks the
+    options without reading the environment again (it may have changed) or losing what was resolved."""
+    import dataclasses
+
+    monkeypatch.setenv("UMBP_TEST_PW", "hunter2")
+    cfg = RemoteConfig.from_options(
+        {"url": "rediss://alice@h:6380/1", "password_env": "UMBP_TEST_PW", "tls_verify": False}
+    )
+    monkeypatch.delenv("UMBP_TEST_PW")
+    again = dataclasses.replace(cfg, timeout_s=1.0)
+    assert again.password == "hunter2" and again.username == "alice" and again.urls == cfg.urls
+    assert again.tls and not again.tls_check_hostname and again.timeout_s == 1.0
+    assert "hunter2" not in repr(again)
+    with pytest.raises(OptionValueError, match="remote tier option 'timeout_s'"):
+        dataclasses.replace(cfg, timeout_s=float("nan"))
 
 
 def test_header_checks():

@@ -64,7 +64,10 @@ def _frames(exc: BaseException) -> list[str]:
             {"remote": ["redis://:" + PASSWORD + "@127.0.0.1:6379"]},
             "'remote' must be a Redis URL or an options dict",
         ),
-        ({"remote": "redis://:" + PASSWORD + "@127.0.0.1:99999/0"}, "'remote': remote url"),  # a bad port
+        (
+            {"remote": "redis://:" + PASSWORD + "@127.0.0.1:99999/0"},
+            "'remote': remote tier option 'url'",
+        ),  # a bad port
     ],
 )
 def test_bad_key_fails_while_vllm_builds_its_config(plugin, tiny_model_dir, extra, key):

@@ -1,4 +1,4 @@
-"""One strict options layer for every umbp configuration surface (connector, DRAM, SSD; remote later).
+"""One strict options layer for every umbp configuration surface (connector, DRAM, SSD, remote).
 
 An option set is a frozen dataclass whose fields carry their rules and their one help string:
 
@@ -31,15 +31,10 @@ secrets) that would live in pydantic metadata anyway. This module needs only the
 lives in `umbp.pool` beside the error classes it raises (`umbp.pool.errors`): a top-level module
 importing them would import `umbp.pool`, whose tiers import this layer, in a cycle.
 
-Moving the remote tier's options onto it later: `RemoteConfig` becomes an `@option_set` class with
-`where = "remote tier option"`; `password` gets `show=hide_secret`; `url`/`urls` become one
-`tuple[str, ...]` field with a `convert` that splits a comma list; the numeric table (`_NUMBERS`) becomes
-`minimum=`/`above=`/`maximum=` on each field (adding the missing upper bounds, e.g. on `timeout_s`); the
-cross-field rules (`validate`) move into `check`; `OPTIONS` becomes the field help strings and the docs
-table is generated like the others (add it to `umbp.tools.options_doc.TABLES`/`FILES` with docs/remote.md).
-Its error classes are already `UnknownOptionError`/`OptionValueError`, so callers keep working; only the
-message wording changes ("remote tier option 'timeout_s' ..."). The connector's `remote` option can then
-hold the parsed `RemoteConfig` instead of validated key/value pairs.
+Option sets on it: the connector's (`umbp.vllm.config.UMBPConfig`), the DRAM pool's
+(`umbp.pool.dram.tier.DramOptions`), the SSD tier's (`umbp.pool.ssd.options.SsdOptions`) and the shared
+tier's (`umbp.pool.remote.config.RemoteConfig`, whose keys that only say where a value comes from, such
+as `password_env`, are resolved in its `check`).
 """
 
 from __future__ import annotations

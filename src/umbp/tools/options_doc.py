@@ -24,6 +24,7 @@ TABLES: dict[str, str] = {
     "connector": "umbp.vllm.config:UMBPConfig",
     "dram": "umbp.pool.dram.tier:DramOptions",
     "ssd": "umbp.pool.ssd.options:SsdOptions",
+    "remote": "umbp.pool.remote.config:RemoteConfig",
 }
 # files (relative to the repository root) -> the tables they embed
 FILES: dict[str, tuple[str, ...]] = {
@@ -31,6 +32,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "docs/vllm.md": ("connector",),
     "docs/pool.md": ("dram",),
     "docs/ssd.md": ("ssd",),
+    "docs/remote.md": ("remote",),
 }
 _BLOCK = re.compile(r"(<!-- options:(\w+) [^\n]*-->\n)(.*?)(<!-- /options:\2 -->)", re.DOTALL)
 

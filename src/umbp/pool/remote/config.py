@@ -1,118 +1,37 @@
 """RemoteConfig: the validated settings of the shared Redis/Valkey tier (`umbp.pool.remote.tier.RedisTier`).
 
-Why a separate, strict config: the tier is configured from an engine's free-form JSON (vLLM's
+Why a strict config: the tier is configured from an engine's free-form JSON (vLLM's
 `kv_connector_extra_config`). A typo there ("quarantine_sec") must stop start-up with an error naming the
-key, not silently fall back to a default; a password must never appear in an error, a log or `stats()`.
+key, not silently fall back to a default; a password or tenant secret must never appear in an error, a log,
+a repr or `stats()`.
+
+It is an option set of the one options layer (umbp.pool.options): strict types and ranges, "did you mean"
+for unknown keys, the key's name in every error, and one help string per option from which docs/remote.md's
+table is generated. A few keys only say where a value comes from (`url` folds into `urls`, `password_env`
+into `password`, `auth_key_env`/`auth_key_file` into the secret `auth_key`); `check` resolves them once, and
+resolving again (as `dataclasses.replace` does) changes nothing.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 from urllib.parse import unquote, urlsplit
 
-from umbp.pool.errors import OptionValueError, UnknownOptionError
+from umbp.pool.errors import OptionValueError
+from umbp.pool.options import Invalid, Options, hide_secret, option, option_set
 
 MiB = 1 << 20
-
-OPTIONS: dict[str, str] = {
-    "url": "redis://[user[:password]@]host[:port][/db] or rediss://... for TLS (default redis://127.0.0.1:6379/0)",
-    "urls": "list of URLs: the cluster's startup nodes (cluster mode), or a one-element list",
-    "cluster": "true: Redis Cluster (hash slots, MOVED/ASK followed by redis-py); false: one server (default)",
-    "username": "ACL user name (overrides the URL's)",
-    "password": "password (overrides the URL's); prefer password_env",
-    "password_env": "name of an environment variable holding the password (keeps it out of config files)",
-    "tls": "true: connect with TLS (implied by rediss:// URLs)",
-    "tls_ca_file": "CA bundle that signed the server certificate (PEM)",
-    "tls_cert_file": "client certificate (PEM), for servers that require client auth",
-    "tls_key_file": "client private key (PEM)",
-    "tls_verify": "verify the server certificate (default true)",
-    "tls_check_hostname": "check the certificate's host name (default true; needs tls_verify)",
-    "connect_timeout_s": "TCP/TLS connect + handshake timeout in seconds (default 0.5)",
-    "timeout_s": "deadline of one call (lookup, load or save batch) in seconds, plus its bytes at "
-    "min_throughput_mib_s (default 2.0)",
-    "min_throughput_mib_s": "slowest transfer a call waits for: its deadline grows by its bytes at this rate "
-    "(default 64)",
-    "max_connections": "connections per server in the client pool (default 32)",
-    "key_prefix": "prefix of every Redis key this tier writes; clear() stays inside it (default 'umbp:')",
-    "ttl_s": "expire objects this many seconds after they were stored (default none)",
-    "quarantine_s": "after a failed load, report the key absent for this long (default 30; 0 = off)",
-    "quarantine_max_keys": "bound on quarantined keys kept in memory (default 100000)",
-    "retry_interval_s": "after a connection failure, treat the server as down this long, then reconnect (default 1.0)",
-    "write_queue_bytes": "bound on bytes queued by put_async; a full queue drops saves (default 256 MiB)",
-    "write_batch": "objects per background write round trip (default 16)",
-    "hash_tag_chars": "cluster only: last N hex chars of a key form its hash tag, 16**N slots (default 2)",
-    "auth_key_env": "name of an environment variable holding this tenant's secret (>= 16 bytes): values are "
-    "MACed, and the Redis namespace is derived from it (see docs/remote.md)",
-    "auth_key_file": "path of a file holding this tenant's secret (instead of auth_key_env)",
-    "auth_old_key_envs": "key rotation: environment variables holding previous secrets, accepted for reads",
-    "auth_old_key_files": "key rotation: files holding previous secrets, accepted for reads",
-    "auth_mac": "'auto' (default: aes-gmac when the cryptography package is installed, else hmac-sha256), "
-    "'hmac-sha256' or 'aes-gmac'",
-    "encrypt": "true: AES-GCM encryption at rest (needs the auth key and the remote-crypto extra)",
-}
-
-
-def _reject_unknown(options: Mapping[str, Any]) -> None:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if not unknown:
-        return
-    hints = [m for k in unknown for m in difflib.get_close_matches(k, OPTIONS, n=1)]
-    hint = f" (did you mean {', '.join(repr(h) for h in hints)}?)" if hints else ""
-    raise UnknownOptionError(
-        f"umbp: unknown remote tier option(s) {', '.join(repr(k) for k in unknown)}{hint}; "
-        f"valid options: {', '.join(OPTIONS)}"
-    )
-
-
-def _bad(name: str, value: Any, want: str) -> OptionValueError:
-    shown = "<hidden>" if "password" in name else repr(value)
-    return OptionValueError(f"umbp: remote option {name} must be {want}, got {shown}")
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-        return value.lower() in ("true", "1", "yes", "on")
-    raise _bad(name, value, "true or false")
-
-
-def _as_number(
-    name: str,
-    value: Any,
-    *,
-    minimum: float,
-    maximum: float = math.inf,
-    integer: bool = False,
-    strings: bool = True,
-) -> Any:
-    """A finite number in [minimum, maximum] (an integer where `integer`); a bool, NaN, an infinity or a
-    number out of range is an error naming the option."""
-    kinds = int | float | str if strings else int | float
-    want = f"{'an integer' if integer else 'a number'} >= {minimum}"
-    if maximum != math.inf:
-        want += f" and <= {maximum:g}"
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise _bad(name, value, want)
-    try:
-        num = int(value) if integer and isinstance(value, int) else float(value)
-    except (ValueError, OverflowError):
-        raise _bad(name, value, want) from None
-    if not math.isfinite(num) or num < minimum or num > maximum or (integer and num != int(num)):
-        raise _bad(name, value, want)
-    return int(num) if integer else num
-
-
-def _as_str(name: str, value: Any, allow_empty: bool = False) -> str:
-    if not isinstance(value, str) or (not value and not allow_empty):
-        raise _bad(name, value, "a non-empty string")
-    return value
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+AUTH_MACS = ("auto", "hmac-sha256", "aes-gmac")
+MIN_SECRET_BYTES = 16
+# The numeric maxima are what the tier can honour: a timeout becomes milliseconds for poll() (a C int), a
+# TTL becomes Redis' PX milliseconds; beyond them a value would pass here and then break every call.
+_HOUR_S = 3600.0
+_TTL_MAX_S = 10 * 365 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -128,45 +47,343 @@ class Endpoint:
         return f"{self.host}:{self.port}"
 
 
-@dataclass(frozen=True)
-class RemoteConfig:
-    """Settings of RedisTier; build it with `from_options` (validates) or directly (then call `validate`)."""
+# ---- converters (an option's own rule; Invalid says what the value must be) ------------------------------
 
-    urls: tuple[str, ...] = ("redis://127.0.0.1:6379/0",)
-    cluster: bool = False
-    username: str | None = None
-    password: str | None = None
-    tls: bool = False
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_verify: bool = True
-    tls_check_hostname: bool = True
-    connect_timeout_s: float = 0.5
-    timeout_s: float = 2.0
-    max_connections: int = 32
-    key_prefix: str = "umbp:"
-    ttl_s: float | None = None
-    quarantine_s: float = 30.0
-    quarantine_max_keys: int = 100_000
-    retry_interval_s: float = 1.0
-    write_queue_bytes: int = 256 * MiB
-    write_batch: int = 16
-    hash_tag_chars: int = 2
-    min_throughput_mib_s: float = 64.0
-    # the tenant's secrets as bytes (read from auth_key_env/auth_key_file at from_options), never shown
-    auth_key: bytes | None = None
-    auth_old_keys: tuple[bytes, ...] = ()
-    auth_mac: str = "auto"
-    encrypt: bool = False
+
+def _one_url(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise Invalid("a non-empty string (a redis:// or rediss:// URL)")
+    problem = url_problem(value)
+    if problem:
+        raise Invalid("", reason=problem)
+    return value
+
+
+def _url_or_none(value: Any) -> str | None:
+    return None if value is None else _one_url(value)
+
+
+def _url_list(value: Any) -> tuple[str, ...] | None:
+    """A list of URLs, or one string of comma-separated URLs (an environment variable's natural form)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [u.strip() for u in value.split(",") if u.strip()]
+    if not isinstance(value, list | tuple) or not value:
+        raise Invalid("a non-empty list of redis:// URLs (or one comma-separated string)")
+    return tuple(_one_url(u) for u in value)
+
+
+def _name_list(value: Any) -> tuple[str, ...]:
+    """Names of environment variables or files: a list, or one comma-separated string."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+        raise Invalid("a list of names (or one comma-separated string)")
+    return tuple(value)
+
+
+def _key_prefix(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise Invalid("a non-empty string")
+    if "{" in value or "}" in value:
+        raise Invalid("free of '{' and '}' (they would change hash slots)")
+    return value
+
+
+def _auth_mac(value: Any) -> str:
+    if isinstance(value, str) and value.strip().lower() in AUTH_MACS:
+        return value.strip().lower()
+    raise Invalid(" or ".join(repr(m) for m in AUTH_MACS))
+
+
+def _show_urls(value: Any) -> str:
+    return redact_options(value)
+
+
+@option_set
+class RemoteConfig(Options):
+    """Settings of RedisTier; build it with `from_options(mapping)` or with keyword arguments (both check
+    every value). `auth_key`/`auth_old_keys` hold the tenant's secrets, read from the places the auth_*
+    options name; they are never shown."""
+
+    where: ClassVar[str] = "remote tier option"
+
+    url: str | None = option(
+        None,
+        help="`redis://[user[:password]@]host[:port][/db]`, `rediss://` for TLS; becomes `urls`",
+        convert=_url_or_none,
+        show=_show_urls,
+        type_doc="URL",
+        default_doc=f"`{DEFAULT_URL}`",
+    )
+    urls: tuple[str, ...] | None = option(
+        None,
+        help="list (or comma-separated string) of URLs: a cluster's startup nodes, or one server",
+        convert=_url_list,
+        show=_show_urls,
+        type_doc="list of URLs",
+        default_doc="`url`",
+    )
+    cluster: bool = option(
+        False, help="Redis Cluster mode (`urls`/`url` of one or more masters; database 0 only)"
+    )
+    username: str | None = option(None, help="ACL user name (overrides the URL's)", nonempty=True)
+    password: str | None = option(
+        None, help="password (overrides the URL's); prefer `password_env`", nonempty=True, show=hide_secret
+    )
+    password_env: str | None = option(
+        None,
+        help="name of an environment variable holding the password (keeps it out of config files); give it "
+        "or `password`",
+        nonempty=True,
+    )
+    tls: bool = option(False, help="connect with TLS (implied by `rediss://` URLs)")
+    tls_ca_file: str | None = option(
+        None,
+        help="CA bundle that signed the server's certificate (PEM); default: the system's CAs",
+        nonempty=True,
+    )
+    tls_cert_file: str | None = option(
+        None,
+        help="client certificate (PEM), for `tls-auth-clients yes`; with `tls_key_file` (both or neither)",
+        nonempty=True,
+    )
+    tls_key_file: str | None = option(None, help="the client certificate's private key (PEM)", nonempty=True)
+    tls_verify: bool = option(True, help="verify the server's certificate")
+    tls_check_hostname: bool = option(
+        True, help="check the certificate's host name (off when `tls_verify` is off)"
+    )
+    connect_timeout_s: float = option(
+        0.5, help="TCP + TLS + AUTH handshake timeout", minimum=0.001, maximum=_HOUR_S
+    )
+    timeout_s: float = option(
+        2.0,
+        help="deadline of one call (a lookup, a load or save batch); a call not done by then is a miss / a "
+        "dropped save",
+        minimum=0.001,
+        maximum=_HOUR_S,
+    )
+    min_throughput_mib_s: float = option(
+        64.0,
+        help="the deadline grows by the call's payload bytes at this rate, so a large batch gets time to move "
+        "its bytes while a dripping server cannot stretch a small one",
+        minimum=0.001,
+        maximum=1e6,
+    )
+    auth_key_env: str | None = option(
+        None,
+        help="name of an environment variable holding this tenant's secret (at least 16 bytes; e.g. "
+        "`openssl rand -hex 32`): values are MACed (or encrypted) and the Redis namespace is derived from "
+        "it. See Authenticated and encrypted values",
+        nonempty=True,
+    )
+    auth_key_file: str | None = option(
+        None, help="path of a file holding this tenant's secret (instead of `auth_key_env`)", nonempty=True
+    )
+    auth_old_key_envs: tuple[str, ...] = option(
+        (),
+        help="key rotation: environment variables holding previous secrets, accepted for reads only",
+        convert=_name_list,
+        type_doc="list of names",
+    )
+    auth_old_key_files: tuple[str, ...] = option(
+        (),
+        help="key rotation: files holding previous secrets, accepted for reads only",
+        convert=_name_list,
+        type_doc="list of paths",
+    )
+    auth_mac: str = option(
+        "auto",
+        help="`auto` (AES-GMAC when the `cryptography` package is installed, else HMAC-SHA256), "
+        "`hmac-sha256` or `aes-gmac`",
+        convert=_auth_mac,
+        type_doc="`auto`, `hmac-sha256`, `aes-gmac`",
+    )
+    encrypt: bool = option(
+        False,
+        help='AES-GCM encryption at rest (needs a secret and `pip install "umbp[remote-crypto]"`; a clear '
+        "error without it)",
+    )
+    retry_interval_s: float = option(
+        1.0,
+        help="after a failure, how long a server is left alone before the next reconnect",
+        minimum=0,
+        maximum=_HOUR_S,
+    )
+    max_connections: int = option(32, help="connections per server, per process", minimum=1, maximum=65536)
+    key_prefix: str = option(
+        "umbp:",
+        help="every Redis key starts with it; `clear()` never leaves it. Give deployments that must clear "
+        "independently their own prefix",
+        convert=_key_prefix,
+        type_doc="string without `{` `}`",
+    )
+    ttl_s: float | None = option(
+        None,
+        help="objects (value and marker) expire this long after they were stored",
+        minimum=0.001,
+        maximum=_TTL_MAX_S,
+    )
+    quarantine_s: float = option(
+        30.0,
+        help="how long a key whose load failed reads absent (0: off)",
+        minimum=0,
+        maximum=30 * 86400.0,
+    )
+    quarantine_max_keys: int = option(
+        100_000, help="bound on quarantined keys (oldest dropped first)", minimum=1, maximum=100_000_000
+    )
+    write_queue_bytes: int = option(
+        256 * MiB,
+        help="bound on bytes waiting in `put_async`'s queue: one arena of this size (whole 4 KiB pages; each "
+        "queued copy takes whole pages), mapped once and reused, so copies do not page-fault; pages are "
+        "mapped on first use and stay resident",
+        minimum=4096,
+        maximum=1 << 40,
+    )
+    write_batch: int = option(16, help="objects per background write round trip", minimum=1, maximum=65536)
+    hash_tag_chars: int = option(
+        2,
+        help="cluster: hash tag = the key's last N characters, 16**N slots per cluster",
+        minimum=1,
+        maximum=4,
+    )
+    # The tenant's secrets as bytes, read from auth_key_env/auth_key_file (and the old ones) by check().
+    # Not options: a secret is never written into a config mapping.
+    auth_key: bytes | None = field(default=None, repr=False)
+    auth_old_keys: tuple[bytes, ...] = field(default=(), repr=False)
+
+    # ---- building ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> RemoteConfig:
+        """Build from a config mapping; unknown keys are rejected by name, every value is checked."""
+        given = dict(options or {})
+        for a, b in (("url", "urls"), ("password", "password_env")):
+            if given.get(a) is not None and given.get(b) is not None:
+                raise cls.fail(f"give {cls.where} '{a}' or '{b}', not both")
+        return super().from_options(given)
+
+    def check(self) -> None:
+        """Rules between options, and the values some options point at (URL, environment, files)."""
+        self._resolve_urls()
+        eps = [parse_url(u) for u in self.urls]
+        if not self.cluster and len(eps) > 1:
+            raise self.fail(
+                f"{self.where} 'urls' lists {len(eps)} servers but 'cluster' is false; give one url, or set "
+                "cluster=true for a Redis Cluster"
+            )
+        if self.cluster and any(e.db for e in eps):
+            raise self.fail("Redis Cluster has only database 0; drop the /db from the cluster urls")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise self.fail(f"{self.where}s 'tls_cert_file' and 'tls_key_file' go together; give both")
+        if any(u.startswith("rediss://") for u in self.urls):
+            self._set(tls=True)
+        if not self.tls_verify:
+            self._set(tls_check_hostname=False)
+        self._resolve_credentials()
+        self._resolve_secrets()
+        if self.encrypt and self.auth_key is None:
+            raise self.fail(
+                f"{self.where} 'encrypt' needs a tenant secret: set auth_key_env or auth_key_file"
+            )
+        if self.auth_old_keys and self.auth_key is None:
+            raise self.fail(
+                f"{self.where}s 'auth_old_key_envs'/'auth_old_key_files' need the current key too "
+                "(auth_key_env or auth_key_file)"
+            )
+
+    def validate(self) -> RemoteConfig:
+        """Construction has checked everything; kept for callers that validate explicitly."""
+        return self
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def _resolve_urls(self) -> None:
+        if self.url is not None and self.urls is not None and self.urls != (self.url,):
+            raise self.fail(f"give {self.where} 'url' or 'urls', not both")
+        if self.urls is None:
+            self._set(urls=(self.url or DEFAULT_URL,))
+
+    def _resolve_credentials(self) -> None:
+        """password_env, then the URL's user info, fill what was not given explicitly."""
+        if self.password is None and self.password_env is not None:
+            value = os.environ.get(self.password_env)
+            if not value:
+                raise self.fail(
+                    f"{self.where} 'password_env' names ${self.password_env}, which is not set or empty"
+                )
+            self._set(password=value)
+        user, pwd, _ = split_credentials(self.urls[0])
+        if self.username is None and user:
+            self._set(username=user)
+        if self.password is None and pwd:
+            self._set(password=pwd)
+
+    def _resolve_secrets(self) -> None:
+        """The tenant's secret (and previous ones, for reads during a rotation) from env vars or files."""
+        if self.auth_key_env is not None and self.auth_key_file is not None:
+            raise self.fail(f"give {self.where} 'auth_key_env' or 'auth_key_file', not both")
+        if self.auth_key is None:
+            if self.auth_key_env is not None:
+                self._set(auth_key=self._secret_from_env("auth_key_env", self.auth_key_env))
+            elif self.auth_key_file is not None:
+                self._set(auth_key=self._secret_from_file("auth_key_file", self.auth_key_file))
+        elif not isinstance(self.auth_key, bytes):
+            raise self.fail("RemoteConfig.auth_key must be bytes (the secret itself)")
+        else:
+            self._long_enough("auth_key", self.auth_key)
+        if not self.auth_old_keys:
+            old = [self._secret_from_env("auth_old_key_envs", v) for v in self.auth_old_key_envs]
+            old += [self._secret_from_file("auth_old_key_files", p) for p in self.auth_old_key_files]
+            self._set(auth_old_keys=tuple(old))
+
+    @classmethod
+    def _secret_from_env(cls, option: str, var: str) -> bytes:
+        value = os.environ.get(var)
+        if not value:
+            raise cls.fail(f"{cls.where} '{option}' names ${var}, which is not set or empty")
+        return cls._long_enough(option, value.encode())
+
+    @classmethod
+    def _secret_from_file(cls, option: str, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                value = f.read(1 << 16).strip()
+        except OSError as exc:
+            raise cls.fail(f"{cls.where} '{option}': cannot read {path!r}: {exc.strerror}") from None
+        return cls._long_enough(option, value)
+
+    @classmethod
+    def _long_enough(cls, option: str, secret: bytes) -> bytes:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise cls.fail(
+                f"{cls.where} '{option}': the secret must be at least {MIN_SECRET_BYTES} bytes (it has "
+                f"{len(secret)}; e.g. `openssl rand -hex 32`)"
+            )
+        return secret
+
+    # ---- use -----------------------------------------------------------------------------------------------
 
     def __repr__(self) -> str:  # never show the password or a secret
-        shown = {f.name: getattr(self, f.name) for f in fields(self)}
-        shown["urls"] = tuple(redact_url(u) for u in self.urls)
-        shown["password"] = "<hidden>" if self.password else None
-        shown["auth_key"] = "<hidden>" if self.auth_key else None
-        shown["auth_old_keys"] = f"<{len(self.auth_old_keys)} hidden>"
-        return "RemoteConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "auth_key":
+                shown = "<hidden>" if value else "None"
+            elif f.name == "auth_old_keys":
+                shown = f"<{len(value)} hidden>"
+            elif f.name in ("url", "urls"):
+                shown = redact_options(value)
+            elif f.name == "password":
+                shown = hide_secret(value)
+            else:
+                shown = repr(value)
+            parts.append(f"{f.name}={shown}")
+        return f"RemoteConfig({', '.join(parts)})"
 
     __str__ = __repr__
 
@@ -185,70 +402,6 @@ class RemoteConfig:
         from umbp.pool.remote.auth import namespace_of
 
         return f"{self.key_prefix}{namespace_of(self.auth_key)}:"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> RemoteConfig:
-        """Build from a config mapping; unknown keys are rejected by name, every value is checked."""
-        _reject_unknown(options)
-        kw: dict[str, Any] = {}
-        _urls_from(options, kw)
-        for name in ("cluster", "tls", "tls_verify", "tls_check_hostname"):
-            if name in options:
-                kw[name] = _as_bool(name, options[name])
-        for name in ("username", "password", "tls_ca_file", "tls_cert_file", "tls_key_file"):
-            if options.get(name) is not None:
-                kw[name] = _as_str(name, options[name])
-        if "key_prefix" in options:
-            kw["key_prefix"] = _as_str("key_prefix", options["key_prefix"])
-        if options.get("password_env") is not None:
-            kw["password"] = _password_from_env(_as_str("password_env", options["password_env"]))
-        _numbers_from(options, kw)
-        _auth_from(options, kw)
-        return cls(**kw).validate()
-
-    def validate(self) -> RemoteConfig:
-        """Check cross-field rules; returns self (with the URL's TLS/credentials folded in)."""
-        if not self.urls:
-            raise OptionValueError("umbp: remote tier needs a server: set url (or urls for a cluster)")
-        _check_fields(self)
-        eps = [parse_url(u) for u in self.urls]
-        if not self.cluster and len(eps) > 1:
-            raise OptionValueError(
-                f"umbp: remote option urls lists {len(eps)} servers but cluster is false; give one url, "
-                "or set cluster=true for a Redis Cluster"
-            )
-        if self.cluster and any(e.db for e in eps):
-            raise OptionValueError(
-                "umbp: Redis Cluster has only database 0; drop the /db from the cluster urls"
-            )
-        if "{" in self.key_prefix or "}" in self.key_prefix:
-            raise _bad("key_prefix", self.key_prefix, "free of '{' and '}' (they would change hash slots)")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise OptionValueError(
-                "umbp: remote options tls_cert_file and tls_key_file go together; give both"
-            )
-        if self.encrypt and self.auth_key is None:
-            raise OptionValueError(
-                "umbp: remote option encrypt needs a tenant secret: set auth_key_env or auth_key_file"
-            )
-        if self.auth_old_keys and self.auth_key is None:
-            raise OptionValueError(
-                "umbp: remote options auth_old_key_* need the current key too (auth_key_env or auth_key_file)"
-            )
-        if self.tls_check_hostname and not self.tls_verify:
-            return replace(self, tls_check_hostname=False).validate()
-        if any(u.startswith("rediss://") for u in self.urls) and not self.tls:
-            return replace(self, tls=True).validate()
-        return self._with_url_credentials()
-
-    def _with_url_credentials(self) -> RemoteConfig:
-        user, pwd, _ = split_credentials(self.urls[0])
-        changes = {}
-        if self.username is None and user:
-            changes["username"] = user
-        if self.password is None and pwd:
-            changes["password"] = pwd
-        return replace(self, **changes) if changes else self
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -275,124 +428,7 @@ class RemoteConfig:
         }
 
 
-def _urls_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
-    if "url" in options and "urls" in options:
-        raise OptionValueError("umbp: give remote option url or urls, not both")
-    if "url" in options:
-        kw["urls"] = (_as_str("url", options["url"]),)
-    elif "urls" in options:
-        urls = options["urls"]
-        if isinstance(urls, str):
-            urls = [u.strip() for u in urls.split(",") if u.strip()]
-        if not isinstance(urls, list | tuple) or not urls:
-            raise _bad("urls", urls, "a non-empty list of redis:// URLs")
-        kw["urls"] = tuple(_as_str("urls", u) for u in urls)
-
-
-# name -> (minimum, maximum, integer). The maxima are what the tier can honour: a timeout becomes
-# milliseconds for poll() (a C int), a TTL becomes Redis' PX milliseconds; beyond them a value would pass
-# here and then break every call.
-_NUMBERS: dict[str, tuple[float, float, bool]] = {
-    "connect_timeout_s": (0.001, 3600.0, False),
-    "timeout_s": (0.001, 3600.0, False),
-    "max_connections": (1, 65536, True),
-    "ttl_s": (0.001, 10 * 365 * 86400.0, False),
-    "quarantine_s": (0.0, 30 * 86400.0, False),
-    "quarantine_max_keys": (1, 100_000_000, True),
-    "retry_interval_s": (0.0, 3600.0, False),
-    "write_queue_bytes": (4096, 1 << 40, True),
-    "write_batch": (1, 65536, True),
-    "hash_tag_chars": (1, 4, True),
-    "min_throughput_mib_s": (0.001, 1e6, False),
-}
-
-
-def _numbers_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
-    for name, (minimum, maximum, integer) in _NUMBERS.items():
-        if name in options and not (name == "ttl_s" and options[name] is None):
-            kw[name] = _as_number(name, options[name], minimum=minimum, maximum=maximum, integer=integer)
-
-
-def _check_fields(cfg: RemoteConfig) -> None:
-    """Every field of a RemoteConfig built directly (not through from_options) is checked too."""
-    for name, (minimum, maximum, integer) in _NUMBERS.items():
-        value = getattr(cfg, name)
-        if not (name == "ttl_s" and value is None):
-            _as_number(name, value, minimum=minimum, maximum=maximum, integer=integer, strings=False)
-    for name in ("cluster", "tls", "tls_verify", "tls_check_hostname", "encrypt"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise _bad(name, getattr(cfg, name), "true or false")
-    if cfg.auth_mac not in AUTH_MACS:
-        raise _bad("auth_mac", cfg.auth_mac, " or ".join(repr(m) for m in AUTH_MACS))
-    if not isinstance(cfg.key_prefix, str) or not cfg.key_prefix:
-        raise _bad("key_prefix", cfg.key_prefix, "a non-empty string")
-
-
-AUTH_MACS = ("auto", "hmac-sha256", "aes-gmac")
-MIN_SECRET_BYTES = 16
-
-
-def _auth_from(options: Mapping[str, Any], kw: dict[str, Any]) -> None:
-    """The tenant's secret (and previous ones, for reads during a rotation) from env vars or files."""
-    if options.get("auth_key_env") is not None and options.get("auth_key_file") is not None:
-        raise OptionValueError("umbp: give remote option auth_key_env or auth_key_file, not both")
-    if options.get("auth_key_env") is not None:
-        kw["auth_key"] = _secret_from_env("auth_key_env", options["auth_key_env"])
-    if options.get("auth_key_file") is not None:
-        kw["auth_key"] = _secret_from_file("auth_key_file", options["auth_key_file"])
-    old: list[bytes] = []
-    for name, read in (("auth_old_key_envs", _secret_from_env), ("auth_old_key_files", _secret_from_file)):
-        values = options.get(name)
-        if values is None:
-            continue
-        if isinstance(values, str):
-            values = [v.strip() for v in values.split(",") if v.strip()]
-        if not isinstance(values, list | tuple):
-            raise _bad(name, values, "a list of names")
-        old.extend(read(name, v) for v in values)
-    if old:
-        kw["auth_old_keys"] = tuple(old)
-    if options.get("auth_mac") is not None:
-        kw["auth_mac"] = _as_str("auth_mac", options["auth_mac"]).lower()
-    if "encrypt" in options:
-        kw["encrypt"] = _as_bool("encrypt", options["encrypt"])
-
-
-def _secret_from_env(option: str, var: Any) -> bytes:
-    var = _as_str(option, var)
-    value = os.environ.get(var)
-    if not value:
-        raise OptionValueError(f"umbp: remote option {option} names ${var}, which is not set or empty")
-    return _long_enough(option, value.encode())
-
-
-def _secret_from_file(option: str, path: Any) -> bytes:
-    path = _as_str(option, path)
-    try:
-        with open(path, "rb") as f:
-            value = f.read(1 << 16).strip()
-    except OSError as exc:
-        raise OptionValueError(
-            f"umbp: remote option {option}: cannot read {path!r}: {exc.strerror}"
-        ) from None
-    return _long_enough(option, value)
-
-
-def _long_enough(option: str, secret: bytes) -> bytes:
-    if len(secret) < MIN_SECRET_BYTES:
-        raise OptionValueError(
-            f"umbp: remote option {option}: the secret must be at least {MIN_SECRET_BYTES} "
-            f"bytes (it has {len(secret)}; e.g. `openssl rand -hex 32`)"
-        )
-    return secret
-
-
-def _password_from_env(var: str) -> str:
-    value = os.environ.get(var)
-    if not value:
-        raise OptionValueError(f"umbp: remote option password_env names ${var}, which is not set or empty")
-    return value
-
+# ---- URLs: credentials apart, passwords hidden ------------------------------------------------------------
 
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
 
@@ -443,21 +479,29 @@ def redact_options(value: Any) -> str:
     return repr(value) if isinstance(value, int | float | bool | type(None)) else f"<{type(value).__name__}>"
 
 
-def parse_url(url: str) -> Endpoint:
-    """host, port and db of a redis:// or rediss:// URL; a clear error for anything else."""
+def url_problem(url: str) -> str | None:
+    """What is wrong with a redis:// or rediss:// URL (None: nothing), with any password hidden."""
     shown = redact_url(url)
     parts = urlsplit(split_credentials(url)[2])
     if parts.scheme not in ("redis", "rediss"):
-        raise OptionValueError(
-            f"umbp: remote url {shown!r} must start with redis:// or rediss:// (TLS), e.g. redis://127.0.0.1:6379/0"
-        )
+        return f"{shown!r} must start with redis:// or rediss:// (TLS), e.g. {DEFAULT_URL}"
     try:
-        port = parts.port or 6379
+        parts.port  # noqa: B018 - parsing the port is the check
     except ValueError:
-        raise OptionValueError(f"umbp: remote url {shown!r} has a bad port") from None
+        return f"{shown!r} has a bad port"
     if not parts.hostname:
-        raise OptionValueError(f"umbp: remote url {shown!r} has no host")
+        return f"{shown!r} has no host"
     path = parts.path.strip("/")
     if path and not path.isdigit():
-        raise OptionValueError(f"umbp: remote url {shown!r}: the path must be a database number, e.g. /0")
-    return Endpoint(parts.hostname, port, int(path) if path else 0)
+        return f"{shown!r}: the path must be a database number, e.g. /0"
+    return None
+
+
+def parse_url(url: str) -> Endpoint:
+    """host, port and db of a redis:// or rediss:// URL; a clear error (password hidden) for anything else."""
+    problem = url_problem(url)
+    if problem:
+        raise OptionValueError(f"umbp: remote url {problem}")
+    parts = urlsplit(split_credentials(url)[2])
+    path = parts.path.strip("/")
+    return Endpoint(parts.hostname or "", parts.port or 6379, int(path) if path else 0)
