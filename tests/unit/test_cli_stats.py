@@ -98,6 +98,54 @@ def test_remote_tier(tmp_path, capsys):
     assert rc == 2 and "cannot read" in err
 
 
+def test_remote_tenant_namespaces(tmp_path, capsys, monkeypatch):
+    """Values sealed with a tenant key live in a namespace only the key finds: given the key, stats reads
+    it (payload bytes exclude the sealed header); without it, stats names the namespace and says it
+    cannot read it, instead of leaving it out."""
+    require_redis()
+    from umbp.pool.remote.tier import RedisTier
+
+    monkeypatch.setenv("UMBP_TEST_TENANT_KEY", "tenant-secret-0123456789abcdef")
+    server = start_server(tmp_path / "redis")
+    try:
+        sealed = RedisTier.from_options({"url": server.url, "auth_key_env": "UMBP_TEST_TENANT_KEY"})
+        assert all(sealed.put(*_objects(R0, {0: 3, 1: 1}, size=5000)))
+        namespace = sealed.config.redis_prefix.removeprefix("umbp:").rstrip(":")
+        sealed.close()
+        plain = RedisTier.from_options({"url": server.url})
+        assert all(plain.put(*_objects(R1, {0: 2}, size=5000)))
+        plain.close()
+
+        rc, out, _ = _stats(capsys, "--remote", server.url, "--json")
+        (report,) = json.loads(out)["tiers"]
+        assert rc == 0 and [s["rank"] for s in report["shards"]] == ["tp1:pcp0:dcp0:pp0"]
+        assert report["values"].startswith("unauthenticated") and report["other_namespaces"] == {namespace: 4}
+        rc, out, _ = _stats(capsys, "--remote", server.url)
+        assert rc == 0 and f"4 objects in tenant namespace {namespace} are sealed" in out
+        assert "--auth-key-env" in out
+
+        for argv in (
+            ("--remote", server.url, "--auth-key-env", "UMBP_TEST_TENANT_KEY"),
+            ("--remote", json.dumps({"url": server.url, "auth_key_env": "UMBP_TEST_TENANT_KEY"})),
+        ):
+            rc, out, _ = _stats(capsys, *argv, "--json")
+            (report,) = json.loads(out)["tiers"]
+            (shard,) = report["shards"]
+            assert rc == 0 and shard["rank"] == "tp0:pcp0:dcp0:pp0" and shard["objects"] == 4
+            assert shard["payload_bytes"] == 4 * 5000 and report["values"].startswith("authenticated")
+            assert report["other_namespaces"] == {"": 2}
+        rc, out, _ = _stats(capsys, "--remote", server.url, "--auth-key-env", "UMBP_TEST_TENANT_KEY")
+        assert "tenant-secret" not in out and "2 objects with unauthenticated values" in out
+
+        monkeypatch.setenv("UMBP_TEST_SHORT_KEY", "short")
+        rc, _, err = _stats(capsys, "--remote", server.url, "--auth-key-env", "UMBP_TEST_SHORT_KEY")
+        assert rc == 2 and "at least 16 bytes" in err and "short" not in err.replace("at least", "")
+        rc, _, err = _stats(capsys, "--auth-key-env", "UMBP_TEST_TENANT_KEY")
+        assert rc == 2 and "are for --remote" in err
+    finally:
+        server.stop()
+
+
 EXPOSITION = """# HELP vllm:umbp_restored_tokens_total umbp connector counter restored_tokens
 # TYPE vllm:umbp_restored_tokens_total counter
 vllm:umbp_restored_tokens_total{engine="0",model_name="m"} 832.0

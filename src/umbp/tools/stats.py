@@ -2,12 +2,18 @@
 
     umbp stats --ssd /mnt/nvme/umbp                      # every <namespace>/<rank> directory (read-only)
     umbp stats --remote redis://127.0.0.1:6379/0         # the shared tier (SCAN: the server keeps serving)
+    umbp stats --remote redis://... --auth-key-env VAR   # ... a tenant's namespace, sealed with its key
     umbp stats --metrics http://127.0.0.1:8000/metrics   # a running vLLM's vllm:umbp_* counters
     umbp stats ... --json                                # the same, machine-readable
 
 Why per namespace and rank: a restore needs every rank's shard of an object, so "complete" objects (held
 by every rank found for that namespace) are what a restarted or second engine can actually restore.
 Nothing here takes the SSD tier's lock or writes anything, so it is safe beside a running vLLM.
+
+Tenant keys: values sealed with a tenant key (`auth_key_env`/`auth_key_file`) live in a namespace derived
+from the key, so only the key finds them. Given the same auth options as the connector, the report reads
+that namespace; any other namespace it finds under the key prefix is only counted and named, with the
+option that would read it.
 """
 
 from __future__ import annotations
@@ -45,6 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL|JSON",
         help="the shared tier: a redis:// URL or the connector's remote options as JSON",
     )
+    parser.add_argument(
+        "--auth-key-env",
+        default=None,
+        metavar="VAR",
+        help="remote: the tenant's auth_key_env (an environment variable holding its secret), to read the "
+        "namespace its values are sealed in",
+    )
+    parser.add_argument(
+        "--auth-key-file", default=None, metavar="PATH", help="remote: the tenant's auth_key_file instead"
+    )
     parser.add_argument("--metrics", default=None, metavar="URL", help="a vLLM /metrics endpoint")
     parser.add_argument("--no-sizes", action="store_true", help="remote: count objects only (no STRLEN)")
     parser.add_argument(
@@ -80,6 +96,10 @@ class TierReport:
     shards: list[Shard] = field(default_factory=list)
     foreign: int = 0  # records/keys that are not umbp object keys
     notes: list[str] = field(default_factory=list)
+    values: str = ""  # remote: "unauthenticated", "authenticated (<mac>)" or "encrypted"
+    # remote: objects in namespaces this report could not read ("" = unauthenticated values, "t<hex>" = a
+    # tenant key's namespace), by namespace
+    other_namespaces: dict[str, int] = field(default_factory=dict)
 
     def complete(self) -> dict[str, tuple[int, int]]:
         """namespace -> (objects every rank found holds, ranks found)."""
@@ -130,22 +150,49 @@ def ssd_report(base: str) -> TierReport:
     return report
 
 
-def remote_report(spec: str, sizes: bool, max_keys: int) -> TierReport:
+def remote_options(spec: str, auth_key_env: str | None = None, auth_key_file: str | None = None) -> dict:
+    """The shared tier's options from `--remote` (a URL or the connector's `remote` options as JSON) and
+    the `--auth-key-*` flags, which add to (and must not contradict) the JSON's."""
+    try:
+        options = json.loads(spec) if spec.lstrip().startswith("{") else {"url": spec}
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise StatsError("umbp stats: --remote takes a redis:// URL or a JSON object of remote options")
+    for name, value in (("auth_key_env", auth_key_env), ("auth_key_file", auth_key_file)):
+        if value is None:
+            continue
+        if options.get(name) not in (None, value):
+            raise StatsError(f"umbp stats: --{name.replace('_', '-')} contradicts the {name} in --remote")
+        options[name] = value
+    return options
+
+
+def remote_report(
+    spec: str,
+    sizes: bool,
+    max_keys: int,
+    auth_key_env: str | None = None,
+    auth_key_file: str | None = None,
+) -> TierReport:
     import redis
 
+    from umbp.pool.errors import UmbpValueError
     from umbp.pool.remote.config import redact_url
-    from umbp.pool.remote.format import HEADER_SIZE
     from umbp.pool.remote.tier import RedisTier
 
-    options = json.loads(spec) if spec.lstrip().startswith("{") else {"url": spec}
-    tier = RedisTier.from_options(options)
-    name = (
-        redact_url(options["url"]) if "url" in options else ",".join(map(redact_url, options.get("urls", [])))
-    )
-    report = TierReport(f"remote {name}")
+    options = remote_options(spec, auth_key_env, auth_key_file)
+    try:
+        tier = RedisTier.from_options(options)
+    except UmbpValueError as exc:  # the config's own messages hide every secret
+        raise StatsError(f"umbp stats: {str(exc).removeprefix('umbp: ')}") from None
+    name = ",".join(redact_url(u) for u in tier.config.urls)
+    report = TierReport(f"remote {name}", values=tier.stats()["config"]["values"])
     shards: dict[tuple[str, str], Shard] = {}
     seen = 0
+    header = tier.value_header_bytes
     try:
+        namespaces = tier.scan_namespaces(limit=2 * max_keys)  # a value and a marker per object
         for key, length in tier.scan_objects(sizes=sizes, limit=max_keys):
             seen += 1
             parsed = _parse(key)
@@ -158,7 +205,7 @@ def remote_report(spec: str, sizes: bool, max_keys: int) -> TierReport:
             if length == 0:
                 shard.markers_without_value += 1
                 continue
-            shard.add(parsed.group, parsed.prefix_hash, max(0, (length or HEADER_SIZE) - HEADER_SIZE))
+            shard.add(parsed.group, parsed.prefix_hash, max(0, (length or header) - header))
     except (redis.RedisError, OSError) as exc:
         raise StatsError(
             f"umbp stats: cannot read {name}: {exc}; is the server up and the URL right?"
@@ -166,6 +213,8 @@ def remote_report(spec: str, sizes: bool, max_keys: int) -> TierReport:
     finally:
         tier.close()
     report.shards = [shards[k] for k in sorted(shards)]
+    own = tier.config.redis_prefix.removeprefix(tier.config.key_prefix).rstrip(":")
+    report.other_namespaces = {ns: n for ns, n in sorted(namespaces.items()) if ns != own}
     if seen >= max_keys:
         report.notes.append(f"stopped after {max_keys} objects (--max-keys)")
     if not sizes:
@@ -229,12 +278,28 @@ def print_tier(report: TierReport) -> None:
         if s.markers_without_value:
             line += f"  {s.markers_without_value} markers without a value"
         print(line)
+    if report.values:
+        print(f"  values: {report.values}")
+    for ns, n in report.other_namespaces.items():
+        print(f"  {_other_namespace(ns, n)}")
     for ns, (n, ranks) in report.complete().items():
         print(f"  {ns}  complete on all {ranks} rank(s) found: {n:,} objects")
     if report.foreign:
         print(f"  {report.foreign} entries that are not umbp object keys (ignored)")
     for note in report.notes:
         print(f"  note: {note}")
+
+
+def _other_namespace(ns: str, n: int) -> str:
+    if not ns:
+        return (
+            f"{n:,} objects with unauthenticated values (no tenant key) are not listed here: run without "
+            "--auth-key-env/--auth-key-file (and without auth options in --remote) to read them"
+        )
+    return (
+        f"{n:,} objects in tenant namespace {ns} are sealed with a tenant key this command was not given: "
+        "they cannot be read or verified here; pass that tenant's --auth-key-env VAR or --auth-key-file PATH"
+    )
 
 
 def _jsonable(report: TierReport) -> dict[str, Any]:
@@ -251,6 +316,7 @@ def _jsonable(report: TierReport) -> dict[str, Any]:
         "complete": complete,
         "foreign": report.foreign,
         "notes": report.notes,
+        **({"values": report.values, "other_namespaces": report.other_namespaces} if report.values else {}),
     }
 
 
@@ -261,7 +327,14 @@ def _gather(args: argparse.Namespace):
     unreachable: dict[str, str] = {}
     sources = [(f"ssd {d}", lambda d=d: ssd_report(d)) for d in args.ssd]
     if args.remote:
-        sources.append(("remote", lambda: remote_report(args.remote, not args.no_sizes, args.max_keys)))
+        sources.append(
+            (
+                "remote",
+                lambda: remote_report(
+                    args.remote, not args.no_sizes, args.max_keys, args.auth_key_env, args.auth_key_file
+                ),
+            )
+        )
     for name, read in sources:
         try:
             tiers.append(read())
@@ -278,6 +351,9 @@ def _gather(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Exit code: 0 every source was read; 1 some were unreachable (the rest is printed); 2 none was
     readable, or nothing was asked for."""
+    if (args.auth_key_env or args.auth_key_file) and not args.remote:
+        print("umbp stats: --auth-key-env/--auth-key-file are for --remote", file=sys.stderr)
+        return 2
     if not (args.ssd or args.remote or args.metrics):
         print(
             "umbp stats: nothing to inspect; give --ssd DIR, --remote URL and/or --metrics URL",

@@ -29,6 +29,7 @@ the read path (`reader`: get_into, the get window, value checks, old secrets, re
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -471,6 +472,28 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
         for (_, key), n in zip(split, lengths, strict=True):
             yield key.decode(errors="replace"), n
 
+    @property
+    def value_header_bytes(self) -> int:
+        """Bytes each stored value carries before its payload (larger for sealed values)."""
+        return self._codec.header_size
+
+    def scan_namespaces(self, limit: int | None = None, batch: int = 1000) -> dict[str, int]:
+        """Objects (markers) per value namespace under key_prefix, this tier's own included: "" for
+        unauthenticated values, "t<16 hex>" for each tenant key's namespace. One SCAN pass; for operators
+        (`umbp stats`): a namespace sealed with a key this tier was not given can be counted, never read."""
+        prefix = self.config.key_prefix.encode()
+        counts: dict[str, int] = {}
+        seen = 0
+        for client in self._backend.primaries():
+            for name in client.scan_iter(match=_glob_escape(self.config.key_prefix) + "*", count=batch):
+                seen += 1
+                ns = _marker_namespace(name[len(prefix) :])
+                if ns is not None:
+                    counts[ns] = counts.get(ns, 0) + 1
+                if limit is not None and seen >= limit:
+                    return counts
+        return counts
+
     def _split_marker(self, name: bytes) -> tuple[bytes, bytes]:
         """`<prefix>[{tag}]m:<key>` -> (`<prefix>[{tag}]`, `<key>`)."""
         at = len(self.config.redis_prefix.encode())
@@ -520,6 +543,21 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
         self._writer.close(5.0 if timeout is None else timeout)
         self._conns.close()
         self._backend.close()
+
+
+_TENANT_NS = re.compile(rb"(t[0-9a-f]{16}):")
+
+
+def _marker_namespace(rest: bytes) -> str | None:
+    """The namespace of a key name after key_prefix if it is a marker (`[t<16 hex>:][{tag}]m:<key>`)."""
+    ns = ""
+    m = _TENANT_NS.match(rest)
+    if m:
+        ns, rest = m.group(1).decode(), rest[m.end() :]
+    if rest[:1] == b"{":
+        end = rest.find(b"}")
+        rest = rest[end + 1 :] if end > 0 else b""
+    return ns if rest[:2] == b"m:" else None
 
 
 def _glob_escape(s: str) -> str:
