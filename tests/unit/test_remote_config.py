@@ -264,3 +264,23 @@ def test_header_fields_around_the_checksum_rebuild_the_header(key, n, digest):
     assert len(before) == CHECKSUM_AT and len(before) + CHECKSUM_SIZE + len(after) == HEADER_SIZE
     assert header == before + digest.to_bytes(CHECKSUM_SIZE, "little") + after
     assert header_after_checksum(key + "x") != after and header_before_checksum(n + 1) != before
+
+
+@pytest.mark.parametrize(
+    "rest, namespace",
+    [
+        (b"m:umbp:v1:x", ""),  # a marker of unauthenticated values
+        (b"{ab}m:umbp:v1:x", ""),  # ... in a cluster (hash tag)
+        (b"t0123456789abcdef:m:umbp:v1:x", "t0123456789abcdef"),  # a tenant key's namespace
+        (b"t0123456789abcdef:{ab}m:umbp:v1:x", "t0123456789abcdef"),
+        (b"d:umbp:v1:x", None),  # a value, not a marker
+        (b"t0123456789abcdef:{ab}d:umbp:v1:x", None),
+        (b"t1:m:umbp:v1:x", None),  # another deployment's key_prefix nested under ours ("umbp:t1:")
+        (b"{ab", None),
+    ],
+)
+def test_marker_names_give_their_namespace(rest, namespace):
+    """How `umbp stats` tells the namespaces under key_prefix apart (RedisTier.scan_namespaces)."""
+    from umbp.pool.remote.tier import _marker_namespace
+
+    assert _marker_namespace(rest) == namespace
