@@ -120,7 +120,9 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     import numpy as np
 
     from umbp.transfer import Moves
-    from umbp.transfer.kernel_engine import KernelEngine, _plan_runs, _sorted_runs
+    from umbp.transfer.kernel_engine import KernelEngine
+    from umbp.transfer.plans import plan_runs as _plan_runs
+    from umbp.transfer.plans import sorted_runs as _sorted_runs
 
     geom = SimpleNamespace(object_bytes=60 << 10)
 
@@ -163,19 +165,25 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
     import numpy as np
 
     from umbp.transfer import Moves
-    from umbp.transfer.kernel_engine import KernelEngine
+    from umbp.transfer.kernel_engine import LOAD, SAVE, KernelEngine
 
     obj, cap = 64 << 10, 128 << 20
 
-    def rounds(counts, ring_bytes, digests=False, cold=False):
+    def rounds(counts, ring_bytes, digests=False, cold=False, direction=LOAD, min_round=8 << 20):
         batch, first = [], 0
         for g, n in enumerate(counts):
             ids = np.arange(first, first + n)
             d = [int(i) for i in ids] if digests else None
             batch.append((SimpleNamespace(object_bytes=obj), Moves(g, ids, ids * obj, d), ids, ids * obj))
             first += n
-        engine = SimpleNamespace(_ring_bytes=ring_bytes, RAMP=4)
-        return KernelEngine._rounds(engine, batch, cold)
+        engine = SimpleNamespace(_ring_bytes=ring_bytes, min_round_bytes=min_round)
+        return KernelEngine._rounds(engine, batch, direction, cold)
+
+    def check(cut, counts, ring):
+        assert all(sum(p[2].size for p in r) * (obj + 16) <= ring for r in cut)
+        flat = np.concatenate([p[2] for r in cut for p in r])
+        assert list(flat) == list(range(sum(counts)))  # every object once, in order
+        assert all(p[1].digests is None or list(p[1].digests) == list(p[2]) for r in cut for p in r)
 
     ring = cap + cap // 128
     two = rounds([2 * cap // obj], ring)
@@ -185,22 +193,40 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
         sizes = [sum(p[2].size for p in r) for r in cut]
         assert len(cut) == -(-sum(counts) * (obj + 16) // ring)  # as few rounds as fit
         assert max(sizes) - min(sizes) <= 2 * (ring // (obj + 16)) // len(cut) + 2 or len(cut) == 1
-        assert all(sum(p[2].size for p in r) * (obj + 16) <= ring for r in cut)
-        flat = np.concatenate([p[2] for r in cut for p in r])
-        assert list(flat) == list(range(sum(counts)))  # every object once, in order
-        assert all(list(p[1].digests) == list(p[2]) for r in cut for p in r)  # digests follow their objects
+        check(cut, counts, ring)
     huge = rounds([3], ring_bytes=obj // 2)  # objects over the budget: one round each
     assert [sum(p[2].size for p in r) for r in huge] == [1, 1, 1]
-    # an idle engine: a quarter-buffer first round, then the rest cut evenly; a batch that fits is whole
-    for counts in ([2 * cap // obj], [700, 1, 3000, 2], [4096 * 3 + 1]):
-        cut = rounds(counts, ring, digests=True, cold=True)
-        sizes = [sum(p[2].size for p in r) for r in cut]
-        assert sizes[0] == ring // 4 // (obj + 16)
-        assert len(cut) == 1 + -(-(sum(counts) * (obj + 16) - ring // 4) // ring)
-        assert max(sizes[1:]) - min(sizes[1:]) <= 2 * (ring // (obj + 16)) // (len(cut) - 1) + 2
-        assert list(np.concatenate([p[2] for r in cut for p in r])) == list(range(sum(counts)))
-        assert all(list(p[1].digests) == list(p[2]) for r in cut for p in r)
+    # an idle direction: a load tapers (halving rounds, the last ones >= min_round: a short tail), a save
+    # ramps (doubling from min_round: an early first copy); a batch under min_round stays whole
+    per = lambda mib: (mib << 20) // (obj + 16)  # noqa: E731 - objects in so many MiB of staging
+    for counts in ([2 * cap // obj], [700, 1, 3000, 2], [4096 * 3 + 1], [720]):
+        total = sum(counts) * (obj + 16)
+        load = rounds(counts, ring, digests=True, cold=True)
+        sizes = [sum(p[2].size for p in r) for r in load]
+        check(load, counts, ring)
+        assert per(8) - 1 <= sizes[-1] <= per(16) + len(sizes), sizes
+        # never growing, but for the objects whole-object cuts leave over (at most one per round)
+        assert all(a >= b - len(sizes) for a, b in zip(sizes, sizes[1:])), sizes
+        assert len(load) <= 2 + max(0, total - 8 * cap) // ring + (total // (8 << 20)).bit_length()
+        save = rounds(counts, ring, digests=True, cold=True, direction=SAVE)
+        sizes = [sum(p[2].size for p in r) for r in save]
+        check(save, counts, ring)
+        assert sizes[0] <= per(8) and (len(sizes) == 1 or sizes[1] <= per(16)), sizes
     assert [sum(p[2].size for p in r) for r in rounds([5], ring, cold=True)] == [5]
+    assert [sum(p[2].size for p in r) for r in rounds([5], ring, cold=True, direction=SAVE)] == [5]
+
+
+def test_round_budgets_cover_the_batch_and_fit_the_ring():
+    from umbp.transfer.plans import round_budgets
+
+    ring, mib = 128 << 20, 1 << 20
+    for total in (1, 5 * mib, 8 * mib, 9 * mib, 45 * mib + 7, 146 * mib, 548 * mib, 3 * ring):
+        for shape in ("even", "taper", "ramp"):
+            b = round_budgets(total, ring, shape, 8 * mib)
+            assert total <= sum(b) < total + len(b) and all(0 < x <= ring for x in b), (total, shape, b)
+    assert round_budgets(45 * mib, ring, "taper", 8 * mib) == [22.5 * mib, 11.25 * mib, 11.25 * mib]
+    assert round_budgets(45 * mib, ring, "ramp", 8 * mib) == [8 * mib, 16 * mib, 21 * mib]
+    assert round_budgets(300 * mib, ring, "even", 8 * mib) == [100 * mib] * 3
 
 
 def test_table_pool_hands_a_buffer_out_once():
@@ -208,7 +234,7 @@ def test_table_pool_hands_a_buffer_out_once():
     (a scratch script that did this faulted on the H200 with a misaligned address)."""
     import torch
 
-    from umbp.transfer.kernel_engine import _TablePool
+    from umbp.transfer.plans import TablePool as _TablePool
 
     pool = _TablePool()
     buf = torch.empty(1 << 17, dtype=torch.int64)
@@ -226,7 +252,7 @@ def test_table_pool_never_drops_a_buffer_the_device_still_reads():
     kernel). Buffers the device is done with are pruned to KEEP."""
     import torch
 
-    from umbp.transfer.kernel_engine import _TablePool
+    from umbp.transfer.plans import TablePool as _TablePool
 
     class Event:
         def __init__(self) -> None:

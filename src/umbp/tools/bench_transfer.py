@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kernel BLOCKxnum_warps tried at 16 KiB pages",
     )
     parser.add_argument("--no-staged", action="store_true", help="skip the staged-path comparison rows")
+    parser.add_argument(
+        "--only", default="", help="measure only the layouts whose name contains this (e.g. 'granite')"
+    )
 
 
 # ---- measurement --------------------------------------------------------------------------------------
@@ -370,6 +373,8 @@ def _engine(arena: Any, groups: dict, path: str, ctas: int | None, **options: An
 
 
 def _rows_for(args: argparse.Namespace, case: Case, page: int, reps: int, paths: list[str]) -> list[dict]:
+    if args.only not in case.name:
+        return []
     obj = max(_object_bytes(layers) for layers in case.groups.values())
     rows = []
     for path in paths:
@@ -495,7 +500,10 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.plot(x, [r[mode] for r in kern], style, color=color, label=f"{label} {mode}")
     for key, ls in (("d2h", "--"), ("h2d", ":"), ("both", "-.")):
         ax.axhline(base[key], color="gray", ls=ls, lw=1, label=f"1 GiB pinned copy {key}")
-    ax.set_xscale("log", base=2)
+    if not any(r["layout"].startswith("attention") for r in res["rows"]):  # --only without them
+        ax.set_visible(False)
+    else:
+        ax.set_xscale("log", base=2)
     ax.set_xlabel("page size per layer (KiB), FlashAttention layout, 4 layers per object")
     ax.set_ylabel("GB/s")
     ax.set_title(f"{res['env']['gpu']}: scattered GPU blocks <-> page-locked arena")

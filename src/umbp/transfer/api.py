@@ -123,8 +123,10 @@ class TransferEngine:
     def _checked(
         self, batch: Sequence[Moves], load: bool
     ) -> list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]:
-        """Validate a batch before anything touches memory: a bad id or offset in a kernel is corruption."""
-        out, starts, reaches = [], [], []
+        """Validate a batch before anything touches memory: a bad id or offset in a kernel is corruption.
+        The checks run once over the whole batch's arrays, not per Moves: a restore is one Moves per cache
+        group, and per-Moves numpy calls were ~0.1 ms of host time in front of its first copy (H200 host)."""
+        out, reaches = [], []
         for m in batch:
             geom = self.groups.get(m.group)
             if geom is None:
@@ -134,27 +136,47 @@ class TransferEngine:
                 raise ValueError(
                     "umbp: block_ids, offsets (and digests) of a Moves must have one entry per object"
                 )
-            geom.check_blocks(ids)
             if m.slot_bytes is not None and m.slot_bytes < geom.object_bytes:
                 raise ValueError(
                     f"umbp: slot_bytes {m.slot_bytes} is smaller than group {m.group}'s objects "
                     f"({geom.object_bytes} bytes)"
                 )
-            reach = slot_reach(geom.object_bytes, m)
-            if offs.size and (
-                offs.min() < 0 or offs.max() + reach > self.arena.capacity_bytes or np.any(offs & 7)
-            ):
-                raise ValueError(
-                    "umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch"
-                )
-            if load and _has_repeats(ids):
-                raise ValueError(f"umbp: a load writes block ids of group {m.group} twice")
-            starts.append(offs)
-            reaches.append(reach)
+            reaches.append(slot_reach(geom.object_bytes, m))
             out.append((geom, m, ids, offs))
-        if not load and starts:
-            check_disjoint(starts, reaches)
+        if not out:
+            return out
+        counts = [ids.size for _g, _m, ids, _o in out]
+        ids = _joined([ids for _g, _m, ids, _o in out])
+        offs = _joined([offs for _g, _m, _i, offs in out])
+        if not ids.size:
+            return out
+        limit = np.repeat(np.array([g.num_blocks for g, _m, _i, _o in out], np.int64), counts)
+        if bool(np.any((ids < 0) | (ids >= limit))):
+            for geom, _m, part, _o in out:
+                geom.check_blocks(part)  # raises, naming the group's range
+        reach = np.repeat(np.array(reaches, np.int64), counts)
+        if bool(np.any((offs < 0) | (offs + reach > self.arena.capacity_bytes) | ((offs & 7) != 0))):
+            raise ValueError("umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch")
+        if load:
+            _check_single_writes(out, counts, ids, limit)
+        else:
+            check_disjoint([o for _g, _m, _i, o in out], reaches)
         return out
+
+
+def _check_single_writes(out: list, counts: list[int], ids: np.ndarray, limit: np.ndarray) -> None:
+    """A load may write each block of a group once (two writers of one page race)."""
+    groups = [m.group for _g, m, _i, _o in out]
+    if len(groups) == 1:
+        keys = ids
+    else:  # (group, block) as one key: the group's index times the largest block count, plus the block
+        index = {g: i for i, g in enumerate(dict.fromkeys(groups))}
+        keys = np.repeat(np.array([index[g] for g in groups], np.int64), counts) * int(limit.max()) + ids
+    if _has_repeats(keys):
+        for g in dict.fromkeys(groups):
+            mine = [part for _geom, m, part, _o in out if m.group == g]
+            if _has_repeats(_joined(mine)):
+                raise ValueError(f"umbp: a load writes block ids of group {g} twice")
 
 
 def _int64(values: Sequence[int] | np.ndarray) -> np.ndarray:

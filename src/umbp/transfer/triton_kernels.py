@@ -21,8 +21,8 @@ Where each piece goes is worked out on the device, from two tables:
   at column toff[g].
 * `plan`, int64 words per launch: a segment table [4, nseg] (one segment per group share of the batch:
   first piece, first object, pieces per object, template column), then per object of the launch its
-  block id and its rows (flat addresses of its bytes in the arena or in staging), then one word per
-  object for its checksum. It is built on the host in page-locked memory and brought to the device by
+  block id and its rows (flat addresses of its bytes in the arena or in staging), for a verified load
+  the digest it expects, then one word per object for its checksum (umbp.transfer.plans). It is built on the host in page-locked memory and brought to the device by
   `fetch_words` (SM loads and stores, not a copy-engine copy: see kernel_engine.py). Per object, not per piece: a round of
   16 KiB pages has 8x fewer words to build than a table of pieces (the host's main cost per call).
 
@@ -40,6 +40,43 @@ import triton.language as tl
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class Launcher:
+    """Launches one Triton kernel, skipping Triton's per-launch argument binding once a variant is
+    compiled. A launch through `kernel[grid](...)` binds and specializes every argument in Python before
+    the driver call: ~50-70 us of host time per launch on the H200 host, three or four launches per
+    round of a transfer, which a restore (host planning in front of and between its copies) waits for.
+    Here the first launch of each variant (its constexprs and warp count: every other argument is
+    `do_not_specialize` or a buffer the engine allocates, so nothing else selects a variant) goes through
+    Triton and returns the compiled kernel; later ones call its launcher directly. Any failure of the
+    direct call (another Triton's internals) falls back to Triton's path for good; so does the
+    interpreter."""
+
+    def __init__(self, kernel: triton.JITFunction, device_index: int | None):
+        self.kernel, self.device_index = kernel, device_index
+        self.compiled: dict[tuple, object] = {}
+        self.direct = device_index is not None and not interpreting()
+
+    def __call__(self, grid: int, args: tuple, constexprs: tuple, names: tuple[str, ...], num_warps: int):
+        key = (constexprs, num_warps)
+        k = self.compiled.get(key) if self.direct else None
+        if k is not None:
+            try:
+                stream = _raw_stream(self.device_index)
+                k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, *constexprs)
+                return
+            except (AttributeError, TypeError):
+                self.direct = False  # this Triton's compiled kernels take other arguments: its own path
+        k = self.kernel[(grid,)](*args, **dict(zip(names, constexprs)), num_warps=num_warps)
+        if self.direct and k is not None:
+            self.compiled[key] = k
+
+
+def _raw_stream(device_index: int) -> int:
+    import torch
+
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 @triton.jit
@@ -106,7 +143,9 @@ def _piece_checksum(src, dst, objw, nw, ktab, STORE: tl.constexpr, CROWS: tl.con
     return tl.xor_sum(tl.xor_sum(part, axis=1), axis=0)
 
 
-@triton.jit(do_not_specialize=["nseg", "n", "ids_at", "src_at", "dst_at", "sums_at"])
+@triton.jit(
+    do_not_specialize=["nseg", "n", "ntmpl", "ids_at", "src_at", "dst_at", "sums_at", "want_at", "out"]
+)
 def copy_objects(
     plan,
     nseg,
@@ -117,8 +156,9 @@ def copy_objects(
     src_at,
     dst_at,
     sums_at,
+    want_at,
     ktab,
-    ok,
+    out,
     BLOCK: tl.constexpr,
     SRC_KV: tl.constexpr,
     DST_KV: tl.constexpr,
@@ -129,8 +169,11 @@ def copy_objects(
     CROWS: tl.constexpr = 16,
 ):
     """n pieces. `*_at`: word offsets in `plan` of the block ids, the source and destination rows (unused
-    on a KV side) and the checksums (xored into atomically: several pieces make one object's digest).
-    `ktab`: psum64's lane weights K (umbp.pool.psum.lane_table), enough for the largest object."""
+    on a KV side), the checksums (xored into atomically: several pieces make one object's digest) and
+    the expected digests (pairs: digest less its length term, skip flag). `ktab`: psum64's lane weights K
+    (umbp.pool.psum.lane_table), enough for the largest object. GUARD: an object whose checksum (made by
+    an earlier launch over the same plan) is not the one expected moves nothing, and `out[obj]` (int64,
+    page-locked host memory: the caller's result, no copy back needed) says whether it was written."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     for p in range(pid, n, tl.num_programs(0)):
@@ -160,7 +203,11 @@ def copy_objects(
         src = src_a.to(tl.pointer_type(tl.int64))
         dst = dst_a.to(tl.pointer_type(tl.int64))
         if GUARD:  # a piece of an object that failed verification moves nothing
-            nw = tl.where(tl.load(ok + obj) != 0, nw, 0)
+            good = (tl.load(plan + sums_at + obj) == tl.load(plan + want_at + 2 * obj)) | (
+                tl.load(plan + want_at + 2 * obj + 1) != 0
+            )
+            nw = tl.where(good, nw, 0)
+            tl.store(out + obj, good.to(tl.int64), mask=q == o * per)  # once per object: its first piece
         if CHECKSUM:  # STORE=False: checksum only (verifying bytes a DMA copy brought in)
             h = _piece_checksum(src, dst, at // 8, nw, ktab, STORE, CROWS)
             tl.atomic_xor(plan + sums_at + obj, h.to(tl.int64, bitcast=True), sem="relaxed")
@@ -173,7 +220,7 @@ def copy_objects(
                     tl.store(dst + i, x, mask=m)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["src", "dst", "n"])
 def fetch_words(src, dst, n, BLOCK: tl.constexpr):
     """dst[:n] = src[:n] (elements of the pointers' type), one block per program, by SM loads and stores:
     how a plan in page-locked host memory reaches the device, and a call's results (digests, ok flags)

@@ -1,0 +1,281 @@
+"""What the copy kernel is told, and how a batch is cut and laid out before any copy is issued.
+
+The kernel engine (kernel_engine.py) submits work and completes handles; this module holds the pure
+planning it relies on, host side only:
+
+* `Plan`: one launch's plan in int64 words (layout in triton_kernels.py): a segment table, each object's
+  block id, its addresses on the arena or staging side, the digests a verified load expects, and zeroed
+  checksum words. Built in page-locked memory from a `TablePool`.
+* `sorted_runs` / `plan_runs`: the batch's arena slots sorted and cut into runs of adjacent slots, and
+  where each object lies in device staging, so that each run is one copy-engine copy.
+* `round_budgets` / `cut_rounds`: how a batch is cut into rounds that fit a staging buffer, shaped for
+  what the caller waits for (see round_budgets).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from umbp.transfer.api import Moves, digest_mix, slot_reach
+from umbp.transfer.staged import Batch
+
+RUN_PAD = 16  # staging bytes a run may need for alignment: the worst case a round budget counts per object
+
+
+class Plan:
+    """A launch's plan (layout: triton_kernels.py): segment table [4, nseg], block ids [nobj], `ncols` row
+    columns [nobj] each, then (verified loads) expected digests as (digest less its length term, skip)
+    pairs [2 * nobj], then (checksumming launches) one zeroed checksum word per object. `sums()`: each
+    object's pieces' checksum terms xored together, i.e. its psum64 less the length term, which the host
+    xors in (DeviceHandle), so the device needs no extra op per group."""
+
+    def __init__(self, host: torch.Tensor, nseg: int, n: int, nobj: int, ncols: int, want: bool, sums: bool):
+        self.host, self.buf = host, host
+        self.nseg, self.n, self.nobj, self.ncols = nseg, n, nobj, ncols
+        self.has_want, self.has_sums = want, sums
+
+    @property
+    def ids_at(self) -> int:
+        """Word offset of the block ids (after the segment table)."""
+        return 4 * self.nseg
+
+    def at(self, column: int) -> int:
+        """Word offset of a row column (0-based; the block ids come before them)."""
+        return self.ids_at + (1 + column) * self.nobj
+
+    def want_at(self) -> int:
+        return self.at(self.ncols) if self.has_want else 0
+
+    def sums_at(self) -> int:
+        if not self.has_sums:
+            return 0
+        return self.at(self.ncols) + (2 * self.nobj if self.has_want else 0)
+
+    @property
+    def words(self) -> int:
+        return self.at(self.ncols) + (2 * self.has_want + self.has_sums) * self.nobj
+
+    def sums(self) -> torch.Tensor:
+        at = self.sums_at()
+        return self.buf[at : at + self.nobj]
+
+
+def build_plan(
+    batch: Batch,
+    rows: list[list[np.ndarray]],
+    sums: bool,
+    toff: Mapping[int, int],
+    host: Any,
+) -> Plan:
+    """Fill a plan for `batch` (rows: per column, per Moves one address per object) in `host(words)`, a
+    function returning an int64 tensor of that many words. Verified loads (any Moves with digests) get
+    the expected digests; `sums`: checksum words."""
+    nseg, counts = len(batch), np.array([ids.size for _g, _m, ids, _o in batch], np.int64)
+    nobj = int(counts.sum())
+    want = any(m.digests is not None for _g, m, _i, _o in batch)
+    per = np.array([g.template.obj.size for g, _m, _i, _o in batch], np.int64)
+    pieces = counts * per
+    plan = Plan(None, nseg, int(pieces.sum()), nobj, len(rows), want, sums)  # type: ignore[arg-type]
+    words = host(plan.words)
+    plan.host = plan.buf = words
+    w = words.numpy()
+    seg = w[: 4 * nseg].reshape(4, nseg)
+    seg[0] = np.cumsum(pieces) - pieces
+    seg[1] = np.cumsum(counts) - counts
+    seg[2] = per
+    seg[3] = [toff[m.group] for _g, m, _i, _o in batch]
+    at = plan.ids_at
+    for column in ([ids for _g, _m, ids, _o in batch], *rows):
+        np.concatenate(column, out=w[at : at + nobj])
+        at += nobj
+    if want:
+        pairs = w[at : at + 2 * nobj].reshape(nobj, 2)
+        given = [m.digests is not None for _g, m, _i, _o in batch]
+        digests = [d for _g, m, _i, _o in batch if m.digests is not None for d in m.digests]
+        mix = np.repeat(
+            np.array([_u64(digest_mix(g.object_bytes)) for g, _m, _i, _o in batch], np.uint64), counts
+        )
+        checked = np.repeat(np.array(given), counts)
+        if all(given):
+            pairs[:, 0] = (np.fromiter(digests, np.uint64, nobj) ^ mix).view(np.int64)
+        else:
+            d = np.zeros(nobj, np.uint64)
+            d[checked] = np.fromiter(digests, np.uint64, int(checked.sum())) ^ mix[checked]
+            pairs[:, 0] = d.view(np.int64)
+        pairs[:, 1] = ~checked  # 1: not checked
+        at += 2 * nobj
+    w[at:] = 0
+    return plan
+
+
+def _u64(v: int) -> int:
+    return v & ((1 << 64) - 1)
+
+
+def object_mix(batch: Batch) -> np.ndarray:
+    """Each object's psum64 length term (umbp.pool.psum), as uint64."""
+    return np.concatenate(
+        [np.full(ids.size, digest_mix(g.object_bytes), np.int64) for g, _m, ids, _o in batch]
+    ).view(np.uint64)
+
+
+def templates(groups: Mapping[int, Any], device: torch.device) -> tuple[torch.Tensor, dict[int, int]]:
+    """Every group's piece template in one int64 [4, pieces] device table (see triton_kernels.py), and the
+    column where each group's pieces start."""
+    toff, cols, at = {}, [], 0
+    for g, geom in groups.items():
+        t = geom.template
+        toff[g] = at
+        cols.append(np.stack([t.src, t.stride, t.obj, t.nbytes]))
+        at += t.obj.size
+    table = np.concatenate(cols, axis=1) if cols else np.zeros((4, 1), np.int64)
+    return torch.from_numpy(np.ascontiguousarray(table)).to(device), toff
+
+
+class TablePool:
+    """Page-locked int64 buffers for plans and results, each reused once the device is done with it (an
+    event) or its reader gave it back. PyTorch's pinned allocator cost up to ~0.25 ms per buffer on the
+    H200 host in save calls (measured, when plans were tables of pieces)."""
+
+    MIN_WORDS = 1 << 17  # 1 MiB: a plan of up to ~32K objects (4 words each) fits one buffer
+    KEEP = 32  # idle buffers kept once the device is done with them (more stay while still being read)
+
+    def __init__(self) -> None:
+        self._idle: deque[tuple[torch.Tensor, Any]] = deque()
+        self.allocations = 0  # buffers made (each a page-locked allocation: what the pool exists to avoid)
+
+    def take(self, words: int) -> torch.Tensor:
+        while self._idle:
+            buf, done = self._idle[0]
+            if not passed(done):
+                break  # the oldest is still being read, and the younger ones most likely too
+            self._idle.popleft()
+            if buf.numel() >= words:
+                return buf[:words]  # (a buffer too small for this table is dropped)
+        self.allocations += 1
+        return torch.empty(max(words, self.MIN_WORDS), dtype=torch.int64, pin_memory=True)[:words]
+
+    def give(self, table: torch.Tensor, done: Any) -> None:
+        base = table if table._base is None else table._base
+        if any(buf is base for buf, _ in self._idle):
+            return  # already idle: handing it out twice would let two plans share memory
+        self._idle.append((base, done))
+        while len(self._idle) > self.KEEP and passed(self._idle[0][1]):
+            self._idle.popleft()  # only a buffer the device is done with: dropping one it still reads
+            # would let the pinned allocator hand its memory to another tensor under the running fetch
+
+
+def passed(event: Any) -> bool:
+    return event is None or event.query()
+
+
+def sorted_runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(first and last index of each run, in offset order; the order; sorted offsets; sorted sizes). One
+    repeat per column rather than an array per Moves: a restore is a Moves per cache group, and small
+    numpy calls cost ~5 us each on the H200 host, in front of the first copy."""
+    counts = [ids.size for _g, _m, ids, _o in batch]
+    offs = batch[0][3] if len(batch) == 1 else np.concatenate([o for _g, _m, _i, o in batch])
+    size = np.repeat(np.array([g.object_bytes for g, _m, _i, _o in batch], np.int64), counts)
+    reach = np.repeat(np.array([slot_reach(g.object_bytes, m) for g, m, _i, _o in batch], np.int64), counts)
+    order = np.argsort(offs, kind="stable")
+    so, sr, ss = offs[order], reach[order], size[order]
+    cut = np.flatnonzero(so[1:] != so[:-1] + sr[:-1]) + 1
+    return np.concatenate([[0], cut]), np.concatenate([cut, [so.size]]) - 1, order, so, ss
+
+
+def plan_runs(runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, tuple[np.ndarray, ...], int]:
+    """Objects sorted by arena offset and cut into runs where one slot ends exactly where the next
+    begins (a slot reaches its Moves' slot_bytes), from sorted_runs. Returns (each object's staging
+    offset, in batch order; runs as arrays (arena offset, staging offset, bytes), the last object's pad
+    left out; staging bytes)."""
+    first, last, order, so, ss = runs
+    start, length = so[first], so[last] + ss[last] - so[first]
+    padded = (length + RUN_PAD - 1) // RUN_PAD * RUN_PAD  # every run's staging 16-byte aligned (wide path)
+    base = np.cumsum(padded) - padded
+    run_of = np.repeat(np.arange(first.size), last - first + 1)
+    pos = np.empty_like(so)
+    pos[order] = base[run_of] + so - start[run_of]
+    return pos, (start, base, length), int(padded.sum())
+
+
+def round_budgets(total: int, ring: int, shape: str, min_round: int) -> list[int]:
+    """Staging bytes of each round of a batch of `total` bytes (each round fits one ring buffer of `ring`):
+
+    * "even": as few rounds as fit, all about one size. Back-to-back batches (a serving engine's steady
+      state): with two buffers taking turns, a small last round made the next batch's first round wait
+      for the buffer of the round before it, a gather's or scatter's worth of idle copy engine at every
+      batch boundary (0.2-0.3 ms per 256 MiB batch on the H200).
+    * "taper" (a load that finds its direction idle, i.e. a restore someone waits for): halving rounds,
+      down to `min_round`. A round's verify and scatter can start only when its copy is done, so the
+      last round's are the restore's tail: a whole 128 MiB round's took ~0.2 ms on the H200. The first
+      copy does not wait for the first round's size (it is issued before its kernels are planned).
+    * "ramp" (a save that finds its direction idle): doubling rounds from `min_round`: the first copy
+      waits for the first round's gather, so that one is small; later gathers run beside copies.
+
+    Each round after the first must be planned on the host while the one before it copies: `min_round`
+    keeps a round's copy longer than a round's host time."""
+    if total <= 0:
+        return [0]
+    min_round = max(1, min(min_round, ring))
+    if shape == "even" or total <= min_round:
+        fewest = -(-total // ring)
+        return [-(-total // fewest)] * fewest
+    out, left = [], total
+    size = min_round
+    while left > 0:
+        if shape == "taper":
+            size = min(ring, max(min_round, left // 2))
+            if left - size < min_round and left <= ring:
+                size = left
+        else:  # ramp
+            size = min(ring, size)
+            if left - size < size and left <= ring:
+                size = left
+        out.append(size)
+        left -= size
+        size *= 2
+    return out
+
+
+def cut_rounds(batch: Batch, budgets: list[int], cap: int) -> list[Batch]:
+    """Cut the batch, in order, into rounds of at most budgets[k] staging bytes each; the last round may
+    take up to `cap` (a ring buffer), so that the objects the greedy cut leaves over (budgets are bytes,
+    objects are whole) join it instead of making a sliver of a round. An object over its budget gets a
+    round of its own. Each object costs its slot's reach plus a run's worst-case alignment pad."""
+    cost = [slot_reach(geom.object_bytes, m) + RUN_PAD for geom, m, _i, _o in batch]
+    rounds: list[Batch] = [[]]
+    used, k = 0, 0
+    room_of = budgets[0] if len(budgets) > 1 else max(cap, budgets[0])
+    for c, (geom, m, ids, offs) in zip(cost, batch, strict=True):
+        s = 0
+        while s < ids.size:
+            room = (room_of - used) // c
+            if room <= 0 and rounds[-1]:
+                rounds.append([])
+                k += 1
+                used, room_of = 0, budgets[k] if k < len(budgets) - 1 else max(cap, budgets[-1])
+                continue
+            e = min(ids.size, s + max(1, room))
+            digests = None if m.digests is None else list(m.digests)[s:e]
+            rounds[-1].append(
+                (geom, Moves(m.group, ids[s:e], offs[s:e], digests, m.slot_bytes), ids[s:e], offs[s:e])
+            )
+            used += (e - s) * c
+            s = e
+    return [r for r in rounds if r]
+
+
+def batch_cost(batch: Batch) -> tuple[int, int]:
+    """(staging bytes the batch's objects may take, the largest object's), as cut_rounds counts them."""
+    cost = [slot_reach(geom.object_bytes, m) + RUN_PAD for geom, m, _i, _o in batch]
+    return sum(c * part[2].size for c, part in zip(cost, batch, strict=True)), max(cost)
+
+
+def aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    raw = torch.empty(nbytes + 16, dtype=torch.uint8, device=device)
+    return raw[(-raw.data_ptr()) % 16 :]
