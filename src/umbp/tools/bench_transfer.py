@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-staged", action="store_true", help="skip the staged-path comparison rows")
     parser.add_argument(
-        "--only", default="", help="measure only the layouts whose name contains this (e.g. 'granite')"
+        "--only",
+        default="",
+        help="measure only the layouts whose name contains one of these comma-separated words (e.g. 'granite')",
     )
 
 
@@ -373,7 +375,7 @@ def _engine(arena: Any, groups: dict, path: str, ctas: int | None, **options: An
 
 
 def _rows_for(args: argparse.Namespace, case: Case, page: int, reps: int, paths: list[str]) -> list[dict]:
-    if args.only not in case.name:
+    if not any(word in case.name for word in args.only.split(",")):
         return []
     obj = max(_object_bytes(layers) for layers in case.groups.values())
     rows = []
