@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from umbp.pool import Arena
-from umbp.transfer import Moves, layer_geometry, make_engine
+from umbp.transfer import Moves, layer_geometry, make_engine, triton_available
 from umbp.transfer import model_layouts as L
 from umbp.transfer.geometry import GroupGeometry
 
@@ -296,3 +296,90 @@ def test_disjoint_check_agrees_with_a_pairwise_reference(mixed: bool) -> None:
             assert overlap, (starts, reaches)
             raised += 1
     assert 100 < raised < 300  # both outcomes were exercised
+
+
+def test_a_plan_carries_the_expected_digests_less_their_length_term():
+    """Verified loads compare checksums inside the launch that writes the pages, against the digests the
+    plan carries: (digest xor its object's length term, skip flag) per object; a Moves without digests
+    is not checked (skip 1). Mixed batches included."""
+    from types import SimpleNamespace
+
+    from umbp.transfer.api import digest_mix
+    from umbp.transfer.plans import build_plan
+
+    def geom(nbytes, pieces):
+        return SimpleNamespace(object_bytes=nbytes, template=SimpleNamespace(obj=np.zeros(pieces)))
+
+    a, b = geom(4096, 2), geom(1000, 1)
+    batch = [
+        (a, Moves(0, [1, 2], [0, 4096], [5, (1 << 64) - 1]), np.array([1, 2]), np.array([0, 4096])),
+        (b, Moves(1, [7], [8192]), np.array([7]), np.array([8192])),
+        (b, Moves(2, [3], [16384], [9]), np.array([3]), np.array([16384])),
+    ]
+    rows = [[np.array([10, 11]), np.array([12]), np.array([13])]]
+    plan = build_plan(batch, rows, True, {0: 0, 1: 2, 2: 2}, lambda n: torch.zeros(n, dtype=torch.int64))
+    w = plan.host.numpy().view(np.uint64)
+    mix = {n: digest_mix(n) & ((1 << 64) - 1) for n in (4096, 1000)}
+    pairs = w[plan.want_at() : plan.want_at() + 8].reshape(4, 2).tolist()
+    assert pairs == [[5 ^ mix[4096], 0], [((1 << 64) - 1) ^ mix[4096], 0], [0, 1], [9 ^ mix[1000], 0]]
+    assert list(w[plan.at(0) : plan.at(0) + 4]) == [10, 11, 12, 13]
+    assert list(w[plan.ids_at : plan.ids_at + 4]) == [1, 2, 7, 3]
+    assert plan.n == 2 * 2 + 1 + 1 and not w[plan.sums_at() : plan.sums_at() + 4].any()
+    assert plan.words == plan.sums_at() + 4 == plan.host.numel()
+    unverified = build_plan(
+        batch[1:2], [rows[0][1:2]], False, {1: 0}, lambda n: torch.zeros(n, dtype=torch.int64)
+    )
+    assert not unverified.has_want and unverified.words == unverified.at(1)
+
+
+@pytest.mark.skipif(
+    not __import__("umbp.transfer").transfer.triton_available(), reason="Triton not installed"
+)
+def test_launcher_calls_the_compiled_kernel_directly_and_falls_back_for_good(monkeypatch):
+    """The engine's Launcher skips Triton's per-launch binding once a variant is compiled: the first
+    launch of each constexpr set goes through `kernel[grid](...)`, later ones straight to the compiled
+    kernel's launcher with every argument in signature order (constexprs last, as Triton passes them).
+    A compiled kernel that takes other arguments (another Triton) sends every later launch back through
+    Triton's own path."""
+    from umbp.transfer import triton_kernels as K
+
+    through_triton, direct = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def run(self, *args):
+            if self.fails:
+                raise TypeError("this launcher takes other arguments")
+            direct.append(args)
+
+    class Kernel:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                through_triton.append((grid, args, kwargs))
+                return Compiled(self.fails)
+
+            return launch
+
+    monkeypatch.setattr(K, "_raw_stream", lambda index: 77)
+    monkeypatch.setattr(K, "interpreting", lambda: False)
+    launch = K.Launcher(Kernel(fails=False), 0)
+    for grid in (3, 5):
+        launch(grid, ("plan", 1), (True, 16), ("GUARD", "CROWS"), 4)
+    launch(2, ("plan", 1), (False, 16), ("GUARD", "CROWS"), 4)  # another variant: through Triton first
+    assert through_triton == [
+        ((3,), ("plan", 1), {"GUARD": True, "CROWS": 16, "num_warps": 4}),
+        ((2,), ("plan", 1), {"GUARD": False, "CROWS": 16, "num_warps": 4}),
+    ]
+    assert direct == [(5, 1, 1, 77, "fn", "meta", None, None, None, "plan", 1, True, 16)]
+    through_triton.clear()
+    broken = K.Launcher(Kernel(fails=True), 0)
+    for _ in range(3):
+        broken(1, ("plan",), (True,), ("GUARD",), 4)
+    assert len(through_triton) == 3 and not broken.direct
