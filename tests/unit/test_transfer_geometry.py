@@ -332,9 +332,7 @@ def test_a_plan_carries_the_expected_digests_less_their_length_term():
     assert not unverified.has_want and unverified.words == unverified.at(1)
 
 
-@pytest.mark.skipif(
-    not __import__("umbp.transfer").transfer.triton_available(), reason="Triton not installed"
-)
+@pytest.mark.skipif(not triton_available(), reason="Triton not installed")
 def test_launcher_calls_the_compiled_kernel_directly_and_falls_back_for_good(monkeypatch):
     """The engine's Launcher skips Triton's per-launch binding once a variant is compiled: the first
     launch of each constexpr set goes through `kernel[grid](...)`, later ones straight to the compiled
