@@ -18,7 +18,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("bench", "restore"): (
         "umbp.tools.bench_restore",
-        "prefill vs restore of N tokens, Granite-4.0-H-350M (CUDA)",
+        "restore/save of N tokens vs a pinned copy of the same bytes, Granite-4.0-H-350M (CUDA)",
     ),
     ("bench", "remote"): (
         "umbp.tools.bench_remote",
