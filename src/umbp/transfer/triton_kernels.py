@@ -45,8 +45,9 @@ def interpreting() -> bool:
 class Launcher:
     """Launches one Triton kernel, skipping Triton's per-launch argument binding once a variant is
     compiled. A launch through `kernel[grid](...)` binds and specializes every argument in Python before
-    the driver call: ~50-70 us of host time per launch on the H200 host, three or four launches per
-    round of a transfer, which a restore (host planning in front of and between its copies) waits for.
+    the driver call: 31 us of host time per launch on the H200 host against 11 us for the direct call
+    (bench/results/archive/2026-12-04-restore-link-speed-33/4-host-costs.txt), three or four launches
+    per round of a transfer, which a restore (host planning in front of and between its copies) waits for.
     Here the first launch of each variant (its constexprs and warp count: every other argument is
     `do_not_specialize` or a buffer the engine allocates, so nothing else selects a variant) goes through
     Triton and returns the compiled kernel; later ones call its launcher directly. Any failure of the
@@ -223,7 +224,7 @@ def copy_objects(
 @triton.jit(do_not_specialize=["src", "dst", "n"])
 def fetch_words(src, dst, n, BLOCK: tl.constexpr):
     """dst[:n] = src[:n] (elements of the pointers' type), one block per program, by SM loads and stores:
-    how a plan in page-locked host memory reaches the device, and a call's results (digests, ok flags)
+    how a plan in page-locked host memory reaches the device, and a save's digests
     reach page-locked host memory, without queueing on a copy engine behind bulk transfers."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
