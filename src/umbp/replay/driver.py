@@ -36,13 +36,19 @@ ADMITTED = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS)
 STALL_STEPS = 10_000  # empty steps in a row without the clock moving: the replay is stuck
 
 
+CONNECTORS = ("umbp", "offloading")  # offloading: vLLM's OffloadingConnector as a peer (umbp.replay.offloading)
+
+
 @dataclass(frozen=True)
 class Setting:
-    boundary_page: bool
+    boundary_page: bool  # umbp's boundary page (a peer connector has no such switch: False)
     retention: int
+    connector: str = "umbp"
 
     @property
     def label(self) -> str:
+        if self.connector == "offloading":
+            return f"vLLM OffloadingConnector, retention {self.retention}"
         return f"page {'on' if self.boundary_page else 'off'}, retention {self.retention}"
 
 
@@ -57,7 +63,7 @@ class RequestRecord:
     finished_s: float | None = None
     local: int = 0  # vLLM's local hit at the admitting lookup (incl. a sub-block tail)
     oracle: int = 0  # an unbounded local GPU prefix cache's hit at that lookup
-    umbp_hit: int = 0  # the boundary umbp's lookup found
+    umbp_hit: int = 0  # the boundary the connector's lookup found (umbp's, or the peer's in a peer run)
     served: int = 0  # tokens vLLM did not compute at admission (local + external, prefill_stats)
     external: int = 0
     load_ok: bool | None = None  # None: no load
@@ -117,7 +123,7 @@ class _Observer:
     def on_lookup(self, connector, request, num_computed_tokens: int, ext: int | None) -> None:
         rec = self.replay.pending.get(request.request_id)
         if rec is not None:
-            self.replay.observe_lookup(rec, request)
+            self.replay.observe_lookup(rec, request, num_computed_tokens, ext)
 
 
 @dataclass
@@ -136,16 +142,9 @@ class Replay:
     pending: dict[str, RequestRecord] = field(default_factory=dict)  # submitted, not yet admitted
 
     def __post_init__(self) -> None:
-        self.engine = build_engine(
-            self.layout,
-            boundary_page=self.setting.boundary_page,
-            retention=self.setting.retention,
-            workdir=self.workdir,
-        )
+        self._build()
         self.engine.connector.observer = _Observer(self)
-        self.committed = record_commits(self.engine.umbp.index)
         self.ever = oracle.install(self.engine.sched.kv_cache_manager.block_pool)
-        self.workers = SimWorkers(self.layout.timing, frozenset(self.engine.umbp.rank_tags))
         self.tokens = TokenCache()
         self.hashes = PrefixHashes(self.layout.unit, hash_lookahead_tokens(self.engine.vllm_config))
         self.sessions = [_Session(s) for s in sessions(self.turns)]
@@ -156,6 +155,24 @@ class Replay:
         self.explained = 0
         self.active = 0  # sessions holding a concurrency slot
         self._seq = 0
+
+    def _build(self) -> None:
+        """The engine with the connector under test and its simulated workers (a peer run overrides)."""
+        self.engine = build_engine(
+            self.layout,
+            boundary_page=self.setting.boundary_page,
+            retention=self.setting.retention,
+            workdir=self.workdir,
+        )
+        self.committed = record_commits(self.engine.umbp.index)
+        self.workers = SimWorkers(self.layout.timing, frozenset(self.engine.umbp.rank_tags))
+
+    def _loads_done(self):
+        """Requests whose load the connector has seen completed."""
+        return self.engine.umbp.restored
+
+    def _totals(self) -> dict[str, int]:
+        return dict(self.engine.umbp.totals)
 
     # ------------------------------------------------------------------ sessions
     def _start_sessions(self) -> None:
@@ -205,7 +222,7 @@ class Replay:
         self._start_sessions()
 
     # ------------------------------------------------------------------ observation
-    def observe_lookup(self, rec: RequestRecord, request) -> None:
+    def observe_lookup(self, rec: RequestRecord, request, num_computed_tokens: int = 0, ext=None) -> None:
         sched, umbp = self.engine.sched, self.engine.umbp
         rec.local = oracle.local_hit(sched.kv_cache_manager, request)
         rec.oracle = oracle.oracle_hit(self.ever, request, umbp.layout)
@@ -233,7 +250,7 @@ class Replay:
                 self.loading[req_id] = rec
 
     def _note_loads(self) -> None:
-        restored = self.engine.umbp.restored
+        restored = self._loads_done()
         for req_id in [r for r in self.loading if r in restored]:
             self.loading.pop(req_id).load_ok = True
 
@@ -286,7 +303,7 @@ class Replay:
             self.setting,
             self.concurrency,
             self.records,
-            dict(self.engine.umbp.totals),
+            self._totals(),
             self.now,
             time.perf_counter() - t0,
             self.steps,
@@ -303,6 +320,8 @@ class Replay:
         self._note_admissions()
         start = self.now
         dt = self.layout.timing.step_seconds(so.total_num_scheduled_tokens, self._context_load(so))
+        if dt > 0:  # a peer's worker may hold the forward back (vLLM's OffloadingConnector: jobs_to_flush)
+            start = self.workers.barrier(so.kv_connector_metadata, start)
         end = start + dt if dt > 0 else self._next_event(start)
         self.workers.dispatch(so.kv_connector_metadata, start, end)
         self.now = end
@@ -453,9 +472,12 @@ def replay(
     on_finish: Callable[[RequestRecord], None] | None = None,
     max_explain: int = 20,
 ) -> ReplayResult:
-    return Replay(
-        layout, setting, turns, concurrency, workdir, max_explain=max_explain, on_finish=on_finish
-    ).run()
+    cls = Replay
+    if setting.connector == "offloading":
+        from umbp.replay.peer import OffloadingReplay as cls  # imports vLLM's offloading connector
+    elif setting.connector != "umbp":
+        raise ValueError(f"unknown connector {setting.connector!r}; one of {CONNECTORS}")
+    return cls(layout, setting, turns, concurrency, workdir, max_explain=max_explain, on_finish=on_finish).run()
 
 
 def reason_counts(records: list[RequestRecord]) -> Counter[str]:

@@ -53,7 +53,7 @@ BF16 = 2
 @dataclass
 class Engine:
     sched: Scheduler
-    connector: ReplayConnector | None  # None: built without a connector
+    connector: object | None  # the connector under test (ReplayConnector, or a peer's); None: no connector
     hasher: object
     vllm_config: VllmConfig
     kv_cache_config: KVCacheConfig
@@ -122,14 +122,19 @@ def group_spec(g: GroupConfig, eagle_drop: bool):
     )
 
 
-def kv_cache_config(layout: ReplayLayout, retention: int) -> KVCacheConfig:
+def kv_cache_config(layout: ReplayLayout, retention: int, sized: bool = False) -> KVCacheConfig:
+    """The layout's KV-cache config. ``sized``: tensors carry the byte sizes vLLM 0.32 gives them (every
+    tensor spans the whole backing allocation: the largest group's bytes per block x blocks). umbp's
+    connector reads only spec page sizes; vLLM's OffloadingConnector sizes its CPU chunks from the tensors,
+    so its peer run needs them as vLLM would set them."""
     groups = []
     for i, g in enumerate(layout.groups):
         names = [f"g{i}.l{j}" for j in range(g.layers)]
         flagged = layout.eagle_drop and g.eagle
         groups.append(KVCacheGroupSpec(names, group_spec(g, layout.eagle_drop), is_eagle_group=flagged))
+    size = max(g.object_bytes for g in layout.groups) * layout.num_gpu_blocks if sized else 1
     tensors = [
-        KVCacheTensor(size=1, layers=list(grp.layer_names), layer_stride=0, block_stride=0) for grp in groups
+        KVCacheTensor(size=size, layers=list(grp.layer_names), layer_stride=0, block_stride=0) for grp in groups
     ]
     return KVCacheConfig(
         num_blocks=layout.num_gpu_blocks,
@@ -171,6 +176,33 @@ def build_engine(
 ) -> Engine:
     """A fresh Scheduler + ReplayConnector (scheduler role) for one replay setting; `connector=False`:
     the same scheduler with no KV connector at all (`umbp bench sched` compares the two)."""
+    extra = {
+        "dram_bytes": int(layout.dram_gb_per_rank * 1e9),
+        "boundary_page": boundary_page,
+        "decode_saves": decode_saves,
+    }
+    transfer = KVTransferConfig(
+        kv_connector="ReplayConnector",
+        kv_connector_module_path="umbp.replay.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
+    vllm_config = make_vllm_config(layout, retention, workdir, transfer if connector else None)
+    kv_config = kv_cache_config(layout, retention)
+    sched, hasher = make_scheduler(vllm_config, kv_config)
+    if not connector:
+        return Engine(sched, None, hasher, vllm_config, kv_config)
+    built = sched.connector
+    if not isinstance(built, ReplayConnector):
+        raise RuntimeError(f"expected the ReplayConnector, vLLM built {type(built).__name__}")
+    return Engine(sched, built, hasher, vllm_config, kv_config)
+
+
+def make_vllm_config(
+    layout: ReplayLayout, retention: int, workdir: Path, transfer: KVTransferConfig | None
+) -> VllmConfig:
+    """The VllmConfig of a replay: config-only model, the layout's scheduler limits, DCP and EAGLE, and
+    ``transfer`` (the connector under test, or None)."""
     workdir.mkdir(parents=True, exist_ok=True)
     tp = layout.dcp  # DCP reuses the TP ranks: the smallest TP vLLM accepts for it
     model = ModelConfig(
@@ -194,17 +226,6 @@ def build_engine(
         prefix_match_unit=layout.unit,
         prefix_cache_retention_interval=retention,
     )
-    extra = {
-        "dram_bytes": int(layout.dram_gb_per_rank * 1e9),
-        "boundary_page": boundary_page,
-        "decode_saves": decode_saves,
-    }
-    transfer = KVTransferConfig(
-        kv_connector="ReplayConnector",
-        kv_connector_module_path="umbp.replay.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra,
-    )
     spec = None
     if layout.eagle_drop:
         spec = SpeculativeConfig(
@@ -220,16 +241,9 @@ def build_engine(
         model_config=model,
         cache_config=cache,
         scheduler_config=sched_cfg,
-        kv_transfer_config=transfer if connector else None,
+        kv_transfer_config=transfer,
         speculative_config=spec,
         parallel_config=parallel,
     )
     vllm_config.cache_config.num_gpu_blocks = layout.num_gpu_blocks
-    kv_config = kv_cache_config(layout, retention)
-    sched, hasher = make_scheduler(vllm_config, kv_config)
-    if not connector:
-        return Engine(sched, None, hasher, vllm_config, kv_config)
-    connector = sched.connector
-    if not isinstance(connector, ReplayConnector):
-        raise RuntimeError(f"expected the ReplayConnector, vLLM built {type(connector).__name__}")
-    return Engine(sched, connector, hasher, vllm_config, kv_config)
+    return vllm_config

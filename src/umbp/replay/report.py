@@ -36,8 +36,10 @@ def summarize(result, max_examples: int = 20) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens for r in recs)
     local = sum(r.local for r in recs)
     ttft = [r.finished_s - r.submitted_s for r in recs if r.finished_s is not None]
+    wanted = [r for r in recs if r.restorable > 0]
     return {
         "layout": layout.name,
+        "connector": result.setting.connector,
         "boundary_page": result.setting.boundary_page,
         "retention": result.setting.retention,
         "label": result.setting.label,
@@ -52,6 +54,9 @@ def summarize(result, max_examples: int = 20) -> dict[str, Any]:
         "restored_of_oracle_tokens": of_oracle,
         "restored_beyond_oracle_tokens": restored - of_oracle,
         "restored_fraction_of_restorable": of_oracle / restorable if restorable else 1.0,
+        # requests with something restorable that got any of it; prompt tokens not computed (local + restored)
+        "request_hit_rate": sum(1 for r in wanted if r.restored_of_oracle > 0) / len(wanted) if wanted else 1.0,
+        "token_hit_rate": (local + restored) / prompt if prompt else 0.0,
         "recomputed_tokens": prompt - local - restored,
         "recomputed_tokens_saved": restored,
         "stopped_early_requests": len(short),
@@ -158,6 +163,8 @@ def page_cost(summaries: list[dict[str, Any]]) -> list[str]:
     out = []
     pairs: dict[int, dict[bool, dict[str, Any]]] = {}
     for s in summaries:
+        if s.get("connector", "umbp") != "umbp":
+            continue
         pairs.setdefault(s["retention"], {})[s["boundary_page"]] = s
     for ret, pair in pairs.items():
         if len(pair) < 2:
@@ -189,7 +196,7 @@ def header_line(layout_summary: str, s: dict[str, Any]) -> str:
 def verdict(summaries: list[dict[str, Any]], target: float = TARGET) -> list[str]:
     out = []
     for s in summaries:
-        if s["boundary_page"]:
+        if s["boundary_page"] and s.get("connector", "umbp") == "umbp":
             frac = s["restored_fraction_of_restorable"]
             ok = "meets" if frac >= target else "MISSES"
             out.append(
@@ -267,3 +274,70 @@ def _timeline(ax, summaries) -> None:
     ax.set_xlabel("modelled time (s)")
     ax.set_ylabel("cumulative tokens (millions)")
     ax.legend(fontsize=7)
+
+
+# ------------------------------------------------------------------------------------------ peers
+
+
+def refused_summary(layout_name: str, setting, message: str) -> dict[str, Any]:
+    """The row of a connector that refused the layout: its error, verbatim, and no figures."""
+    return {
+        "layout": layout_name,
+        "connector": setting.connector,
+        "boundary_page": setting.boundary_page,
+        "retention": setting.retention,
+        "label": setting.label,
+        "refused": message,
+    }
+
+
+def peer_table(summaries: list[dict[str, Any]], header: str) -> str:
+    """umbp (page on / off) beside the peer connector(s): restored vs the oracle's restorable tokens."""
+    cols = (
+        "row",
+        "oracle",
+        "restorable",
+        "restored",
+        "of oracle",
+        "ratio",
+        "req hit",
+        "token hit",
+        "DRAM taken",
+        "evicted",
+    )
+    rows = [cols]
+    notes = []
+    for s in summaries:
+        name = s["label"] if s.get("connector") != "umbp" else f"umbp {s['label']}"
+        if "refused" in s:
+            rows.append((name,) + ("refused",) + ("-",) * (len(cols) - 2))
+            notes.append(f"  {name}: refused: {s['refused']}")
+            continue
+        totals = s["umbp_totals"]
+        evicted = totals.get("evicted_objects", totals.get("evictions", 0))
+        rows.append(
+            (
+                name,
+                _m(s["oracle_tokens"]),
+                _m(s["restorable_tokens"]),
+                _m(s["restored_tokens"]),
+                _m(s["restored_of_oracle_tokens"]),
+                f"{100 * s['restored_fraction_of_restorable']:.2f}%",
+                f"{100 * s['request_hit_rate']:.1f}%",
+                f"{100 * s['token_hit_rate']:.1f}%",
+                f"{s['stored_bytes_all_ranks'] / 1e9:,.1f} GB",
+                str(evicted),
+            )
+        )
+        if s["stopped_early_reasons"]:
+            top = list(s["stopped_early_reasons"].items())[:3]
+            notes.append(f"  why short ({name}): " + ", ".join(f"{k}: {v}" for k, v in top))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = [header]
+    for n, row in enumerate(rows):
+        lines.append(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
+        if n == 0:
+            lines.append("-" * len(lines[-1]))
+    return "\n".join(lines + notes)

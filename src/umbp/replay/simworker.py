@@ -56,6 +56,10 @@ class SimWorkers:
         self.h2d = Link(self.timing.h2d_gbps, self.timing.transfer_latency_s)
         self.d2h = Link(self.timing.d2h_gbps, self.timing.transfer_latency_s)
 
+    def barrier(self, meta: UMBPConnectorMetadata | None, step_start: float) -> float:
+        """When the step's forward can start: umbp's workers never hold it back."""
+        return step_start
+
     def dispatch(self, meta: UMBPConnectorMetadata | None, step_start: float, step_end: float) -> None:
         """Queue this step's jobs (vLLM hands every worker the same metadata)."""
         if meta is None:

@@ -4,6 +4,7 @@
     umbp replay --layout kimi-k3 --sessions 20    # smaller
     umbp replay --trace my.jsonl --layout granite-4.0-h
     umbp replay --write-trace trace.jsonl --sessions 280 --dry-run
+    umbp replay --peers --retention 0             # + vLLM's OffloadingConnector in umbp's place (peer table)
 
 No model runs and no GPU is needed: umbp's scheduler side decides, simulated workers acknowledge its
 transfers after a modelled time. Writes replay.json, per-request JSONL and one PNG per layout to --out.
@@ -54,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("layout", "on", "off"),
         default="layout",
         help="EAGLE/DSpark-style drop (default: the layout's)",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run vLLM's OffloadingConnector (CPU backend, same DRAM budget; its copy step simulated) "
+        "in umbp's place, per retention value, and print the peer table (docs/replay.md)",
     )
     parser.add_argument("--gpu-blocks", type=int, help="override the layout's GPU block pool size")
     parser.add_argument("--dram-gb", type=float, help="override the layout's umbp DRAM per rank (GB)")
@@ -140,6 +147,8 @@ def _settings(args, layouts) -> dict[str, list]:
             if value not in rets:
                 rets.append(value)
         out[lay.name] = [Setting(p, r) for r, p in itertools.product(rets, pages)]
+        if args.peers:
+            out[lay.name] += [Setting(False, r, "offloading") for r in rets]
     return out
 
 
@@ -149,7 +158,7 @@ def _settings(args, layouts) -> dict[str, list]:
 def _one(layout, setting, turns, concurrency: int, workdir: str, max_explain: int, progress=None) -> tuple:
     """Run one setting (in this process or a worker); returns (summary, per-request records as dicts)."""
     from umbp.replay.driver import replay
-    from umbp.replay.report import summarize
+    from umbp.replay.report import refused_summary, summarize
 
     counter = {"n": 0}
 
@@ -158,9 +167,16 @@ def _one(layout, setting, turns, concurrency: int, workdir: str, max_explain: in
         if progress is not None and counter["n"] % 25 == 0:
             progress.put(25)
 
-    result = replay(
-        layout, setting, turns, concurrency, Path(workdir), on_finish=tick, max_explain=max_explain
-    )
+    try:
+        result = replay(
+            layout, setting, turns, concurrency, Path(workdir), on_finish=tick, max_explain=max_explain
+        )
+    except Exception as exc:  # noqa: BLE001 - a peer that refuses the layout is a result, reported verbatim
+        if setting.connector == "umbp":
+            raise
+        if progress is not None:
+            progress.put(len(turns) - counter["n"])
+        return refused_summary(layout.name, setting, f"{type(exc).__name__}: {exc}"), []
     if progress is not None:
         progress.put(counter["n"] % 25)
     return summarize(result, max_examples=max_explain), [r.to_json() for r in result.records]
@@ -244,7 +260,7 @@ def _describe(bar, layout, setting) -> None:
 
 
 def _finish(layouts, results, args) -> int:
-    from umbp.replay.report import header_line, plot, table, verdict, write_json
+    from umbp.replay.report import header_line, peer_table, plot, table, verdict, write_json
 
     out = Path(args.out)
     payload = {
@@ -255,7 +271,8 @@ def _finish(layouts, results, args) -> int:
     }
     failed = False
     for lay in layouts:
-        summaries = [results[key][0] for key in results if key[0] == lay.name]
+        every = [results[key][0] for key in results if key[0] == lay.name]
+        summaries = [s for s in every if "refused" not in s]
         for s in summaries:
             _write_records(
                 out / f"requests-{lay.name}-{_slug(s['label'])}.jsonl", results[(lay.name, s["label"])][1]
@@ -263,10 +280,13 @@ def _finish(layouts, results, args) -> int:
         head = header_line(lay.summary(), summaries[0])
         print()
         print(table(summaries, head))
+        if args.peers:
+            print()
+            print(peer_table(every, f"peers, {head}"))
         lines = verdict(summaries)
         print("\n".join(lines))
         payload["verdict"] += lines
-        payload["layouts"][lay.name] = {"layout": lay.to_dict(), "settings": summaries}
+        payload["layouts"][lay.name] = {"layout": lay.to_dict(), "settings": every}
         if not args.no_plots:
             png = plot(summaries, head, out / f"replay-{lay.name}.png")
             print(f"plot: {png}" if png else "plot: skipped (matplotlib not installed)")
