@@ -8,7 +8,9 @@ and whether that object was never stored or stored and then evicted.
 
 from __future__ import annotations
 
+from vllm.utils.math_utils import round_up
 from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from umbp.replay import oracle
 from umbp.replay.driver import Replay, RequestRecord
@@ -56,9 +58,11 @@ class OffloadingReplay(Replay):
         }
 
     def _chunk_bytes(self) -> int:
+        """One CPU chunk, all ranks, as CPUOffloadingSpec sizes it (rounded up to its alignment)."""
         cfg = self.engine.connector._kv_cache_config
         per_block = cfg.kv_cache_tensors[0].size // cfg.num_blocks
-        return per_block * self.peer_config.blocks_per_chunk * self.workers.num_workers
+        raw = per_block * self.peer_config.blocks_per_chunk * self.workers.num_workers
+        return round_up(raw, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
 
     # ------------------------------------------------------------------ observation
     def observe_lookup(self, rec: RequestRecord, request, num_computed_tokens: int = 0, ext=None) -> None:
@@ -88,9 +92,7 @@ class OffloadingReplay(Replay):
         if target // unit > len(request.block_hashes):
             return "boundary beyond the hashed prompt"
         if mid_block and not cfg.supports_partial_tail:
-            return (
-                "boundary inside a block: no partial tails for this layout (EAGLE group, DCP or block sizes)"
-            )
+            return f"boundary inside a block: partial tails off ({', '.join(partial_tail_blockers(cfg))})"
         for gcfg in cfg.kv_group_configs:
             key = make_offload_key(request.block_hashes[target // unit - 1], gcfg.group_idx)
             if not self._present(key):
@@ -121,3 +123,21 @@ class OffloadingReplay(Replay):
                 else "missing (store in flight)"
             )
         return "missing (never stored)"
+
+
+def partial_tail_blockers(cfg) -> list[str]:
+    """Which of vLLM 0.32's conditions for the OffloadingConnector's partial-tail path a layout fails
+    (``SchedulerOffloadConfig.supports_partial_tail``: one block per chunk, one block size, a recurrent
+    group with blocks longer than a hash unit, no sliding window, no EAGLE group, DCP 1)."""
+    out = []
+    if cfg.dcp_world_size != 1:
+        out.append(f"DCP {cfg.dcp_world_size}")
+    eagle = [g.group_idx for g in cfg.kv_group_configs if g.is_eagle_group]
+    if eagle:
+        out.append(f"EAGLE group g{eagle[0]}")
+    sizes = sorted({g.tokens_per_block for g in cfg.kv_group_configs}, reverse=True)
+    if len(sizes) > 1:
+        out.append("block sizes " + "/".join(map(str, sizes)))
+    if cfg.blocks_per_chunk != 1:
+        out.append(f"{cfg.blocks_per_chunk} blocks per chunk")
+    return out or ["no recurrent group longer than a hash unit, or a sliding window"]

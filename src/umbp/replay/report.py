@@ -341,3 +341,42 @@ def peer_table(summaries: list[dict[str, Any]], header: str) -> str:
         if n == 0:
             lines.append("-" * len(lines[-1]))
     return "\n".join(lines + notes)
+
+
+PEER_FIELDS = (
+    "connector",
+    "label",
+    "retention",
+    "requests",
+    "prompt_tokens",
+    "oracle_tokens",
+    "local_tokens",
+    "restorable_tokens",
+    "restored_tokens",
+    "restored_of_oracle_tokens",
+    "restored_fraction_of_restorable",
+    "request_hit_rate",
+    "token_hit_rate",
+    "stored_bytes_all_ranks",
+    "stopped_early_requests",
+    "stopped_early_reasons",
+    "modelled_s",
+    "wall_s",
+    "refused",
+)
+
+
+def peer_payload(payload: dict[str, Any]) -> dict[str, Any]:
+    """The peer rows of a run's ``replay.json``, without timelines and explain texts (``peers.json``)."""
+    layouts = {}
+    for name, entry in payload["layouts"].items():
+        rows = []
+        for s in entry["settings"]:
+            row = {k: s[k] for k in PEER_FIELDS if k in s}
+            if s.get("connector") == "offloading" and "umbp_totals" in s:
+                row["offloading_totals"] = s["umbp_totals"]
+            elif "umbp_totals" in s:
+                row["evictions"] = s["umbp_totals"].get("evictions", 0)
+            rows.append(row)
+        layouts[name] = {"layout": entry["layout"], "rows": rows}
+    return {"concurrency": payload["concurrency"], "trace": payload["trace"], "layouts": layouts}

@@ -260,7 +260,7 @@ def _describe(bar, layout, setting) -> None:
 
 
 def _finish(layouts, results, args) -> int:
-    from umbp.replay.report import header_line, peer_table, plot, table, verdict, write_json
+    from umbp.replay.report import header_line, peer_payload, peer_table, plot, table, verdict, write_json
 
     out = Path(args.out)
     payload = {
@@ -297,6 +297,8 @@ def _finish(layouts, results, args) -> int:
                 if s["boundary_page"]
             )
     write_json(out / "replay.json", payload)
+    if args.peers:
+        write_json(out / "peers.json", peer_payload(payload))
     print(f"\nJSON: {out / 'replay.json'}; per-request records: {out}/requests-*.jsonl")
     sys.stdout.flush()
     return 1 if failed else 0
