@@ -60,14 +60,17 @@ class StoreCounter:
     stored_keys: int = 0
     evicted_keys: int = 0
     refused: int = 0  # prepare_store returned None: no evictable room
-    admitted: set = field(
-        default_factory=set
-    )  # every key ever admitted (tells "evicted" from "never stored")
+    # every key ever admitted, and every key the connector ever asked to store (tells "evicted", "refused"
+    # and "never offered" apart)
+    admitted: set = field(default_factory=set)
+    offered: set = field(default_factory=set)
 
     def install(self, manager) -> None:
         prepare = manager.prepare_store
 
         def counting_prepare_store(keys, req_context):
+            keys = list(keys)
+            self.offered.update(keys)
             out = prepare(keys, req_context)
             if out is None:
                 self.refused += 1

@@ -117,12 +117,13 @@ class OffloadingReplay(Replay):
 
     def _why(self, key) -> str:
         if key in self.stores.admitted:
-            return (
-                "missing (evicted from CPU)"
-                if self.manager._policy.get(key) is None
-                else "missing (store in flight)"
-            )
-        return "missing (never stored)"
+            if self.manager._policy.get(key) is None:
+                return "missing (evicted from CPU)"
+            return "missing (store in flight)"
+        if key in self.stores.offered:
+            return "missing (store refused)"
+        # e.g. the block that held an earlier partial-tail load: vLLM 0.32 counts it as stored at the load
+        return "missing (never offered for store)"
 
 
 def partial_tail_blockers(cfg) -> list[str]:
