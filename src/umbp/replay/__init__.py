@@ -10,7 +10,9 @@ scheduler's decisions, which run unchanged here. See docs/replay.md.
 * :mod:`umbp.replay.generate`: a synthetic agentic generator, deterministic for a given --seed;
 * :mod:`umbp.replay.engine`, :mod:`umbp.replay.simworker`, :mod:`umbp.replay.oracle`,
   :mod:`umbp.replay.driver`: the replay itself (these import vLLM);
-* :mod:`umbp.replay.report`: tables, JSON and plots.
+* :mod:`umbp.replay.report`: tables, JSON and plots;
+* :mod:`umbp.replay.offloading`, :mod:`umbp.replay.peer`: vLLM's own OffloadingConnector as a peer row
+  (``--peers``; its scheduler side real, its copy step simulated with the same delay model).
 
 Only ``deployments``, ``trace``, ``generate`` and ``report`` are importable without vLLM.
 """

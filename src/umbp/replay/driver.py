@@ -36,7 +36,8 @@ ADMITTED = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS)
 STALL_STEPS = 10_000  # empty steps in a row without the clock moving: the replay is stuck
 
 
-CONNECTORS = ("umbp", "offloading")  # offloading: vLLM's OffloadingConnector as a peer (umbp.replay.offloading)
+# the connector under test; "offloading": vLLM's OffloadingConnector as a peer (umbp.replay.offloading)
+CONNECTORS = ("umbp", "offloading")
 
 
 @dataclass(frozen=True)
@@ -477,7 +478,9 @@ def replay(
         from umbp.replay.peer import OffloadingReplay as cls  # imports vLLM's offloading connector
     elif setting.connector != "umbp":
         raise ValueError(f"unknown connector {setting.connector!r}; one of {CONNECTORS}")
-    return cls(layout, setting, turns, concurrency, workdir, max_explain=max_explain, on_finish=on_finish).run()
+    return cls(
+        layout, setting, turns, concurrency, workdir, max_explain=max_explain, on_finish=on_finish
+    ).run()
 
 
 def reason_counts(records: list[RequestRecord]) -> Counter[str]:

@@ -134,7 +134,8 @@ def kv_cache_config(layout: ReplayLayout, retention: int, sized: bool = False) -
         groups.append(KVCacheGroupSpec(names, group_spec(g, layout.eagle_drop), is_eagle_group=flagged))
     size = max(g.object_bytes for g in layout.groups) * layout.num_gpu_blocks if sized else 1
     tensors = [
-        KVCacheTensor(size=size, layers=list(grp.layer_names), layer_stride=0, block_stride=0) for grp in groups
+        KVCacheTensor(size=size, layers=list(grp.layer_names), layer_stride=0, block_stride=0)
+        for grp in groups
     ]
     return KVCacheConfig(
         num_blocks=layout.num_gpu_blocks,

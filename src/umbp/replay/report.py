@@ -55,7 +55,9 @@ def summarize(result, max_examples: int = 20) -> dict[str, Any]:
         "restored_beyond_oracle_tokens": restored - of_oracle,
         "restored_fraction_of_restorable": of_oracle / restorable if restorable else 1.0,
         # requests with something restorable that got any of it; prompt tokens not computed (local + restored)
-        "request_hit_rate": sum(1 for r in wanted if r.restored_of_oracle > 0) / len(wanted) if wanted else 1.0,
+        "request_hit_rate": sum(1 for r in wanted if r.restored_of_oracle > 0) / len(wanted)
+        if wanted
+        else 1.0,
         "token_hit_rate": (local + restored) / prompt if prompt else 0.0,
         "recomputed_tokens": prompt - local - restored,
         "recomputed_tokens_saved": restored,
@@ -223,7 +225,9 @@ def plot(summaries: list[dict[str, Any]], title: str, path: Path) -> Path | None
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    labels = [s["label"].replace(", ", "\n") for s in summaries]
+    labels = [
+        s["label"].replace("vLLM OffloadingConnector", "vLLM Offl.").replace(", ", "\n") for s in summaries
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
     _bars_fraction(axes[0], summaries, labels)
     _bars_sources(axes[1], summaries, labels)
@@ -238,7 +242,7 @@ def plot(summaries: list[dict[str, Any]], title: str, path: Path) -> Path | None
 
 def _bars_fraction(ax, summaries, labels) -> None:
     vals = [100 * s["restored_fraction_of_restorable"] for s in summaries]
-    colors = ["tab:green" if s["boundary_page"] else "tab:red" for s in summaries]
+    colors = [_color(s) for s in summaries]
     ax.bar(range(len(vals)), vals, color=colors)
     ax.axhline(100 * TARGET, color="k", linestyle="--", linewidth=1, label=f"target {100 * TARGET:.0f}%")
     for i, v in enumerate(vals):
@@ -249,13 +253,20 @@ def _bars_fraction(ax, summaries, labels) -> None:
     ax.legend(fontsize=8, loc="lower right")
 
 
+def _color(s: dict[str, Any]) -> str:
+    """umbp with the page green, without it red, a peer connector purple."""
+    if s.get("connector", "umbp") != "umbp":
+        return "tab:purple"
+    return "tab:green" if s["boundary_page"] else "tab:red"
+
+
 def _bars_sources(ax, summaries, labels) -> None:
     local = [s["local_tokens"] / 1e6 for s in summaries]
     restored = [s["restored_tokens"] / 1e6 for s in summaries]
     recomputed = [s["recomputed_tokens"] / 1e6 for s in summaries]
     x = range(len(summaries))
     ax.bar(x, local, label="GPU prefix cache (local)", color="tab:blue")
-    ax.bar(x, restored, bottom=local, label="restored by umbp", color="tab:green")
+    ax.bar(x, restored, bottom=local, label="restored by the connector", color="tab:green")
     ax.bar(
         x, recomputed, bottom=[a + b for a, b in zip(local, restored)], label="recomputed", color="tab:gray"
     )
