@@ -155,6 +155,7 @@ def test_cli_peer_table_and_refusal(tmp_path, capsys, monkeypatch):
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "peers, tiny" in printed and "vLLM OffloadingConnector, retention 0" in printed
+    assert "worker copy step is SIMULATED" in printed  # the harness says what it replaced
     rows = json.loads((out / "replay.json").read_text())["layouts"]["tiny"]["settings"]
     assert [s["connector"] for s in rows] == ["umbp", "umbp", "offloading"]
     assert rows[2]["restored_tokens"] <= rows[2]["restorable_tokens"]

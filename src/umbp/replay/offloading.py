@@ -37,8 +37,6 @@ from umbp.replay.deployments import ReplayLayout, TimingConfig
 from umbp.replay.engine import Engine, kv_cache_config, make_scheduler, make_vllm_config
 from umbp.replay.simworker import Link
 
-LABEL = "vLLM OffloadingConnector (CPU, simulated copy)"
-
 
 class OffloadingReplayConnector(OffloadingConnector):
     """vLLM's OffloadingConnector with a read-only observer of its lookups (the replay records the local

@@ -302,6 +302,12 @@ def refused_summary(layout_name: str, setting, message: str) -> dict[str, Any]:
     }
 
 
+SIMULATED_COPY = (
+    "vLLM OffloadingConnector: its scheduler side is vLLM's own; its worker copy step is SIMULATED (benchmark "
+    "harness only): each job is acknowledged after the delay umbp's simulated workers get"
+)
+
+
 def peer_table(summaries: list[dict[str, Any]], header: str) -> str:
     """umbp (page on / off) beside the peer connector(s): restored vs the oracle's restorable tokens."""
     cols = (
@@ -351,6 +357,8 @@ def peer_table(summaries: list[dict[str, Any]], header: str) -> str:
         )
         if n == 0:
             lines.append("-" * len(lines[-1]))
+    if any(s.get("connector") == "offloading" for s in summaries):
+        notes.append(f"  {SIMULATED_COPY}")
     return "\n".join(lines + notes)
 
 
@@ -390,4 +398,9 @@ def peer_payload(payload: dict[str, Any]) -> dict[str, Any]:
                 row["evictions"] = s["umbp_totals"].get("evictions", 0)
             rows.append(row)
         layouts[name] = {"layout": entry["layout"], "rows": rows}
-    return {"concurrency": payload["concurrency"], "trace": payload["trace"], "layouts": layouts}
+    return {
+        "concurrency": payload["concurrency"],
+        "trace": payload["trace"],
+        "note": SIMULATED_COPY,
+        "layouts": layouts,
+    }
