@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_json(args.out, result)
-    print_table(result, rows)
+    print_table(result, rows, args.out)
     ok = all(
         row["tokens_identical"]
         and row["logprobs_identical"]
@@ -189,7 +189,7 @@ def _run_pd(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
     return 0 if ok else 1
 
 
-def print_table(result: dict, rows: list[tuple[str, dict]]) -> None:
+def print_table(result: dict, rows: list[tuple[str, dict]], out: str = "umbp-out/demo.json") -> None:
     print()
     print(
         f"{result['arch']} (tiny, random weights), prefix_match_unit={result['prefix_match_unit']}, "
@@ -210,5 +210,5 @@ def print_table(result: dict, rows: list[tuple[str, dict]]) -> None:
                 f"{label}: DRAM {c['stored_bytes']:,} bytes for {c['stored_data_bytes']:,} bytes of state and KV "
                 f"({c['stored_bytes'] / c['stored_data_bytes']:.3f} DRAM bytes per data byte; padding not stored)"
             )
-    print(f"\n(wall time {result['wall_s']} s; JSON in umbp-out/demo.json)")
+    print(f"\n(wall time {result['wall_s']} s; JSON in {out})")
     sys.stdout.flush()
