@@ -120,9 +120,11 @@ def test_round_trip_through_vllms_own_views_leaves_the_padding_alone():
         w.close()
 
 
-def test_raw_padded_page_is_narrowed_to_its_states():
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32])
+def test_raw_padded_page_is_narrowed_to_its_states(dtype):
     raw = torch.randint(-128, 127, (NB, PAGE), dtype=torch.int8)
-    pages = group_pages({"mamba": raw.view(-1)}, ["mamba"], NB, CONTENT)
+    typed = raw.view(dtype)  # a raw page handed over as int8 bytes, or typed
+    pages = group_pages({"mamba": typed.view(-1)}, ["mamba"], NB, CONTENT)
     assert pages.object_bytes == CONTENT
     (layer,) = pages.layers
     assert torch.equal(layer.tensor, raw.view(torch.uint8)[:, :CONTENT])

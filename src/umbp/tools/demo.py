@@ -110,11 +110,12 @@ def dram_footprint(llm, sched) -> dict:
             }
         )
     data = sum(g["content_bytes"] * g["stored_objects"] for g in groups)
-    used = sched.index.stats()["used_bytes"]
+    index = sched.index.stats()
+    used = index["used_bytes"]
     return {
         "groups": groups,
         "dram_used_bytes": used,
-        "reserved_objects": sched.index.stats()["reserved"],  # saves in flight: their slots count in used
+        "reserved_objects": index["reserved"],  # saves in flight: their slots count in used
         "content_bytes_stored": data,
         "dram_bytes_per_data_byte": round(used / data, 4) if data else None,
     }
