@@ -155,6 +155,8 @@ vllm:umbp_load_failures_total{engine="0",model_name="m"} 1.0
 vllm:umbp_tier_loaded_objects_total{engine="0",model_name="m",tier="ssd"} 9.0
 vllm:umbp_tier_loaded_objects_total{engine="1",model_name="m",tier="ssd"} 1.0
 vllm:umbp_group_stored_objects_total{engine="0",group="1",model_name="m"} 4.0
+vllm:umbp_stored_bytes_total{engine="0",model_name="m"} 712704.0
+vllm:umbp_stored_data_bytes_total{engine="0",model_name="m"} 708864.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
 
@@ -177,14 +179,19 @@ def test_metrics_endpoint(capsys):
     url = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
     try:
         rc, out, _ = _stats(capsys, "--metrics", url, "--json")
-        assert rc == 0 and json.loads(out)["metrics"] == {
+        report = json.loads(out)
+        assert rc == 0 and report["metrics"] == {
             "group_stored_objects{group=1}": 4.0,
             "load_failures": 1.0,
             "restored_tokens": 1600.0,
+            "stored_bytes": 712704.0,
+            "stored_data_bytes": 708864.0,
             "tier_loaded_objects{tier=ssd}": 10.0,
         }
+        assert abs(report["dram_bytes_per_data_byte"] - 712704 / 708864) < 1e-9
         rc, out, _ = _stats(capsys, "--metrics", url)
         assert rc == 0 and "restored_tokens" in out and "1,600" in out
+        assert "DRAM bytes per stored data byte    1.005" in out
     finally:
         httpd.shutdown()
     rc, _, err = _stats(capsys, "--metrics", url)

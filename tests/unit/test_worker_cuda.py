@@ -70,9 +70,10 @@ def worker():
     w.close()
 
 
-def make_worker(before_register=None):
+def make_worker(before_register=None, raw_states: bool = False):
     """A WorkerSide registered over Granite-4.0-H-350M's vLLM layout on the GPU, with its arena;
-    before_register(groups) runs before register() does."""
+    before_register(groups) runs before register() does. With raw_states the state layers are handed to
+    register() as their whole raw padded page (the worker must narrow them to the states)."""
     _stand_in_vllm()
     from umbp.identity import RankCoord
     from umbp.transfer import model_layouts as L
@@ -85,9 +86,17 @@ def make_worker(before_register=None):
     kv_caches, names = {}, []
     for g, layers in sorted(groups.items()):
         names.append([f"g{g}.l{i}" for i in range(len(layers))])
-        kv_caches.update({n: t for n, (t, _) in zip(names[-1], layers)})
+        kv_caches.update({n: t._base if raw_states and g else t for n, (t, _) in zip(names[-1], layers)})
     config = SimpleNamespace(
-        num_blocks=num_blocks, kv_cache_groups=[SimpleNamespace(layer_names=n) for n in names]
+        num_blocks=num_blocks,
+        kv_cache_groups=[
+            # vLLM's spec says how many bytes of a layer's page are content: the state views here
+            # are already narrowed to it (the rest of each raw page is padding)
+            SimpleNamespace(
+                layer_names=n, kv_cache_spec=SimpleNamespace(real_page_size_bytes=_page(groups[g]))
+            )
+            for g, n in zip(sorted(groups), names)
+        ],
     )
     layout = Layout(
         groups=(),
@@ -104,6 +113,11 @@ def make_worker(before_register=None):
     w.register(kv_caches)
     assert type(w.engine).__name__ == "KernelEngine"
     return w, groups
+
+
+def _page(layers) -> int:
+    t, d = layers[0]
+    return t.numel() // t.shape[d] * t.element_size()
 
 
 def _objects(groups, blocks) -> dict[tuple[int, int], torch.Tensor]:
@@ -311,3 +325,62 @@ def test_loads_started_together_share_one_engine_call_and_restore_exactly(worker
     for g in groups:
         for k, b in enumerate(src):
             assert torch.equal(back[g, 12 + k], want[g, b]), f"group {g} block {b}"
+
+
+def test_raw_padded_state_pages_restore_only_their_states():
+    """State layers registered as their raw padded pages: objects hold the states only, and a restore
+    writes the states of its blocks and nothing else: not their padding, not any other block."""
+    from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata
+
+    w, groups = make_worker(raw_states=True)
+    try:
+        states = [g for g in sorted(groups) if g]
+        for g in states:
+            assert w.groups[g].object_bytes == _page(groups[g]) < groups[g][0][0]._base[0].numel()
+        _cycle(w, groups, job_base=0, check_async=False)
+        gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
+        for s in _storages(groups):
+            s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8, device="cuda", generator=gen))
+        src = {g: [2 * g, 2 * g + 1] for g in states}
+        dst = {g: [12 + 2 * g, 13 + 2 * g] for g in states}
+        want = {(g, b): obj for g in states for (gg, b), obj in _objects(groups, src[g]).items() if gg == g}
+        jobs, loads, slot = [], {}, 0
+        for g in states:
+            moves = []
+            for b, d in zip(src[g], dst[g]):
+                h = bytes([g, b, 77]) * 8
+                moves.append(PageMove(b, slot * SLOT, w.groups[g].object_bytes, h))
+                loads.setdefault(g, []).append(PageMove(d, slot * SLOT, w.groups[g].object_bytes, h))
+                slot += 1
+            jobs.append(SaveJob(900 + g, g, moves))
+        w.save(UMBPConnectorMetadata(saves=jobs))
+        w.take_worker_meta()
+        w.take_worker_meta()
+        for s in _storages(groups):
+            s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8, device="cuda", generator=gen))
+        before = [s.clone() for s in _storages(groups)]
+        w.load(UMBPConnectorMetadata(loads=[LoadJob("raw", loads)]))
+        finished, failed = set(), set()
+        deadline = time.monotonic() + 30
+        while "raw" not in finished:
+            assert time.monotonic() < deadline
+            more, failed = w.take_transfer_results()
+            finished |= more
+        assert not failed
+        for g in states:  # the states came back
+            got = _objects(groups, dst[g])
+            for b, d in zip(src[g], dst[g]):
+                assert torch.equal(got[g, d], want[g, b]), f"group {g} block {d}"
+        # and nothing else changed: put the restored states into the snapshot, compare every byte
+        for g in states:
+            for t, _ in groups[g]:
+                raw = t._base
+                snap = next(b for s, b in zip(_storages(groups), before) if s.data_ptr() == raw.data_ptr())
+                snap_raw = snap.view(raw.shape)
+                n = t.shape[1]
+                for d in dst[g]:
+                    snap_raw[d, :n] = raw.view(torch.uint8)[d, :n]
+        for s, b in zip(_storages(groups), before):
+            assert torch.equal(s, b), "a restore wrote bytes outside its blocks' states"
+    finally:
+        w.close()

@@ -107,7 +107,9 @@ class Options:
     arch: str = "granite"
     model_dir: str = ""
     secret: bool = True  # the shared tier authenticated with a tenant secret (see the module docstring)
-    dram_gb: float = 0.003  # ~16 objects of ~200 KB: DRAM evicts (and demotes) all along
+    # ~1 MiB: room for 4 of Granite's 384-token blocks (a 192 KiB attention page and three 20 KiB states
+    # each): DRAM evicts (and demotes) all along
+    dram_gb: float = 0.001
     progress: bool = True
 
 

@@ -68,7 +68,9 @@ def run_setting(arch: str, model_dir: Path, prompt: list[int], args, boundary_pa
         turn1 = H.run_prompt(llm, prompt, max_tokens=args.max_tokens)
         H.drop_gpu_prefix_cache(llm)
         turn2 = H.run_prompt(llm, prompt, max_tokens=args.max_tokens)
-        umbp_totals = dict(umbp_scheduler(llm).totals) if umbp_scheduler(llm) is not None else {}
+        sched = umbp_scheduler(llm)
+        umbp_totals = dict(sched.totals) if sched is not None else {}
+        dram = dram_footprint(llm, sched)
         turn3 = H.run_prompt(llm, prompt, max_tokens=args.max_tokens)
     finally:
         H.shutdown_llm(llm)
@@ -77,11 +79,45 @@ def run_setting(arch: str, model_dir: Path, prompt: list[int], args, boundary_pa
         "boundary_page": boundary_page,
         "gpu_prefix_hit": turn3.num_cached_tokens,
         "umbp_counters_after_turn2": umbp_totals,
+        "dram": dram,
         "restored_from_umbp": turn2.num_cached_tokens,
         "tokens_identical": turn2.token_ids == turn3.token_ids == turn1.token_ids,
         "max_abs_logprob_diff": max_dlp,
         "logprobs_identical": max_dlp <= 1e-5,
         "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def dram_footprint(llm, sched) -> dict:
+    """What the DRAM tier holds after turn 2, beside what vLLM's own specs say a block of each group
+    takes (``page_size_bytes``: the padded page vLLM allocates; ``real_page_size_bytes``: its content),
+    so the padding factor can be checked without trusting umbp's sizing: ``dram_used_bytes`` (arena pages
+    taken) over the content of the objects stored."""
+    if sched is None:
+        return {}
+    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    groups = []
+    for g, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        layers = len(group.layer_names)
+        groups.append(
+            {
+                "kind": type(spec).__name__,
+                "layers": layers,
+                "vllm_page_bytes": spec.page_size_bytes * layers,
+                "content_bytes": getattr(spec, "real_page_size_bytes", spec.page_size_bytes) * layers,
+                "stored_objects": sched.totals.get(f"stored_objects_g{g}", 0),
+            }
+        )
+    data = sum(g["content_bytes"] * g["stored_objects"] for g in groups)
+    index = sched.index.stats()
+    used = index["used_bytes"]
+    return {
+        "groups": groups,
+        "dram_used_bytes": used,
+        "reserved_objects": index["reserved"],  # saves in flight: their slots count in used
+        "content_bytes_stored": data,
+        "dram_bytes_per_data_byte": round(used / data, 4) if data else None,
     }
 
 
@@ -122,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_json(args.out, result)
-    print_table(result, rows)
+    print_table(result, rows, args.out)
     ok = all(
         row["tokens_identical"]
         and row["logprobs_identical"]
@@ -154,7 +190,7 @@ def _run_pd(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
     return 0 if ok else 1
 
 
-def print_table(result: dict, rows: list[tuple[str, dict]]) -> None:
+def print_table(result: dict, rows: list[tuple[str, dict]], out: str = "umbp-out/demo.json") -> None:
     print()
     print(
         f"{result['arch']} (tiny, random weights), prefix_match_unit={result['prefix_match_unit']}, "
@@ -168,5 +204,12 @@ def print_table(result: dict, rows: list[tuple[str, dict]]) -> None:
         verdict = "outputs identical" if same else "OUTPUTS DIFFER"
         verdict += f" (max |dlogprob| {row['max_abs_logprob_diff']:.1e})"
         print(f"{label:24} {row['gpu_prefix_hit']:>14} {row['restored_from_umbp']:>19}  {verdict}")
-    print(f"\n(wall time {result['wall_s']} s; JSON in umbp-out/demo.json)")
+    for label, row in rows:
+        c = row["umbp_counters_after_turn2"]
+        if c.get("stored_data_bytes"):
+            print(
+                f"{label}: DRAM {c['stored_bytes']:,} bytes for {c['stored_data_bytes']:,} bytes of state and KV "
+                f"({c['stored_bytes'] / c['stored_data_bytes']:.3f} DRAM bytes per data byte; padding not stored)"
+            )
+    print(f"\n(wall time {result['wall_s']} s; JSON in {out})")
     sys.stdout.flush()

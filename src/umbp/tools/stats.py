@@ -244,6 +244,14 @@ def metrics_report(url: str) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def padding_factor(metrics: dict[str, float]) -> float | None:
+    """DRAM bytes per stored data byte: the arena pages the stored objects take over the state and KV
+    bytes they hold. umbp stores pages without vLLM's padding, so above 1 it is only each object's rounding
+    to 4 KiB; None before anything is stored (or from a umbp that does not export stored_data_bytes)."""
+    dram, data = metrics.get("stored_bytes", 0.0), metrics.get("stored_data_bytes", 0.0)
+    return dram / data if dram > 0 and data > 0 else None
+
+
 class StatsError(Exception):
     pass
 
@@ -371,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
         out: dict[str, Any] = {"tiers": [_jsonable(t) for t in tiers], "unreachable": unreachable}
         if metrics is not None:
             out["metrics"] = metrics
+            out["dram_bytes_per_data_byte"] = padding_factor(metrics)
         print(json.dumps(out, indent=1))
         return code
     for t in tiers:
@@ -381,6 +390,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name:<28} {value:>16,.0f}")
         if not metrics:
             print("  none: is the connector UMBPConnector?")
+        factor = padding_factor(metrics)
+        if factor is not None:
+            print(f"  DRAM bytes per stored data byte {factor:>8.3f}  (stored_bytes / stored_data_bytes)")
     for name in unreachable:
         print(f"{name}: UNREACHABLE (see the error above)")
     return code

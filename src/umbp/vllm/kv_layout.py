@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import (
 from umbp.hybrid import FullAttention, RecurrentState, SlidingWindow, check_context_parallel, resolve_groups
 from umbp.identity import GroupLayout, ModelIdentity, ParallelSizes, RankCoord, all_ranks
 from umbp.vllm.compat import eagle_block_drop, group_tag
+from umbp.vllm.config import ARENA_PAGE
 
 
 class UnsupportedLayout(ValueError):
@@ -33,7 +34,7 @@ class Layout:
     identity: ModelIdentity
     namespace: str
     ranks: tuple[RankCoord, ...]
-    object_bytes: tuple[int, ...]  # per group: bytes one rank's object of that group may take
+    object_bytes: tuple[int, ...]  # per group: bytes one rank's object of that group may take (no padding)
     dcp: int = 1  # decode context parallel size: a sharded attention block spans block_size * dcp tokens
 
     @property
@@ -41,6 +42,23 @@ class Layout:
         """The groups with ``block_size`` = tokens per block of vLLM's scheduler-side block table (DCP
         scales sharded attention groups): every block index the scheduler side computes uses these."""
         return resolve_groups(self.groups, self.dcp)
+
+
+def stored_page_bytes(spec) -> int:
+    """The bytes of one layer's page that umbp stores: the page's content, never vLLM's padding.
+
+    vLLM's hybrid allocator pads every state page to the attention page size so that all groups share one
+    block pool (it logs "Padding mamba page size by N%"); ``page_size_bytes`` is that padded size,
+    ``real_page_size_bytes`` the content (for a Mamba page: its conv and SSM states, packed from the
+    page's start). Storing the padding would fill the DRAM tier with bytes no restore needs."""
+    real = getattr(spec, "real_page_size_bytes", None)
+    return int(real) if real else int(spec.page_size_bytes)
+
+
+def slot_span(nbytes: int) -> int:
+    """The DRAM bytes an object of nbytes takes: the scheduler reserves whole arena pages, pad included.
+    Slots reserved together touch end to start, and the transfer engine copies such a run in one piece."""
+    return -(-nbytes // ARENA_PAGE) * ARENA_PAGE
 
 
 def umbp_group(spec) -> object:
@@ -193,7 +211,9 @@ def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> L
             kind=type(groups[i]).__name__,
             block_size=g.kv_cache_spec.block_size,
             layer_names=tuple(g.layer_names),
-            page_shapes=((g.kv_cache_spec.page_size_bytes,),),
+            # the stored (unpadded) size: a padded group's namespace differs from earlier versions', which
+            # sized its objects by the padded page; their objects are a clean miss, never a size mismatch
+            page_shapes=((stored_page_bytes(g.kv_cache_spec),),),
             dtypes=(str(getattr(g.kv_cache_spec, "dtype", getattr(g.kv_cache_spec, "dtypes", ""))),),
             extra=((("dcp_interleave", str(interleave)),) if interleave and groups[i].dcp_sharded else ())
             + _layout_extra(type(groups[i]).__name__, kv_layout, conv_layout),
@@ -214,7 +234,7 @@ def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> L
         prefix_hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tenant=tenant,
     )
-    object_bytes = tuple(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_groups)
+    object_bytes = tuple(stored_page_bytes(g.kv_cache_spec) * len(g.layer_names) for g in kv_groups)
     return Layout(
         groups=groups,
         unit=int(unit),

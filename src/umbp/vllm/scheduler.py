@@ -29,7 +29,7 @@ from umbp.identity import object_key
 from umbp.pool import DramIndex
 from umbp.vllm.config import ARENA_PAGE, ConfigError, UMBPConfig
 from umbp.vllm.handoff import Consumer, Producer
-from umbp.vllm.kv_layout import Layout
+from umbp.vllm.kv_layout import Layout, slot_span
 from umbp.vllm.metadata import LoadJob, PageMove, SaveJob, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.stats import UMBPStats
 from umbp.vllm.tail_hashes import tail_prefix_hash
@@ -637,7 +637,8 @@ class SchedulerSide:
         nbytes = sum(m.nbytes for m in save.job.moves) * len(self.rank_tags)
         self.count("stored_objects", len(save.keys))
         self.count(f"stored_objects_g{group}", len(save.keys))
-        self.count("stored_bytes", nbytes)
+        self.count("stored_bytes", sum(slot_span(m.nbytes) for m in save.job.moves) * len(self.rank_tags))
+        self.count("stored_data_bytes", nbytes)
 
     # ---------------------------------------------------------------- finish
     def on_partial_tail(self, request, block_ids, offloads) -> None:
