@@ -390,7 +390,15 @@ def test_direct_writes_refused_mid_run_fall_back_to_buffered(tmp_path, monkeypat
 
     monkeypatch.setattr(ssd_io, "pwritev", pwritev)
     blobs = {f"k{i}": _blob(60 * KiB, i) for i in range(20)}
-    with _tier(tmp_path / "d", direct_io="auto", max_io_bytes=64 * KiB, segment_bytes=256 * KiB) as tier:
+    # A health check settles the writes in flight; one due while the first write waits at the barrier
+    # (a put slower than the default test interval on a loaded host) would keep the second from starting.
+    with _tier(
+        tmp_path / "d",
+        direct_io="auto",
+        max_io_bytes=64 * KiB,
+        segment_bytes=256 * KiB,
+        health_interval_s=600,
+    ) as tier:
         holder["tier"] = tier
         # Two writes are in flight only if the writer finds a second group queued behind its first; a put
         # slower than the writer (the numpy checksum path, a loaded host) would hand it one record at a
