@@ -9,7 +9,7 @@ fed the same "which objects exist" answers; ``tests/vllm/test_hybrid_differentia
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from umbp.hybrid.groups import (
@@ -126,7 +126,7 @@ class _Request:
 def _prepare(
     groups: Sequence[CacheGroup],
     unit: int,
-    present: Sequence[Collection[int]],
+    present: Sequence[Container[int]],
     max_tokens: int,
     eagle: bool,
     eagle_groups: Iterable[int] | None,
@@ -153,7 +153,7 @@ def _prepare(
     if hashed_tokens % unit or hashed_tokens < max_tokens // unit * unit:
         raise ValueError(f"hashed_tokens {hashed_tokens} must be a multiple of {unit} covering max_tokens")
     for g, ends in enumerate(present):
-        if any(e <= 0 or e % unit for e in ends):
+        if isinstance(ends, Collection) and any(e <= 0 or e % unit for e in ends):
             raise ValueError(f"present[{g}] holds token ends that are not positive multiples of {unit}")
     eagle_ids = resolve_eagle_ids(len(groups), eagle, eagle_groups)
     space = Space(unit, alignment, hashed_tokens)
@@ -161,7 +161,7 @@ def _prepare(
 
 
 def _merge(
-    groups: tuple[CacheGroup, ...], present: Sequence[Collection[int]], eagle_ids: frozenset[int]
+    groups: tuple[CacheGroup, ...], present: Sequence[Container[int]], eagle_ids: frozenset[int]
 ) -> tuple[_Lookup, ...]:
     members: dict[CacheGroup, list[int]] = {}
     for g, spec in enumerate(groups):
@@ -174,8 +174,9 @@ def _merge(
     return tuple(sorted(lookups, key=lambda lk: not lk.spec.downward_closed))
 
 
-def _joint(sets: list[Collection[int]]) -> Has:
-    sets = [s if isinstance(s, set | frozenset) else frozenset(s) for s in sets]
+def _joint(sets: list[Container[int]]) -> Has:
+    # a Container that is no Collection is a lazy probe (see longest_hit): asked, never enumerated
+    sets = [s if isinstance(s, set | frozenset) or not isinstance(s, Collection) else frozenset(s) for s in sets]
     if len(sets) == 1:
         return sets[0].__contains__
     return lambda t: all(t in s for s in sets)
@@ -228,7 +229,7 @@ def _trim(hit: GroupHit, tokens: int, block_size: int) -> GroupHit:
 def longest_hit(
     groups: Sequence[CacheGroup],
     unit: int,
-    present: Sequence[Collection[int]],
+    present: Sequence[Container[int]],
     max_tokens: int,
     eagle: bool = False,
     eagle_groups: Iterable[int] | None = None,
@@ -239,7 +240,10 @@ def longest_hit(
     """The longest point every group can resume at, and per group the objects to load.
 
     ``groups``: block sizes per rank, as in vLLM's specs. ``present[g]``: ends ``t`` (multiples of
-    ``unit``) of group ``g``'s existing objects for ``[0, t)``. ``max_tokens``: the most that may be
+    ``unit``) of group ``g``'s existing objects for ``[0, t)``: a collection, or a lazy container that
+    answers ``t in present[g]`` for the boundaries the groups' rules actually probe (a few hundred for a
+    stored 8,192-unit prompt, one for a cold one) instead of listing all of them; it is never
+    enumerated, so its ends are not validated. ``max_tokens``: the most that may be
     restored (vLLM: prompt length - 1). ``hashed_tokens``: where the request's keys end (vLLM:
     ``len(block_hashes) * unit``); default ``(max_tokens + 1)`` rounded down to ``unit``. ``eagle``:
     EAGLE's drop on every group unless ``eagle_groups`` names the flagged ones. ``dcp_world_size``: a

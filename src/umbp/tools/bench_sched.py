@@ -16,13 +16,14 @@ import argparse
 import dataclasses
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from umbp.tools.benchutil import write_json
 
@@ -89,7 +90,7 @@ class _HookClock:
 class _Side:
     """One scheduler with its requests, stepped with fake model outputs (one token per finished prefill)."""
 
-    def __init__(self, layout: Any, with_umbp: bool, workdir: Path, requests: int, prompt: int) -> None:
+    def __init__(self, layout: Any, with_umbp: bool, workdir: Path, prompts: list[list[int]]) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -100,11 +101,8 @@ class _Side:
         self.sched, self.now, self.eng, self.prompts = eng.sched, 0.0, eng, []
         self.clock = _HookClock(eng.connector) if with_umbp else None
         self.workers = SimWorkers(layout.timing, frozenset(eng.umbp.rank_tags)) if with_umbp else None
-        rng = random.Random(1)  # both sides get the same prompts
-        for i in range(requests):
-            tokens = [rng.randrange(1, 100_000) for _ in range(prompt)]
-            if i < RELOOKUPS:
-                self.prompts.append(tokens)
+        self.prompts = prompts[:RELOOKUPS]
+        for i, tokens in enumerate(prompts):
             self.sched.add_request(
                 Request(
                     request_id=f"r{i}",
@@ -169,13 +167,44 @@ def relookup(side: _Side) -> dict[str, Any]:
     }
 
 
+def make_prompts(requests: int, prompt: int) -> list[list[int]]:
+    """Random prompts, one list per request, shared by both sides (each Request copies only the list's
+    references): 256 x 131,072 tokens are 33.5 M ints, so one copy instead of two, drawn by numpy
+    instead of random.randrange (which alone took minutes at that size)."""
+    rng = np.random.default_rng(1)
+    return [rng.integers(1, 100_000, size=prompt).tolist() for _ in range(requests)]
+
+
+def sized_layout(layout: Any, requests: int, prompt: int, steps: int) -> Any:
+    """The layout with room for every request to run at once: vLLM's block pool is shared by all cache
+    groups (each group takes its own blocks from it), and max_model_len must leave room for the decode
+    steps (a prompt as long as max_model_len could never produce a token: the run would stall)."""
+    tokens = prompt + steps + 64
+    per_request = sum(-(-tokens // layout.span(g)) + 1 for g in layout.groups)
+    return dataclasses.replace(
+        layout,
+        max_num_seqs=max(requests, layout.max_num_seqs),
+        num_gpu_blocks=max(requests * per_request + 16, layout.num_gpu_blocks),
+        max_model_len=max(layout.max_model_len, tokens),
+    )
+
+
 def measure(layout: Any, requests: int, prompt: int, steps: int, workdir: Path) -> dict[str, Any]:
-    plain = _Side(layout, False, workdir, requests, prompt)
-    umbp = _Side(layout, True, workdir, requests, prompt)
+    prompts = make_prompts(requests, prompt)
+    plain = _Side(layout, False, workdir, prompts)
+    umbp = _Side(layout, True, workdir, prompts)
+    del prompts
     phases: dict[str, list[tuple[float, float, float]]] = {"prefill": [], "decode": []}
+    # bounded: every step schedules some prefill tokens, so the phase ends within this many steps
+    limit = 2 * -(-requests * prompt // layout.max_num_batched_tokens) + 64
     while plain.prefilling() or umbp.prefilling():
         p, u = plain.step(), umbp.step()
         phases["prefill"].append((p[0], u[0], u[1]))
+        if len(phases["prefill"]) > limit:
+            raise RuntimeError(
+                f"umbp bench sched: the prefill phase did not end in {limit} steps "
+                f"(scheduled {p[2]} / {u[2]} requests in the last one)"
+            )
     for _ in range(5):  # every request decoding on both sides
         plain.step(), umbp.step()
     for _ in range(steps):
@@ -239,13 +268,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="umbp-bench-sched-") as tmp:
         for n in counts:
-            blocks = n * (-(-(prompt + steps + 64) // layout.span(layout.groups[0])) + 1) + 16
-            sized = dataclasses.replace(
-                layout,
-                max_num_seqs=max(n, layout.max_num_seqs),
-                num_gpu_blocks=max(blocks, layout.num_gpu_blocks),
-            )
-            rows.append(measure(sized, n, prompt, steps, Path(tmp)))
+            rows.append(measure(sized_layout(layout, n, prompt, steps), n, prompt, steps, Path(tmp)))
     decode_share = max(r["decode"]["hooks_share"] for r in rows)
     share = LONG_SHARE if args.long else TARGET_SHARE
     lookup_ms = max(r["lookup_stored"]["median_ms"] for r in rows)  # the max is shown: one preempted call
