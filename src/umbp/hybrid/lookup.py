@@ -176,7 +176,9 @@ def _merge(
 
 def _joint(sets: list[Container[int]]) -> Has:
     # a Container that is no Collection is a lazy probe (see longest_hit): asked, never enumerated
-    sets = [s if isinstance(s, set | frozenset) or not isinstance(s, Collection) else frozenset(s) for s in sets]
+    sets = [
+        s if isinstance(s, set | frozenset) or not isinstance(s, Collection) else frozenset(s) for s in sets
+    ]
     if len(sets) == 1:
         return sets[0].__contains__
     return lambda t: all(t in s for s in sets)

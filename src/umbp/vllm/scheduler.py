@@ -321,4 +321,3 @@ class SchedulerSide(LookupMixin, SaveMixin):
         self.index.clear()
         self.ssd_keys.clear()
         return True
-
