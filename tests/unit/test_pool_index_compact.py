@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from umbp.pool import native
 from umbp.pool.dram.dict_index import DictIndex
 from umbp.pool.dram.index import DramIndex
+from umbp.pool.errors import OptionValueError
 
 ALIGN = 512
 KEYS = [f"key/{i}" for i in range(5)] + ["ключ-é"]  # a non-ASCII key goes through UTF-8 too
@@ -96,11 +97,12 @@ def _apply(index, op, keys, nbytes, checksum):
     pages=st.integers(2, 6),
     budget=st.none() | st.integers(1, 6),
     marks=st.sampled_from([(1.0, 1.0), (0.9, 0.6)]),
+    expected=st.none() | st.integers(0, 5000),
 )
-def test_same_answers_as_the_reference(use_native, ops, pages, budget, marks):
+def test_same_answers_as_the_reference(use_native, ops, pages, budget, marks, expected):
     _native_or_skip(use_native)
     ref = DictIndex(pages * ALIGN, *marks, alignment=ALIGN)
-    new = DramIndex(pages * ALIGN, *marks, alignment=ALIGN, use_native=use_native)
+    new = DramIndex(pages * ALIGN, *marks, alignment=ALIGN, use_native=use_native, expected_objects=expected)
     seen_ref, seen_new = [], []
     ref.on_evict, new.on_evict = seen_ref.extend, seen_new.extend
     ref.max_evict_pages = new.max_evict_pages = budget
@@ -156,6 +158,29 @@ def test_no_python_object_per_stored_object():
     gc.collect()
     assert len(gc.get_objects()) - before < 100
     assert index.stats()["index_table_bytes"] < 128 * 2 * n  # rows grow by doubling
+
+
+ROW_BYTES = 2 * 8 + 2 * 8 + 8 + 4 * 4 + 1  # digest, start, nbytes, checksum, 4 uint32 fields, state
+
+
+def test_presized_table_never_grows():
+    """expected_objects sizes the key table at once: filling that many objects never re-inserts the keys
+    (the pause a growth causes: ~1 s at 16 M objects). Rows cost only as they are used."""
+    _native_or_skip(True)
+    n = 20_000
+    index = DramIndex(
+        n * ALIGN, 1.0, 1.0, alignment=ALIGN, keep_keys=False, use_native=True, expected_objects=n
+    )
+    key_table = index.stats()["index_table_bytes"]
+    assert key_table >= 2 * n * 4  # load <= 1/2 from the start, and no row touched yet
+    for i in range(n):
+        index.reserve(f"k{i}", ALIGN)
+        index.commit(f"k{i}")
+    assert index.stats()["index_table_bytes"] - n * ROW_BYTES == key_table
+    index.reserve("one more", ALIGN)  # past the expected count: it still fits, by evicting
+    assert len(index) == n - 1 and index.lookup([f"k{n - 1}"]) == [True]
+    with pytest.raises(OptionValueError):
+        DramIndex(n * ALIGN, alignment=ALIGN, expected_objects=-1)
 
 
 def test_max_evict_objects_bounds_one_watermark_eviction():

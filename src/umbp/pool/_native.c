@@ -890,6 +890,7 @@ typedef struct {
     PyObject *slot_type; /* umbp.pool.index.Slot (a tuple subclass) */
     int keep_keys;
     uint32_t cap, used, free_head;       /* rows allocated, rows in use, free-row list (via next_) */
+    uint32_t fresh;                     /* rows >= fresh were never used: untouched memory, not on the list */
     uint64_t *dig;                      /* 2 per row */
     int64_t *start, *nbytes;
     uint64_t *cksum;
@@ -970,8 +971,13 @@ static int it_rehash(IndexTable *t, uint64_t size) {
         t->field = p;                                                                                   \
     } while (0)
 
-static int it_grow_rows(IndexTable *t) {
+/* Make room for at least `want` rows (0: the next doubling). The new rows are not initialised or listed:
+ * rows are taken from `fresh` upwards once the free list is empty, so a large presize costs address
+ * space only, until the rows are used (realloc of a large block moves pages, it does not copy them). */
+static int it_grow_rows(IndexTable *t, uint64_t want) {
     uint64_t ncap = t->cap ? (uint64_t)t->cap * 2 : 1024;
+    if (want > ncap)
+        ncap = want;
     if (ncap > IT_NIL)
         ncap = IT_NIL;
     if (ncap <= t->cap) {
@@ -995,11 +1001,6 @@ static int it_grow_rows(IndexTable *t) {
     if (t->keep_keys) {
         IT_GROW(keys, PyObject *);
         memset(t->keys + t->cap, 0, (size_t)(ncap - t->cap) * sizeof(PyObject *));
-    }
-    for (uint64_t h = ncap; h-- > t->cap;) { /* new rows onto the free list, lowest first */
-        t->state[h] = IT_FREE;
-        t->next_[h] = t->free_head;
-        t->free_head = (uint32_t)h;
     }
     t->cap = (uint32_t)ncap;
     return 0;
@@ -1105,14 +1106,14 @@ static int IndexTable_init(IndexTable *t, PyObject *args, PyObject *kw) {
     t->keep_keys = keep_keys;
     t->free_head = IT_NIL;
     t->lru_head = t->lru_tail = IT_NIL;
-    if (it_grow_rows(t) < 0 || it_rehash(t, 4096) < 0)
+    if (it_grow_rows(t, 0) < 0 || it_rehash(t, 4096) < 0)
         return -1;
     return 0;
 }
 
 static void IndexTable_dealloc(IndexTable *t) {
     if (t->keys != NULL) {
-        for (uint32_t h = 0; h < t->cap; h++)
+        for (uint32_t h = 0; h < t->fresh; h++)
             Py_XDECREF(t->keys[h]);
     }
     PyMem_RawFree(t->keys);
@@ -1157,7 +1158,7 @@ static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
         PyErr_SetString(PyExc_KeyError, "umbp: IndexTable.add of a key already present");
         return NULL;
     }
-    if (t->free_head == IT_NIL && it_grow_rows(t) < 0)
+    if (t->free_head == IT_NIL && t->fresh == t->cap && it_grow_rows(t, 0) < 0)
         return NULL;
     if ((uint64_t)(t->used + 1) * 2 > t->tmask + 1) { /* keep the load <= 1/2: short probes */
         if (it_rehash(t, (t->tmask + 1) * 2) < 0)
@@ -1165,7 +1166,10 @@ static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
         cell = it_probe(t, d);
     }
     uint32_t h = t->free_head;
-    t->free_head = t->next_[h];
+    if (h != IT_NIL)
+        t->free_head = t->next_[h];
+    else
+        h = t->fresh++;
     t->dig[2 * h] = d[0];
     t->dig[2 * h + 1] = d[1];
     t->start[h] = start;
@@ -1413,7 +1417,7 @@ static PyObject *IndexTable_clear(IndexTable *t, PyObject *unused) {
     Py_ssize_t removed = 0;
     if (freed == NULL)
         return NULL;
-    for (uint32_t h = 0; h < t->cap; h++) {
+    for (uint32_t h = 0; h < t->fresh; h++) {
         if (IT_STATE(t, h) == IT_FREE)
             continue;
         int r = it_remove_row(t, h, freed);
@@ -1446,7 +1450,7 @@ static PyObject *IndexTable_evict(IndexTable *t, PyObject *unused) {
 static PyObject *IndexTable_rows(IndexTable *t, PyObject *unused) {
     static const char *names[] = {"free", "reserved", "committed", "reserved", "doomed"};
     PyObject *out = PyList_New(0);
-    for (uint32_t h = 0; out != NULL && h < t->cap; h++) {
+    for (uint32_t h = 0; out != NULL && h < t->fresh; h++) {
         int st = IT_STATE(t, h);
         if (st == IT_FREE)
             continue;
@@ -1459,11 +1463,32 @@ static PyObject *IndexTable_rows(IndexTable *t, PyObject *unused) {
     return out;
 }
 
-/* counters() -> (live, reserved, pinned, deferred, lru_pages, live_bytes, table bytes) */
+/* presize(rows): room for `rows` objects without growing: the rows (address space, see it_grow_rows) and
+ * a key table of at least 2 * rows cells (load <= 1/2). Growing is what pauses: doubling the key table
+ * re-inserts every key (~1 s at 16 M), so an owner that knows its most objects (capacity / smallest object)
+ * sizes the table once, before serving. */
+static PyObject *IndexTable_presize(IndexTable *t, PyObject *arg) {
+    unsigned long long rows = PyLong_AsUnsignedLongLong(arg);
+    if (rows == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (rows > IT_NIL)
+        rows = IT_NIL;
+    if (rows > t->cap && it_grow_rows(t, rows) < 0)
+        return NULL;
+    uint64_t size = t->tmask + 1;
+    while (size < 2 * (uint64_t)rows)
+        size *= 2;
+    if (size > t->tmask + 1 && it_rehash(t, size) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* counters() -> (live, reserved, pinned, deferred, lru_pages, live_bytes, table bytes: the key table and the
+ * rows ever used, i.e. the memory the table has touched; presized rows never used cost address space only) */
 static PyObject *IndexTable_counters(IndexTable *t, PyObject *unused) {
     size_t per_row = 2 * sizeof(uint64_t) + 2 * sizeof(int64_t) + sizeof(uint64_t) + 4 * sizeof(uint32_t) + 1 +
                      (t->keep_keys ? sizeof(PyObject *) : 0);
-    size_t mem = (size_t)t->cap * per_row + (size_t)(t->tmask + 1) * sizeof(uint32_t);
+    size_t mem = (size_t)t->fresh * per_row + (size_t)(t->tmask + 1) * sizeof(uint32_t); /* rows in use once */
     return Py_BuildValue("(nnnnLLn)", t->live, t->reserved, t->pinned, t->deferred, (long long)t->lru_pages,
                          (long long)t->live_bytes, (Py_ssize_t)mem);
 }
@@ -1485,6 +1510,7 @@ static PyMethodDef IndexTable_methods[] = {
     {"evict", (PyCFunction)IndexTable_evict, METH_NOARGS, NULL},
     {"rows", (PyCFunction)IndexTable_rows, METH_NOARGS, NULL},
     {"counters", (PyCFunction)IndexTable_counters, METH_NOARGS, NULL},
+    {"presize", (PyCFunction)IndexTable_presize, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -88,7 +88,10 @@ def _make(kind: str, n: int) -> Any:
         return index
     from umbp.pool.dram.index import DramIndex
 
-    return DramIndex(cap, alignment=ALIGN, keep_keys=False, max_evict_objects=EVICT_CAP)
+    # sized as the vLLM scheduler sizes it (capacity / smallest object), so the table never grows
+    return DramIndex(
+        cap, alignment=ALIGN, keep_keys=False, max_evict_objects=EVICT_CAP, expected_objects=cap // ALIGN
+    )
 
 
 def _fill(index: Any, n: int, clock: _GcClock) -> dict[str, Any]:

@@ -178,8 +178,11 @@ def make_prompts(requests: int, prompt: int) -> list[list[int]]:
 def sized_layout(layout: Any, requests: int, prompt: int, steps: int) -> Any:
     """The layout with room for every request to run at once: vLLM's block pool is shared by all cache
     groups (each group takes its own blocks from it), and max_model_len must leave room for the decode
-    steps (a prompt as long as max_model_len could never produce a token: the run would stall)."""
-    tokens = prompt + steps + 64
+    steps (a prompt as long as max_model_len could never produce a token: the run would stall). A request
+    decodes from the step its prefill ends, while the others still prefill: up to one token per prefill
+    step of the run, which must not reach max_model_len either (it would end the request)."""
+    prefill_steps = -(-requests * prompt // layout.max_num_batched_tokens)
+    tokens = prompt + prefill_steps + steps + 64
     per_request = sum(-(-tokens // layout.span(g)) + 1 for g in layout.groups)
     return dataclasses.replace(
         layout,

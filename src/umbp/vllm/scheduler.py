@@ -63,8 +63,9 @@ class SchedulerSide(LookupMixin, SaveMixin):
             low_watermark=cfg.low_watermark,
             alignment=ARENA_PAGE,
             keep_keys=False,  # evictions are only counted here
-            max_evict_objects=1024,
-        )  # a ~3 ms eviction per step at most, not 10% of 30 M
+            max_evict_objects=1024,  # a ~3 ms eviction per step at most, not 10% of 30 M
+            expected_objects=most_objects(cfg.dram_bytes, layout.object_bytes),
+        )
         self.rank_tags = {r.tag() for r in layout.ranks}
         self.requests: dict[str, TrackedRequest] = {}
         self.loads: dict[str, PendingLoad] = {}
@@ -321,3 +322,10 @@ class SchedulerSide(LookupMixin, SaveMixin):
         self.index.clear()
         self.ssd_keys.clear()
         return True
+
+
+def most_objects(dram_bytes: int, object_bytes: Sequence[int]) -> int:
+    """How many objects the DRAM tier can hold at most (all of the smallest kind): the index is sized for
+    them at start, so it never grows in the step loop."""
+    smallest = max(1, -(-min(object_bytes, default=ARENA_PAGE) // ARENA_PAGE))  # arena pages
+    return dram_bytes // ARENA_PAGE // smallest

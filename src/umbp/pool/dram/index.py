@@ -129,6 +129,7 @@ class DramIndex:
         keep_keys: bool = True,
         use_native: bool | None = None,
         max_evict_objects: int | None = None,
+        expected_objects: int | None = None,
     ) -> None:
         check_capacity(capacity_bytes, alignment)
         check_watermarks(high_watermark, low_watermark)
@@ -142,6 +143,15 @@ class DramIndex:
         self._alloc = PageAllocator(self.npages)
         self._table = make_table(alignment, keep_keys, use_native)
         self.native = not isinstance(self._table, PyIndexTable)
+        # the most objects the owner expects (e.g. capacity / its smallest object): the table is sized for
+        # them now, so it never grows while serving (a growth re-inserts every key: ~1 s at 16 M objects,
+        # in the scheduler's step loop); more objects still fit, growing as usual
+        if expected_objects is not None:
+            if type(expected_objects) is not int or expected_objects < 0:  # noqa: E721 - bool is no count
+                raise OptionValueError(
+                    f"umbp: expected_objects must be an int >= 0, got {expected_objects!r}"
+                )
+            self._table.presize(min(expected_objects, self.npages))
         # called as on_evict([(key, slot), ...]) with LRU victims while their bytes are intact (tier
         # demotion): once per victim, or once per batched_evictions() block
         self.on_evict: Callable[[list[tuple[Any, Slot]]], None] | None = None

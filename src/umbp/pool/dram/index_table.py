@@ -210,6 +210,10 @@ class PyIndexTable:
     def rows(self) -> list[tuple[Any, int, int, str]]:
         return [(self._key_out(k), r.start, r.npages, _ROW_NAMES[r.state]) for k, r in self._rows.items()]
 
+    def presize(self, rows: int) -> None:
+        """Nothing to do: a dict cannot be presized (it still pauses to resize at millions of keys; the
+        C table is the one meant for that scale)."""
+
     def counters(self) -> tuple[int, int, int, int, int, int, int]:
         return (self.live, self.reserved, self.pinned, self.deferred, self.lru_pages, self.live_bytes, 0)
 
