@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _GcClock:
+    """Garbage collections during the run (gc.callbacks): a hook's longest call can be a collection the
+    interpreter happened to start inside it. With 256 x 131,072 prompt tokens the process holds 33.5 M
+    token ints in vLLM's requests, and a full collection walks all of them."""
+
+    def __init__(self) -> None:
+        self.t0, self.worst_s, self.full = 0.0, 0.0, 0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+            return
+        self.worst_s = max(self.worst_s, time.perf_counter() - self.t0)
+        self.full += info.get("generation") == 2
+
+    def close(self) -> dict[str, Any]:
+        gc.callbacks.remove(self._cb)
+        return {"longest_ms": self.worst_s * 1e3, "full_collections": self.full}
+
+
 class _HookClock:
     """Wraps a connector instance's hooks; `spent` accumulates the seconds spent inside them."""
 
@@ -101,7 +124,8 @@ class _Side:
         self.sched, self.now, self.eng, self.prompts = eng.sched, 0.0, eng, []
         self.clock = _HookClock(eng.connector) if with_umbp else None
         self.workers = SimWorkers(layout.timing, frozenset(eng.umbp.rank_tags)) if with_umbp else None
-        self.prompts = prompts[:RELOOKUPS]
+        # the prompts stored last: the LRU tier evicts the oldest first (a 256 x 128K run fills it)
+        self.prompts, self.count = prompts[-RELOOKUPS:], len(prompts)
         for i, tokens in enumerate(prompts):
             self.sched.add_request(
                 Request(
@@ -112,6 +136,11 @@ class _Side:
                     sampling_params=SamplingParams(max_tokens=1 << 20, ignore_eos=True),
                 )
             )
+
+    def states(self) -> dict[str, int]:
+        """Requests by vLLM status (finished ones are no longer held): what a failed check reports."""
+        held = Counter(str(r.status) for r in self.sched.requests.values())
+        return {**held, "finished": self.count - len(self.sched.requests)}
 
     def prefilling(self) -> bool:
         return any(r.num_computed_tokens < r.num_prompt_tokens for r in self.sched.requests.values())
@@ -180,8 +209,10 @@ def sized_layout(layout: Any, requests: int, prompt: int, steps: int) -> Any:
     groups (each group takes its own blocks from it), and max_model_len must leave room for the decode
     steps (a prompt as long as max_model_len could never produce a token: the run would stall). A request
     decodes from the step its prefill ends, while the others still prefill: up to one token per prefill
-    step of the run, which must not reach max_model_len either (it would end the request)."""
-    prefill_steps = -(-requests * prompt // layout.max_num_batched_tokens)
+    step of the run, which must not reach max_model_len either (it would end the request). The decoding
+    requests take budget from the prefills too, and a prefill may end inside a step: at most this many."""
+    budget = max(layout.max_num_batched_tokens - requests, 1)
+    prefill_steps = -(-requests * prompt // budget) + requests
     tokens = prompt + prefill_steps + steps + 64
     per_request = sum(-(-tokens // layout.span(g)) + 1 for g in layout.groups)
     return dataclasses.replace(
@@ -193,6 +224,7 @@ def sized_layout(layout: Any, requests: int, prompt: int, steps: int) -> Any:
 
 
 def measure(layout: Any, requests: int, prompt: int, steps: int, workdir: Path) -> dict[str, Any]:
+    gc_clock = _GcClock()
     prompts = make_prompts(requests, prompt)
     plain = _Side(layout, False, workdir, prompts)
     umbp = _Side(layout, True, workdir, prompts)
@@ -214,7 +246,8 @@ def measure(layout: Any, requests: int, prompt: int, steps: int, workdir: Path) 
         p, u = plain.step(), umbp.step()
         if not (p[2] == u[2] == requests):
             raise RuntimeError(
-                f"umbp bench sched: expected {requests} decoding requests, got {p[2]} / {u[2]}"
+                f"umbp bench sched: expected {requests} decoding requests, got {p[2]} / {u[2]} "
+                f"(states: {plain.states()} / {umbp.states()})"
             )
         phases["decode"].append((p[0], u[0], u[1]))
     looks = umbp.clock.lookups
@@ -227,6 +260,8 @@ def measure(layout: Any, requests: int, prompt: int, steps: int, workdir: Path) 
             "max_ms": max(looks) * 1e3,
         },
         "lookup_stored": relookup(umbp),
+        "gc": gc_clock.close(),
+        "connector_totals": {k: umbp.eng.umbp.totals[k] for k in ("stored_objects", "evictions", "lookups")},
     }
     for name, rows in phases.items():
         plain_s, umbp_s, hooks_s = (statistics.median(col) for col in zip(*rows))
@@ -274,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(measure(sized_layout(layout, n, prompt, steps), n, prompt, steps, Path(tmp)))
     decode_share = max(r["decode"]["hooks_share"] for r in rows)
     share = LONG_SHARE if args.long else TARGET_SHARE
-    lookup_ms = max(r["lookup_stored"]["median_ms"] for r in rows)  # the max is shown: one preempted call
+    lookup_ok = all(lookup_met(r, LONG_LOOKUP_MS) for r in rows)
     report = {
         "command": "umbp " + " ".join(sys.argv[1:]),
         "layout": layout.name,
@@ -282,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         "target_decode_hooks_share": share,
         "target_lookup_ms": LONG_LOOKUP_MS if args.long else None,
         "rows": rows,
-        "all_targets_met": decode_share <= share and (not args.long or lookup_ms <= LONG_LOOKUP_MS),
+        "all_targets_met": decode_share <= share and (not args.long or lookup_ok),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -322,10 +357,21 @@ def print_table(report: dict[str, Any]) -> None:
     target_ms = report.get("target_lookup_ms")
     for r in report["rows"]:
         first, stored = r["lookup_first"], r["lookup_stored"]
-        verdict = "info" if target_ms is None else ("PASS" if stored["median_ms"] <= target_ms else "MISS")
+        verdict = "info" if target_ms is None else ("PASS" if lookup_met(r, target_ms) else "MISS")
         print(
             f"lookup, {r['requests']} requests of {r['prompt_tokens']} tokens: first ask median "
             f"{first['median_ms']:.3f} ms (max {first['max_ms']:.3f}); stored prompt asked again median "
             f"{stored['median_ms']:.3f} ms (max {stored['max_ms']:.3f}, {stored['median_matched_tokens']:.0f} "
-            f"tokens matched) target {'-' if target_ms is None else f'median <= {target_ms} ms'} {verdict}"
+            f"tokens matched) target {'-' if target_ms is None else f'both medians <= {target_ms} ms'} {verdict}"
         )
+        print(
+            f"garbage collection during the run: longest {r['gc']['longest_ms']:.1f} ms, "
+            f"{r['gc']['full_collections']} full; connector: {r['connector_totals']}"
+        )
+
+
+def lookup_met(row: dict[str, Any], target_ms: float) -> bool:
+    """Both medians (first ask, stored prompt asked again) within the target, and the stored prompts
+    really found (a prompt the tier no longer holds is looked up as cheaply as a cold one)."""
+    first, stored = row["lookup_first"], row["lookup_stored"]
+    return max(first["median_ms"], stored["median_ms"]) <= target_ms and stored["median_matched_tokens"] > 0

@@ -24,7 +24,8 @@ umbp.pool._native; its pure-Python twin umbp.pool.dram.index_table.PyIndexTable 
 built), keyed by a 128-bit keyed digest of the key, so millions of objects cost no Python objects and no
 garbage-collector work. keep_keys=False (the vLLM scheduler) stores no key strings at all: evicted keys
 then come back as their 16-byte digests (drain_evicted, on_evict, allocations). See docs/pool.md.
-umbp.pool.dram.dict_index.DictIndex is the plain reference implementation of the same rules.
+umbp.pool.dram.dict_index.DictIndex is the plain reference implementation of the same rules. With the C
+table comes the C page allocator (PageRuns, the twin of umbp.pool.dram.allocator.PageAllocator).
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ class DramIndex:
         self.low_watermark = float(low_watermark)
         self._high_pages = int(self.npages * high_watermark)
         self._low_pages = int(self.npages * low_watermark)
-        self._alloc = PageAllocator(self.npages)
         self._table = make_table(alignment, keep_keys, use_native)
         self.native = not isinstance(self._table, PyIndexTable)
+        # the C allocator beside the C table (the Python one was most of a reserve+commit); same answers
+        self._alloc = native.lib.PageRuns(self.npages) if self.native else PageAllocator(self.npages)
         # the most objects the owner expects (e.g. capacity / its smallest object): the table is sized for
         # them now, so it never grows while serving (a growth re-inserts every key: ~1 s at 16 M objects,
         # in the scheduler's step loop); more objects still fit, growing as usual
