@@ -24,8 +24,11 @@ def test_bench_sched_quick_writes_json(tmp_path, capsys):
     shares = [r["decode"]["hooks_share"] for r in report["rows"]]
     assert report["all_targets_met"] == (max(shares) <= report["target_decode_hooks_share"])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[-1].startswith("lookup, 8 requests of 500 tokens") and printed[-1].endswith("info")
-    assert printed[-3].split()[:2] == ["8", "decode"] and printed[-3].split()[-1] in ("PASS", "MISS")
+    assert printed[-2].startswith("lookup, 8 requests of 500 tokens") and printed[-2].endswith("info")
+    assert printed[-1].startswith("garbage collection during the run: longest")
+    assert printed[-5].split()[:2] == ["8", "decode"] and printed[-5].split()[-1] in ("PASS", "MISS")
+    for r in report["rows"]:
+        assert r["connector_totals"]["stored_objects"] > 0 and r["gc"]["longest_ms"] >= 0
 
 
 def test_bench_sched_rejects_bad_input(capsys):
@@ -34,3 +37,18 @@ def test_bench_sched_rejects_bad_input(capsys):
     for bad in (["--requests", "0"], ["--requests", "x"], ["--prompt", "-5"], ["--steps", "-1"]):
         assert main(["bench", "sched", "--quick", *bad]) == 2
         assert "--requests needs" in capsys.readouterr().err
+
+
+def test_long_prompts_get_room_to_decode():
+    """A 131,072-token prompt needs blocks in every cache group (vLLM's pool is shared by them) and a
+    max_model_len past the prompt plus what it decodes while the others prefill: with the layout's own
+    131,072 the run stalled with nothing schedulable."""
+    from umbp.replay.deployments import load_layout
+    from umbp.tools.bench_sched import sized_layout
+
+    layout = load_layout("granite-4.0-h")
+    sized = sized_layout(layout, 256, 131072, 30)
+    prefill_steps = 256 * 131072 // layout.max_num_batched_tokens
+    assert sized.max_model_len >= 131072 + prefill_steps + 30
+    per_group = [-(-sized.max_model_len // layout.span(g)) for g in layout.groups]
+    assert sized.num_gpu_blocks >= 256 * sum(per_group) and sized.max_num_seqs >= 256

@@ -1749,18 +1749,8 @@ static PyObject *PageRuns_alloc(PageRuns *r, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(start);
 }
 
-/* free(start, n): the run back to the free space, merged with free neighbours. */
-static PyObject *PageRuns_free(PageRuns *r, PyObject *args) {
-    long long s, n;
-    if (!PyArg_ParseTuple(args, "LL", &s, &n))
-        return NULL;
-    if (n <= 0)
-        Py_RETURN_NONE;
-    if (s < 0) {
-        PyErr_SetString(PyExc_ValueError, "umbp: PageRuns.free of a negative start");
-        return NULL;
-    }
-    uint64_t start = (uint64_t)s, length = (uint64_t)n;
+/* The run [start, start + length) back to the free space, merged with free neighbours: 0, or -1 (no memory). */
+static int pr_free(PageRuns *r, uint64_t start, uint64_t length) {
     uint32_t left = pr_find(r, 1, start);
     if (left != IT_NIL) {
         start = r->rstart[left];
@@ -1772,9 +1762,68 @@ static PyObject *PageRuns_free(PageRuns *r, PyObject *args) {
         length += r->rlen[right];
         pr_drop(r, right);
     }
-    if (pr_add(r, start, length) < 0)
+    return pr_add(r, start, length);
+}
+
+/* free(start, n): the run back to the free space, merged with free neighbours. */
+static PyObject *PageRuns_free(PageRuns *r, PyObject *args) {
+    long long s, n;
+    if (!PyArg_ParseTuple(args, "LL", &s, &n))
+        return NULL;
+    if (n <= 0)
+        Py_RETURN_NONE;
+    if (s < 0) {
+        PyErr_SetString(PyExc_ValueError, "umbp: PageRuns.free of a negative start");
+        return NULL;
+    }
+    if (pr_free(r, (uint64_t)s, (uint64_t)n) < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* evict_lru(table, target_used, budget, max_victims, want_keys) -> (victims, bytes, [keys] or None):
+ * DramIndex._make_room's loop for an owner without an eviction callback, in one call. While more than
+ * target_used pages are in use, fewer than budget pages were freed and max_victims (< 0: no limit) is not
+ * reached, the table's least recently used unpinned committed object is removed and its pages freed
+ * here. Same victims, in the same order, as the Python loop (IndexTable.evict + free). */
+static PyObject *PageRuns_evict_lru(PageRuns *r, PyObject *args) {
+    IndexTable *t;
+    long long target, budget, victims;
+    int want_keys;
+    if (!PyArg_ParseTuple(args, "O!LLLp", &IndexTableType, &t, &target, &budget, &victims, &want_keys))
+        return NULL;
+    PyObject *keys = want_keys ? PyList_New(0) : Py_NewRef(Py_None);
+    if (keys == NULL)
+        return NULL;
+    long long count = 0, nbytes = 0, freed = 0;
+    while (r->npages - r->free_pages > target && freed < budget && victims != 0) {
+        uint32_t h = t->lru_head;
+        if (h == IT_NIL)
+            break;
+        if (want_keys) {
+            PyObject *key = it_key(t, h);
+            if (key == NULL || PyList_Append(keys, key) < 0) {
+                Py_XDECREF(key);
+                Py_DECREF(keys);
+                return NULL;
+            }
+            Py_DECREF(key);
+        }
+        uint64_t start = (uint64_t)t->start[h], npages = t->npages[h];
+        it_lru_unlink(t, h);
+        t->live--;
+        t->live_bytes -= t->nbytes[h];
+        nbytes += t->nbytes[h];
+        it_delete(t, h);
+        count++;
+        victims--;
+        freed += (long long)npages;
+        if (npages > 0 && pr_free(r, start, npages) < 0) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+    }
+    return Py_BuildValue("(LLN)", count, nbytes, keys);
 }
 
 static PyObject *PageRuns_largest_free(PageRuns *r, PyObject *unused) {
@@ -1850,6 +1899,7 @@ static PyMethodDef PageRuns_methods[] = {
     {"free", (PyCFunction)PageRuns_free, METH_VARARGS, NULL},
     {"largest_free", (PyCFunction)PageRuns_largest_free, METH_NOARGS, NULL},
     {"free_runs", (PyCFunction)PageRuns_free_runs, METH_NOARGS, NULL},
+    {"evict_lru", (PyCFunction)PageRuns_evict_lru, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

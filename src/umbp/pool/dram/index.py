@@ -254,6 +254,15 @@ class DramIndex:
             target = max(self._low_pages - npages, 0)
             budget = self.npages if self.max_evict_pages is None else self.max_evict_pages
             victims = self.max_evict_objects or -1
+            if self.native and self.on_evict is None:  # the same loop in one C call
+                count, nbytes, keys = self._alloc.evict_lru(
+                    self._table, target, budget, victims, self._track_evicted
+                )
+                self.evictions += count
+                self.evicted_bytes += nbytes
+                if keys:
+                    self._evicted.extend(keys)
+                return
             freed = 0
             while self.npages - self._alloc.free_pages > target and freed < budget and victims:
                 got = self._evict_one()
