@@ -15,7 +15,13 @@ def test_bench_index_tiny_writes_json_and_the_last_line(tmp_path, capsys):
     for r in report["results"]:
         assert r["objects"] == 3000 and r["rss_bytes_per_object"] > -1e6
         assert r["fill"]["us_reserve_commit"] > 0 and r["steady"]["us_lookup_per_key"] > 0
-        assert r["evict"]["us_evict"] > 0 and set(r["targets_met"]) == {"bytes", "us", "steady_pauses"}
+        assert r["evict"]["us_evict"] > 0 and set(r["targets_met"]) == {
+            "bytes",
+            "us",
+            "steady_pauses",
+            "index_pauses_cpu",
+        }
+        assert r["fill"]["worst_op_cpu_ms"] >= 0 and r["fill"]["involuntary_switches"] >= 0
     compact = report["results"][1]
     assert compact["table_bytes_per_object"] > 0
     last = capsys.readouterr().out.splitlines()[-1]
