@@ -68,6 +68,10 @@ class SchedulerSide(LookupMixin, SaveMixin):
         )
         self.rank_tags = {r.tag() for r in layout.ranks}
         self.requests: dict[str, TrackedRequest] = {}
+        # requests whose planner has nothing left to plan until the request finishes or is preempted (all
+        # of the prompt computed and hashed, decode saves off): plan_saves skips them, which at 256
+        # requests of 128K tokens was most of umbp's decode-step cost (memory latency per request)
+        self.settled: set[str] = set()
         self.loads: dict[str, PendingLoad] = {}
         self.saves: dict[int, PendingSave] = {}
         self.unsent_saves: list[int] = []
@@ -279,6 +283,7 @@ class SchedulerSide(LookupMixin, SaveMixin):
         tracked = self.requests.get(request.request_id)
         if tracked is None:
             return
+        self.settled.discard(request.request_id)
         plans = tracked.planner.step(
             computed_tokens=request.num_computed_tokens,
             hashed_tokens=len(request.block_hashes) * self.layout.unit,
@@ -294,6 +299,7 @@ class SchedulerSide(LookupMixin, SaveMixin):
         if self.consumer is not None:
             self.consumer.forget(request.request_id)
         tracked = self.requests.pop(request.request_id, None)
+        self.settled.discard(request.request_id)
         if tracked is None or request.request_id in self.loads:
             return False, None
         plans = tracked.planner.step(
