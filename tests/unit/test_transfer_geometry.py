@@ -142,7 +142,8 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     assert list(pos) == list(np.arange(64) * (64 << 10))
     assert [list(a) for a in spans] == [[0], [0], [63 * (64 << 10) + (60 << 10)]]
     assert total % 16 == 0 and total >= spans[2][0]
-    engine = SimpleNamespace(_last_sorted=None, dma_min_batch_bytes=1 << 20)
+    # no shape (the stand-in geometry has no template): sorted_runs expands sizes and reaches itself
+    engine = SimpleNamespace(_last_sorted=None, dma_min_batch_bytes=1 << 20, flat=lambda b: (None, None, None))
     engine._sorted_runs = lambda b: KernelEngine._sorted_runs(engine, b)
 
     def path(b, choice, bar):
@@ -306,9 +307,10 @@ def test_a_plan_carries_the_expected_digests_less_their_length_term():
 
     from umbp.transfer.api import digest_mix
     from umbp.transfer.plans import build_plan
+    from umbp.transfer.shapes import make_shape
 
     def geom(nbytes, pieces):
-        return SimpleNamespace(object_bytes=nbytes, template=SimpleNamespace(obj=np.zeros(pieces)))
+        return SimpleNamespace(object_bytes=nbytes, num_blocks=64, template=SimpleNamespace(obj=np.zeros(pieces)))
 
     a, b = geom(4096, 2), geom(1000, 1)
     batch = [
@@ -316,8 +318,11 @@ def test_a_plan_carries_the_expected_digests_less_their_length_term():
         (b, Moves(1, [7], [8192]), np.array([7]), np.array([8192])),
         (b, Moves(2, [3], [16384], [9]), np.array([3]), np.array([16384])),
     ]
-    rows = [[np.array([10, 11]), np.array([12]), np.array([13])]]
-    plan = build_plan(batch, rows, True, {0: 0, 1: 2, 2: 2}, lambda n: torch.zeros(n, dtype=torch.int64))
+    rows = [np.array([10, 11, 12, 13])]
+    groups, toff = {0: a, 1: b, 2: b}, {0: 0, 1: 2, 2: 2}
+    shape = make_shape(((0, 2, 4096), (1, 1, 1000), (2, 1, 1000)), groups, toff)
+    ids = np.array([1, 2, 7, 3])
+    plan = build_plan(shape, batch, ids, rows, True, lambda n: torch.zeros(n, dtype=torch.int64))
     w = plan.host.numpy().view(np.uint64)
     mix = {n: digest_mix(n) & ((1 << 64) - 1) for n in (4096, 1000)}
     pairs = w[plan.want_at() : plan.want_at() + 8].reshape(4, 2).tolist()
@@ -326,8 +331,11 @@ def test_a_plan_carries_the_expected_digests_less_their_length_term():
     assert list(w[plan.ids_at : plan.ids_at + 4]) == [1, 2, 7, 3]
     assert plan.n == 2 * 2 + 1 + 1 and not w[plan.sums_at() : plan.sums_at() + 4].any()
     assert plan.words == plan.sums_at() + 4 == plan.host.numel()
+    seg = plan.host.numpy()[: 4 * 3].reshape(4, 3).tolist()
+    assert seg == [[0, 4, 5], [0, 2, 3], [2, 1, 1], [0, 2, 2]]  # first piece, first object, pieces, column
+    one = make_shape(((1, 1, 1000),), groups, {1: 0})
     unverified = build_plan(
-        batch[1:2], [rows[0][1:2]], False, {1: 0}, lambda n: torch.zeros(n, dtype=torch.int64)
+        one, batch[1:2], ids[2:3], [rows[0][2:3]], False, lambda n: torch.zeros(n, dtype=torch.int64)
     )
     assert not unverified.has_want and unverified.words == unverified.at(1)
 

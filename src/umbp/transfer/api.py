@@ -20,6 +20,7 @@ import torch
 
 from umbp.pool import Arena
 from umbp.transfer.geometry import PIECE_BYTES, GroupGeometry
+from umbp.transfer.shapes import BatchShape, ShapeCache, template_offsets
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class TransferEngine:
         if len(devices) > 1:
             raise ValueError(f"umbp: all groups must live on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
+        self.shapes = ShapeCache(self.groups, template_offsets(list(self.groups.items())))
+        self._flat_of: tuple | None = None
 
     def object_bytes(self, group: int) -> int:
         return self.groups[group].object_bytes
@@ -124,9 +127,10 @@ class TransferEngine:
         self, batch: Sequence[Moves], load: bool
     ) -> list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]:
         """Validate a batch before anything touches memory: a bad id or offset in a kernel is corruption.
-        The checks run once over the whole batch's arrays, not per Moves: a restore is one Moves per cache
-        group, and per-Moves numpy calls were ~0.1 ms of host time in front of its first copy (H200 host)."""
-        out, reaches = [], []
+        The checks run once over the whole batch's arrays, not per Moves, against per-object limits kept
+        per batch shape (shapes.py): a restore is one Moves per cache group, and per-Moves numpy calls
+        were ~0.1 ms of host time in front of its first copy (H200 host)."""
+        out, key = [], []
         for m in batch:
             geom = self.groups.get(m.group)
             if geom is None:
@@ -141,37 +145,61 @@ class TransferEngine:
                     f"umbp: slot_bytes {m.slot_bytes} is smaller than group {m.group}'s objects "
                     f"({geom.object_bytes} bytes)"
                 )
-            reaches.append(slot_reach(geom.object_bytes, m))
+            key.append((m.group, ids.size, slot_reach(geom.object_bytes, m)))
             out.append((geom, m, ids, offs))
         if not out:
             return out
-        counts = [ids.size for _g, _m, ids, _o in out]
+        shape = self.shapes.get(tuple(key))
         ids = _joined([ids for _g, _m, ids, _o in out])
         offs = _joined([offs for _g, _m, _i, offs in out])
+        self._flat_of = (out, shape, ids, offs)  # the engine's planning reuses them (see flat())
         if not ids.size:
             return out
-        limit = np.repeat(np.array([g.num_blocks for g, _m, _i, _o in out], np.int64), counts)
-        if bool(np.any((ids < 0) | (ids >= limit))):
+        # as unsigned, a negative id is huge: one compare checks both ends of the range
+        if bool(np.any(ids.view(np.uint64) >= shape.limit.view(np.uint64))):
             for geom, _m, part, _o in out:
                 geom.check_blocks(part)  # raises, naming the group's range
-        reach = np.repeat(np.array(reaches, np.int64), counts)
-        if bool(np.any((offs < 0) | (offs + reach > self.arena.capacity_bytes) | ((offs & 7) != 0))):
+        # sign bit or any of the low 3 bits set: negative or not 8-byte aligned
+        if bool(np.any(offs & _SIGN_OR_MISALIGNED)) or bool(
+            np.any(offs + shape.reach > self.arena.capacity_bytes)
+        ):
             raise ValueError("umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch")
         if load:
-            _check_single_writes(out, counts, ids, limit)
+            _check_single_writes(out, shape, ids)
+        elif shape.uniform_reach is not None:
+            check_disjoint([offs], [shape.uniform_reach])
         else:
-            check_disjoint([o for _g, _m, _i, o in out], reaches)
+            check_disjoint([o for _g, _m, _i, o in out], [r for _g, _c, r in key])
         return out
 
+    def flat(self, batch: list) -> tuple[BatchShape, np.ndarray, np.ndarray]:
+        """(shape, block ids, arena offsets) of a checked batch or a round cut from one, the ids and
+        offsets as one array each in batch order. The batch _checked saw last is not joined again."""
+        known = self._flat_of
+        if known is not None and known[0] is batch:
+            return known[1], known[2], known[3]
+        key = tuple((m.group, ids.size, slot_reach(g.object_bytes, m)) for g, m, ids, _o in batch)
+        ids = _joined([ids for _g, _m, ids, _o in batch])
+        offs = _joined([offs for _g, _m, _i, offs in batch])
+        return self.shapes.get(key), ids, offs
 
-def _check_single_writes(out: list, counts: list[int], ids: np.ndarray, limit: np.ndarray) -> None:
+
+_SIGN_OR_MISALIGNED = np.int64(-(1 << 63) | 7)
+
+
+def _check_single_writes(out: list, shape: BatchShape, ids: np.ndarray) -> None:
     """A load may write each block of a group once (two writers of one page race)."""
+    if shape.distinct_groups:  # each group in one Moves (a restore): only a Moves' own ids can repeat
+        for _geom, m, part, _o in out:
+            if part.size > 1 and _has_repeats(part):
+                raise ValueError(f"umbp: a load writes block ids of group {m.group} twice")
+        return
     groups = [m.group for _g, m, _i, _o in out]
-    if len(groups) == 1:
-        keys = ids
-    else:  # (group, block) as one key: the group's index times the largest block count, plus the block
-        index = {g: i for i, g in enumerate(dict.fromkeys(groups))}
-        keys = np.repeat(np.array([index[g] for g in groups], np.int64), counts) * int(limit.max()) + ids
+    # (group, block) as one key: the group's index times the largest block count, plus the block
+    index = {g: i for i, g in enumerate(dict.fromkeys(groups))}
+    keys = np.repeat(np.array([index[g] for g in groups], np.int64), shape.counts) * int(
+        shape.limit.max()
+    ) + ids
     if _has_repeats(keys):
         for g in dict.fromkeys(groups):
             mine = [part for _geom, m, part, _o in out if m.group == g]

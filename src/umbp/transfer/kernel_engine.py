@@ -41,7 +41,6 @@ from umbp.transfer.plans import (
     batch_cost,
     build_plan,
     cut_rounds,
-    object_mix,
     passed,
     plan_runs,
     round_budgets,
@@ -226,20 +225,21 @@ class KernelEngine(TransferEngine):
         caller = self._caller()
         try:
             with self._on(SAVE, caller):
-                out = self._host_buffer(sum(ids.size for _g, _m, ids, _o in batch))
+                shape = self.flat(batch)[0]
+                out = self._host_buffer(shape.nobj)
                 if self._path(batch, self.save_path, self.dma_min_run_bytes) == "zero-copy":
                     self._save_zero_copy(batch, keep, out)
                 else:
                     self._save_dma(batch, keep, caller, self._idle(SAVE), out)
-                return self._track(SAVE, self._finish(batch, out, keep, object_mix(batch), self._main(SAVE)))
+                return self._track(SAVE, self._finish(batch, out, keep, shape.mix, self._main(SAVE)))
         except BaseException:
             self._drain(keep)
             raise
 
     def _save_zero_copy(self, batch: Batch, keep: list[torch.Tensor], out: torch.Tensor) -> None:
-        arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
+        arena = self.arena_base + self.flat(batch)[2]
         plan = self._plan(batch, [arena], sums=True, stream=self._main(SAVE))
-        self._copy(plan, None, 0, self._align16(batch, arena), checksum=True)
+        self._copy(plan, None, 0, self._align16(batch, [arena]), checksum=True)
         self._sm_copy(plan.sums(), out)
         keep.append(plan.buf)
 
@@ -258,7 +258,7 @@ class KernelEngine(TransferEngine):
                 stg, rows, runs, slot = self._staging(r, SAVE)
                 self._acquire(slot, gather)
                 plan = self._plan(r, [rows], sums=True, stream=gather)
-                self._copy(plan, None, 0, self._align16(r, rows), checksum=True, hbm=True)
+                self._copy(plan, None, 0, self._align16(r, [rows]), checksum=True, hbm=True)
                 self._sm_copy(plan.sums(), out[at : at + plan.nobj])
                 gathered = self._event(gather)
                 if gathered is not None:
@@ -279,7 +279,7 @@ class KernelEngine(TransferEngine):
         caller, last = self._caller(), self._main(LOAD)
         try:
             with self._on(LOAD, caller):
-                out = self._host_buffer(sum(ids.size for _g, _m, ids, _o in batch)) if verify else None
+                out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
                 if dma:
                     self._load_dma(batch, keep, caller, self._idle(LOAD), out)
                     last = self._side(LOAD)
@@ -306,9 +306,9 @@ class KernelEngine(TransferEngine):
             keep.clear()
 
     def _load_direct(self, batch: Batch, keep: list[torch.Tensor]) -> None:
-        arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
+        arena = self.arena_base + self.flat(batch)[2]
         plan = self._plan(batch, [arena], sums=False, stream=self._main(LOAD))
-        self._copy(plan, 0, None, self._align16(batch, arena))
+        self._copy(plan, 0, None, self._align16(batch, [arena]))
         keep.append(plan.buf)
 
     def _load_staged(self, batch: Batch, keep: list[torch.Tensor], out: torch.Tensor, at: int) -> int:
@@ -317,11 +317,12 @@ class KernelEngine(TransferEngine):
         index of the next object's verdict in `out`."""
         stg, rows, _runs, slot = self._staging(batch, LOAD)
         self._acquire(slot, self._main(LOAD))
-        arena = [self.arena_base + offs for _g, _m, _i, offs in batch]
+        arena = self.arena_base + self.flat(batch)[2]
         verify = any(m.digests is not None for _g, m, _i, _o in batch)
         plan = self._plan(batch, [arena, rows], sums=True, stream=self._main(LOAD))
-        self._copy(plan, 0, 1, self._align16(batch, arena + rows), checksum=True)
-        self._scatter(plan, 1, self._align16(batch, rows), out, at, verify)
+        align16 = self._align16(batch, [rows])
+        self._copy(plan, 0, 1, align16 and self._align16(batch, [arena]), checksum=True)
+        self._scatter(plan, 1, align16, out, at, verify)
         self._release(slot, self._main(LOAD))
         keep += [stg, plan.buf]
         return at + plan.nobj
@@ -345,7 +346,7 @@ class KernelEngine(TransferEngine):
                     work.wait_event(copied)
                 verify = any(m.digests is not None for _g, m, _i, _o in r)
                 plan = self._plan(r, [rows], sums=verify, stream=work)
-                align16 = self._align16(r, rows)
+                align16 = self._align16(r, [rows])
                 if verify:
                     self._copy(plan, 0, 0, align16, checksum=True, store=False, hbm=True)
                 self._scatter(plan, 0, align16, out, at, verify)
@@ -382,7 +383,8 @@ class KernelEngine(TransferEngine):
         """sorted_runs(batch), kept for the batch seen last: a call that is one round sorts its slots once
         for _path and _staging (each sort was ~0.1 ms of the H200 host's time per call)."""
         if self._last_sorted is None or self._last_sorted[0] is not batch:
-            self._last_sorted = (batch, sorted_runs(batch))
+            shape, _ids, offs = self.flat(batch)
+            self._last_sorted = (batch, sorted_runs(batch, shape, offs))
         return self._last_sorted[1]
 
     def _rounds(self, batch: Batch, direction: int, cold: bool) -> list[Batch]:
@@ -401,14 +403,14 @@ class KernelEngine(TransferEngine):
 
     def _staging(
         self, batch: Batch, direction: int
-    ) -> tuple[torch.Tensor, list[np.ndarray], tuple[np.ndarray, ...], list]:
+    ) -> tuple[torch.Tensor, np.ndarray, tuple[np.ndarray, ...], list]:
         """Device staging laid out like the batch's runs of adjacent arena slots (pads between objects
-        included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, per-Moves row
-        addresses, copy runs as arrays (arena offset, staging offset, bytes), its ring slot: see _acquire)."""
+        included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, each object's row
+        address in batch order, copy runs as arrays (arena offset, staging offset, bytes), its ring slot:
+        see _acquire)."""
         pos, runs, total = plan_runs(self._sorted_runs(batch))
         slot = self._ring_slot(direction, total)
-        rows = np.split(slot[0].data_ptr() + pos, np.cumsum([ids.size for _g, _m, ids, _o in batch])[:-1])
-        return slot[0], list(rows), runs, slot
+        return slot[0], slot[0].data_ptr() + pos, runs, slot
 
     def _copy_runs(self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream) -> None:
         """Staging <-> arena on `stream` (the current one), one copy-engine copy per run: all in one batch
@@ -463,15 +465,17 @@ class KernelEngine(TransferEngine):
         return all(self.align[m.group] >= 8 for _g, m, _i, _o in batch)
 
     def _align16(self, batch: Batch, sides: list[np.ndarray]) -> bool:
+        """Every piece 16-byte aligned: the groups' templates and every address in `sides` (each one
+        flat array of the batch's objects: one reduce each, not one per Moves)."""
         if any(self.align[m.group] < 16 for _g, m, _i, _o in batch):
             return False
-        every = sides[0] if len(sides) == 1 else np.concatenate(sides)  # one reduce, not one per Moves
-        return not every.size or int(np.bitwise_or.reduce(every)) % 16 == 0
+        return all(not a.size or int(np.bitwise_or.reduce(a)) % 16 == 0 for a in sides)
 
-    def _plan(self, batch: Batch, rows: list[list[np.ndarray]], sums: bool, stream) -> Plan:
-        """The launch's plan (plans.build_plan), built in place in page-locked memory and brought to the
-        device by _fetch."""
-        plan = build_plan(batch, rows, sums, self.toff, self._host_buffer)
+    def _plan(self, batch: Batch, rows: list[np.ndarray], sums: bool, stream) -> Plan:
+        """The launch's plan (plans.build_plan; rows: per column, one address per object in batch
+        order), built in place in page-locked memory and brought to the device by _fetch."""
+        shape, ids, _offs = self.flat(batch)
+        plan = build_plan(shape, batch, ids, rows, sums, self._host_buffer)
         if self.device.type == "cuda":
             plan.buf = self._fetch(plan.host, stream)
         return plan
@@ -562,7 +566,7 @@ class KernelEngine(TransferEngine):
     ) -> Handle:
         """mix: for saves, each object's psum64 length term (xored in on the host: see Plan.sums). Runs on
         `stream` (the current one): the handle completes after everything queued there."""
-        sizes = [ids.size for _g, _m, ids, _o in batch]
+        sizes = list(self.flat(batch)[0].counts)
         if self.streams is None:
             return DeviceHandle(sizes, None, out, keep, mix, None)
         event = torch.cuda.Event()

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from umbp.transfer.api import Moves, digest_mix, slot_reach
+from umbp.transfer.api import Moves, slot_reach
+from umbp.transfer.shapes import BatchShape, template_offsets
 from umbp.transfer.staged import Batch
 
 RUN_PAD = 16  # staging bytes a run may need for alignment: the worst case a round budget counts per object
@@ -66,73 +67,51 @@ class Plan:
 
 
 def build_plan(
+    shape: BatchShape,
     batch: Batch,
-    rows: list[list[np.ndarray]],
+    ids: np.ndarray,
+    rows: list[np.ndarray],
     sums: bool,
-    toff: Mapping[int, int],
     host: Any,
 ) -> Plan:
-    """Fill a plan for `batch` (rows: per column, per Moves one address per object) in `host(words)`, a
-    function returning an int64 tensor of that many words. Verified loads (any Moves with digests) get
-    the expected digests; `sums`: checksum words."""
-    nseg, counts = len(batch), np.array([ids.size for _g, _m, ids, _o in batch], np.int64)
-    nobj = int(counts.sum())
+    """Fill a plan for `batch` of this `shape` (ids: its block ids; rows: per column, one address per
+    object, each in batch order) in `host(words)`, a function returning an int64 tensor of that many
+    words. Verified loads (any Moves with digests) get the expected digests; `sums`: checksum words. The
+    segment table and the length terms come from the shape, made once per batch shape."""
+    nseg, nobj = len(batch), shape.nobj
     want = any(m.digests is not None for _g, m, _i, _o in batch)
-    per = np.array([g.template.obj.size for g, _m, _i, _o in batch], np.int64)
-    pieces = counts * per
-    plan = Plan(None, nseg, int(pieces.sum()), nobj, len(rows), want, sums)  # type: ignore[arg-type]
+    plan = Plan(None, nseg, shape.pieces, nobj, len(rows), want, sums)  # type: ignore[arg-type]
     words = host(plan.words)
     plan.host = plan.buf = words
     w = words.numpy()
-    seg = w[: 4 * nseg].reshape(4, nseg)
-    seg[0] = np.cumsum(pieces) - pieces
-    seg[1] = np.cumsum(counts) - counts
-    seg[2] = per
-    seg[3] = [toff[m.group] for _g, m, _i, _o in batch]
+    w[: 4 * nseg] = shape.seg.reshape(-1)
     at = plan.ids_at
-    for column in ([ids for _g, _m, ids, _o in batch], *rows):
-        np.concatenate(column, out=w[at : at + nobj])
+    for column in (ids, *rows):
+        w[at : at + nobj] = column
         at += nobj
     if want:
         pairs = w[at : at + 2 * nobj].reshape(nobj, 2)
         given = [m.digests is not None for _g, m, _i, _o in batch]
         digests = [d for _g, m, _i, _o in batch if m.digests is not None for d in m.digests]
-        mix = np.repeat(
-            np.array([_u64(digest_mix(g.object_bytes)) for g, _m, _i, _o in batch], np.uint64), counts
-        )
-        checked = np.repeat(np.array(given), counts)
         if all(given):
-            pairs[:, 0] = (np.fromiter(digests, np.uint64, nobj) ^ mix).view(np.int64)
+            pairs[:, 0] = (np.fromiter(digests, np.uint64, nobj) ^ shape.mix).view(np.int64)
+            pairs[:, 1] = 0  # 0: checked
         else:
+            checked = np.repeat(np.array(given), shape.counts)
             d = np.zeros(nobj, np.uint64)
-            d[checked] = np.fromiter(digests, np.uint64, int(checked.sum())) ^ mix[checked]
+            d[checked] = np.fromiter(digests, np.uint64, int(checked.sum())) ^ shape.mix[checked]
             pairs[:, 0] = d.view(np.int64)
-        pairs[:, 1] = ~checked  # 1: not checked
+            pairs[:, 1] = ~checked  # 1: not checked
         at += 2 * nobj
     w[at:] = 0
     return plan
 
 
-def _u64(v: int) -> int:
-    return v & ((1 << 64) - 1)
-
-
-def object_mix(batch: Batch) -> np.ndarray:
-    """Each object's psum64 length term (umbp.pool.psum), as uint64."""
-    return np.concatenate(
-        [np.full(ids.size, digest_mix(g.object_bytes), np.int64) for g, _m, ids, _o in batch]
-    ).view(np.uint64)
-
-
 def templates(groups: Mapping[int, Any], device: torch.device) -> tuple[torch.Tensor, dict[int, int]]:
     """Every group's piece template in one int64 [4, pieces] device table (see triton_kernels.py), and the
     column where each group's pieces start."""
-    toff, cols, at = {}, [], 0
-    for g, geom in groups.items():
-        t = geom.template
-        toff[g] = at
-        cols.append(np.stack([t.src, t.stride, t.obj, t.nbytes]))
-        at += t.obj.size
+    toff = template_offsets(list(groups.items()))  # the columns BatchShape segment tables name
+    cols = [np.stack([t.src, t.stride, t.obj, t.nbytes]) for t in (geom.template for geom in groups.values())]
     table = np.concatenate(cols, axis=1) if cols else np.zeros((4, 1), np.int64)
     return torch.from_numpy(np.ascontiguousarray(table)).to(device), toff
 
@@ -174,18 +153,36 @@ def passed(event: Any) -> bool:
     return event is None or event.query()
 
 
-def sorted_runs(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(first and last index of each run, in offset order; the order; sorted offsets; sorted sizes). One
-    repeat per column rather than an array per Moves: a restore is a Moves per cache group, and small
-    numpy calls cost ~5 us each on the H200 host, in front of the first copy."""
-    counts = [ids.size for _g, _m, ids, _o in batch]
-    offs = batch[0][3] if len(batch) == 1 else np.concatenate([o for _g, _m, _i, o in batch])
-    size = np.repeat(np.array([g.object_bytes for g, _m, _i, _o in batch], np.int64), counts)
-    reach = np.repeat(np.array([slot_reach(g.object_bytes, m) for g, m, _i, _o in batch], np.int64), counts)
+def sorted_runs(
+    batch: Batch, shape: BatchShape | None = None, offs: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(first and last index of each run, in offset order; the order; sorted offsets; sorted sizes).
+    `shape` / `offs` (the batch's shape and joined offsets, when the caller has them) spare the numpy
+    calls that expand per-Moves sizes and reaches to objects: a restore is a Moves per cache group, and
+    small numpy calls cost ~1-5 us each on a slow host, in front of the first copy."""
+    if offs is None:
+        offs = batch[0][3] if len(batch) == 1 else np.concatenate([o for _g, _m, _i, o in batch])
+    if shape is None:
+        counts = [ids.size for _g, _m, ids, _o in batch]
+        size = np.repeat(np.array([g.object_bytes for g, _m, _i, _o in batch], np.int64), counts)
+        reach = np.repeat(
+            np.array([slot_reach(g.object_bytes, m) for g, m, _i, _o in batch], np.int64), counts
+        )
+        uniform = None
+    else:
+        size, reach, uniform = shape.size, shape.reach, shape.uniform_reach
     order = np.argsort(offs, kind="stable")
-    so, sr, ss = offs[order], reach[order], size[order]
-    cut = np.flatnonzero(so[1:] != so[:-1] + sr[:-1]) + 1
-    return np.concatenate([[0], cut]), np.concatenate([cut, [so.size]]) - 1, order, so, ss
+    so, ss = offs[order], size[order]
+    ends = so[:-1] + (uniform if uniform is not None else reach[order][:-1])
+    starts = np.flatnonzero(so[1:] != ends) + 1  # the runs after the first
+    n = so.size
+    first = np.empty(starts.size + 1, np.int64)
+    first[0] = 0
+    first[1:] = starts
+    last = np.empty_like(first)
+    last[:-1] = starts - 1
+    last[-1] = n - 1
+    return first, last, order, so, ss
 
 
 def plan_runs(runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, tuple[np.ndarray, ...], int]:
