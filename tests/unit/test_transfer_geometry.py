@@ -142,9 +142,14 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     assert list(pos) == list(np.arange(64) * (64 << 10))
     assert [list(a) for a in spans] == [[0], [0], [63 * (64 << 10) + (60 << 10)]]
     assert total % 16 == 0 and total >= spans[2][0]
-    # no shape (the stand-in geometry has no template): sorted_runs expands sizes and reaches itself
-    engine = SimpleNamespace(_last_sorted=None, dma_min_batch_bytes=1 << 20, flat=lambda b: (None, None, None))
-    engine._sorted_runs = lambda b: KernelEngine._sorted_runs(engine, b)
+    def flat(b):  # what TransferEngine.flat gives for these batches (the stand-in geometry has no template)
+        (_g, m, _i, offs), n = b[0], b[0][3].size
+        reach = m.slot_bytes or geom.object_bytes
+        shape = SimpleNamespace(nobj=n, size=np.full(n, geom.object_bytes), reach=np.full(n, reach))
+        return shape, None, offs
+
+    engine = SimpleNamespace(_last_layouts=None, dma_min_batch_bytes=1 << 20, flat=flat)
+    engine._layouts = lambda b, bounds: KernelEngine._layouts(engine, b, bounds)
 
     def path(b, choice, bar):
         return KernelEngine._path(engine, b, choice, bar)

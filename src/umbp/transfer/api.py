@@ -85,7 +85,8 @@ class TransferEngine:
             raise ValueError(f"umbp: all groups must live on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         self.shapes = ShapeCache(self.groups, template_offsets(list(self.groups.items())))
-        self._flat_of: tuple | None = None
+        self._flat_of: tuple | None = None  # (batch, shape, ids, offsets) of the batch checked last
+        self._flat_round: tuple | None = None  # the same for the round flat() saw last
 
     def object_bytes(self, group: int) -> int:
         return self.groups[group].object_bytes
@@ -175,13 +176,15 @@ class TransferEngine:
     def flat(self, batch: list) -> tuple[BatchShape, np.ndarray, np.ndarray]:
         """(shape, block ids, arena offsets) of a checked batch or a round cut from one, the ids and
         offsets as one array each in batch order. The batch _checked saw last is not joined again."""
-        known = self._flat_of
-        if known is not None and known[0] is batch:
-            return known[1], known[2], known[3]
+        for known in (self._flat_of, self._flat_round):
+            if known is not None and known[0] is batch:
+                return known[1], known[2], known[3]
         key = tuple((m.group, ids.size, slot_reach(g.object_bytes, m)) for g, m, ids, _o in batch)
         ids = _joined([ids for _g, _m, ids, _o in batch])
         offs = _joined([offs for _g, _m, _i, offs in batch])
-        return self.shapes.get(key), ids, offs
+        shape = self.shapes.get(key)
+        self._flat_round = (batch, shape, ids, offs)  # a round is planned in several steps
+        return shape, ids, offs
 
 
 _SIGN_OR_MISALIGNED = np.int64(-(1 << 63) | 7)

@@ -42,9 +42,8 @@ from umbp.transfer.plans import (
     build_plan,
     cut_rounds,
     passed,
-    plan_runs,
+    plan_rounds,
     round_budgets,
-    sorted_runs,
     templates,
 )
 from umbp.transfer.staged import Batch, staged_load, staged_save
@@ -184,7 +183,7 @@ class KernelEngine(TransferEngine):
         self._turn = {SAVE: 0, LOAD: 0}
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = TablePool()
-        self._last_sorted: tuple[Batch, tuple[np.ndarray, ...]] | None = None
+        self._last_layouts: tuple[Batch, tuple[int, ...], list[tuple]] | None = None
         self._last: dict[int, torch.cuda.Event | None] = {SAVE: None, LOAD: None}  # each direction's newest
 
     def warm_up(self, block: int, offset: int, verify: bool = True) -> None:
@@ -254,8 +253,8 @@ class KernelEngine(TransferEngine):
             gather.wait_stream(caller)
         at = 0
         with self._stream(gather):  # one switch per call: each costs ~16 us of host time (H200 host)
-            for r in self._rounds(batch, SAVE, cold):
-                stg, rows, runs, slot = self._staging(r, SAVE)
+            for r, layout in self._laid_out(batch, SAVE, cold):
+                stg, rows, runs, slot = self._staging(layout, SAVE)
                 self._acquire(slot, gather)
                 plan = self._plan(r, [rows], sums=True, stream=gather)
                 self._copy(plan, None, 0, self._align16(r, [rows]), checksum=True, hbm=True)
@@ -287,8 +286,8 @@ class KernelEngine(TransferEngine):
                     self._load_direct(batch, keep)
                 else:
                     at = 0
-                    for r in self._rounds(batch, LOAD, cold=False):
-                        at = self._load_staged(r, keep, out, at)
+                    for r, layout in self._laid_out(batch, LOAD, cold=False):
+                        at = self._load_staged(r, layout, keep, out, at)
                 with self._stream(last if dma else None):  # the handle completes after the last scatter
                     return self._track(LOAD, self._finish(batch, out, keep, None, last))
         except BaseException:
@@ -311,11 +310,13 @@ class KernelEngine(TransferEngine):
         self._copy(plan, 0, None, self._align16(batch, [arena]))
         keep.append(plan.buf)
 
-    def _load_staged(self, batch: Batch, keep: list[torch.Tensor], out: torch.Tensor, at: int) -> int:
+    def _load_staged(
+        self, batch: Batch, layout: tuple, keep: list[torch.Tensor], out: torch.Tensor, at: int
+    ) -> int:
         """Verified zero-copy load: arena -> device staging by the kernel (with checksums), then staging
         -> KV pages for the objects whose checksum matched (compared inside that launch). Returns the
         index of the next object's verdict in `out`."""
-        stg, rows, _runs, slot = self._staging(batch, LOAD)
+        stg, rows, _runs, slot = self._staging(layout, LOAD)
         self._acquire(slot, self._main(LOAD))
         arena = self.arena_base + self.flat(batch)[2]
         verify = any(m.digests is not None for _g, m, _i, _o in batch)
@@ -337,8 +338,8 @@ class KernelEngine(TransferEngine):
             work.wait_stream(caller)
         at = 0
         with self._stream(work):  # copy-stream work is issued on `copy` explicitly (see _save_dma)
-            for r in self._rounds(batch, LOAD, cold):
-                stg, rows, runs, slot = self._staging(r, LOAD)
+            for r, layout in self._laid_out(batch, LOAD, cold):
+                stg, rows, runs, slot = self._staging(layout, LOAD)
                 self._acquire(slot, copy)
                 self._copy_runs(runs, stg, to_arena=False, stream=copy)
                 copied = self._event(copy)
@@ -377,15 +378,20 @@ class KernelEngine(TransferEngine):
         nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
         if nbytes < max(min_run_bytes, self.dma_min_batch_bytes):
             return "zero-copy"
-        return "dma" if nbytes >= min_run_bytes * self._sorted_runs(batch)[0].size else "zero-copy"
+        runs = self._layouts(batch, (0, self.flat(batch)[0].nobj))[0][1][0].size
+        return "dma" if nbytes >= min_run_bytes * runs else "zero-copy"
 
-    def _sorted_runs(self, batch: Batch) -> tuple[np.ndarray, ...]:
-        """sorted_runs(batch), kept for the batch seen last: a call that is one round sorts its slots once
-        for _path and _staging (each sort was ~0.1 ms of the H200 host's time per call)."""
-        if self._last_sorted is None or self._last_sorted[0] is not batch:
-            shape, _ids, offs = self.flat(batch)
-            self._last_sorted = (batch, sorted_runs(batch, shape, offs))
-        return self._last_sorted[1]
+    def _layouts(self, batch: Batch, bounds: tuple[int, ...]) -> list[tuple]:
+        """plans.plan_rounds for the batch cut at `bounds`, kept for the batch seen last: a call that is
+        one round lays its slots out once for _path and _staging (each sort and layout was ~0.1 ms of
+        the H200 host's time per call)."""
+        known = self._last_layouts
+        if known is not None and known[0] is batch and known[1] == bounds:
+            return known[2]
+        shape, _ids, offs = self.flat(batch)
+        layouts = plan_rounds(offs, shape.size, shape.reach, list(bounds))
+        self._last_layouts = (batch, bounds, layouts)
+        return layouts
 
     def _rounds(self, batch: Batch, direction: int, cold: bool) -> list[Batch]:
         """Cut the batch, in order, into rounds that each fit a ring buffer (plans.round_budgets says how
@@ -401,14 +407,23 @@ class KernelEngine(TransferEngine):
             budgets = [min(self._ring_bytes, b + biggest) for b in budgets]
         return cut_rounds(batch, budgets, self._ring_bytes)
 
+    def _laid_out(self, batch: Batch, direction: int, cold: bool) -> list[tuple[Batch, tuple]]:
+        """The batch's rounds (_rounds), each with its staging layout (plans.plan_rounds: all rounds in
+        one pass)."""
+        rounds = self._rounds(batch, direction, cold)
+        bounds = [0]
+        for r in rounds:
+            bounds.append(bounds[-1] + sum(ids.size for _g, _m, ids, _o in r))
+        return list(zip(rounds, self._layouts(batch, tuple(bounds)), strict=True))
+
     def _staging(
-        self, batch: Batch, direction: int
+        self, layout: tuple, direction: int
     ) -> tuple[torch.Tensor, np.ndarray, tuple[np.ndarray, ...], list]:
-        """Device staging laid out like the batch's runs of adjacent arena slots (pads between objects
-        included), so that each run is one copy. Returns (16-byte aligned uint8 buffer, each object's row
-        address in batch order, copy runs as arrays (arena offset, staging offset, bytes), its ring slot:
-        see _acquire)."""
-        pos, runs, total = plan_runs(self._sorted_runs(batch))
+        """Device staging laid out like a round's runs of adjacent arena slots (pads between objects
+        included; `layout`: from _laid_out), so that each run is one copy. Returns (16-byte aligned uint8
+        buffer, each object's row address in the round's order, copy runs as arrays (arena offset, staging
+        offset, bytes), its ring slot: see _acquire)."""
+        pos, runs, total = layout
         slot = self._ring_slot(direction, total)
         return slot[0], slot[0].data_ptr() + pos, runs, slot
 
