@@ -133,7 +133,8 @@ def host_costs() -> None:
     dev = torch.empty(4096, dtype=torch.int64, device="cuda")
     _pos, runs, total = P.plan_runs(P.sorted_runs(checked))
     stg = torch.empty(total, dtype=torch.uint8, device="cuda")
-    rows = [np.arange(ids.size, dtype=np.int64) * 16 + stg.data_ptr() for _g, _m, ids, _o in checked]
+    shape, ids, _offs = e.flat(checked)
+    rows = np.arange(shape.nobj, dtype=np.int64) * 16 + stg.data_ptr()
     plan = e._plan(checked, [rows], sums=True, stream=None)
     e._copy(plan, 0, None, True, hbm=True)
     torch.cuda.synchronize()
@@ -165,7 +166,8 @@ def host_costs() -> None:
         "batch copy call, 27 runs": lambda: e._copy_runs(runs, stg, to_arena=False, stream=s1),
         "_checked, 8 Moves": lambda: e._checked(batch, load=True),
         "sorted_runs + plan_runs": lambda: P.plan_runs(P.sorted_runs(checked)),
-        "build_plan, verified": lambda: P.build_plan(checked, [rows], True, e.toff, e._tables.take),
+        "plan_rounds (one round)": lambda: P.plan_rounds(_offs, shape.size, shape.reach, [0, shape.nobj]),
+        "build_plan, verified": lambda: P.build_plan(shape, checked, ids, [rows], True, e._tables.take),
         "pool take + give": lambda: e._tables.give(e._tables.take(4096), None),
         "pinned torch.empty 1 MiB": lambda: torch.empty(1 << 17, dtype=torch.int64, pin_memory=True),
         "event.query": ev.query,
