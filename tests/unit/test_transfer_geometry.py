@@ -145,11 +145,11 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     def flat(b):  # what TransferEngine.flat gives for these batches (the stand-in geometry has no template)
         (_g, m, _i, offs), n = b[0], b[0][3].size
         reach = m.slot_bytes or geom.object_bytes
-        shape = SimpleNamespace(nobj=n, size=np.full(n, geom.object_bytes), reach=np.full(n, reach))
-        return shape, None, offs
+        size, reach = np.full(n, geom.object_bytes), np.full(n, reach)
+        return SimpleNamespace(nobj=n, size=size, reach=reach, uniform_reach=None), None, offs
 
-    engine = SimpleNamespace(_last_layouts=None, dma_min_batch_bytes=1 << 20, flat=flat)
-    engine._layouts = lambda b, bounds: KernelEngine._layouts(engine, b, bounds)
+    engine = SimpleNamespace(_last_order=None, dma_min_batch_bytes=1 << 20, flat=flat)
+    engine._run_count = lambda b: KernelEngine._run_count(engine, b)
 
     def path(b, choice, bar):
         return KernelEngine._path(engine, b, choice, bar)

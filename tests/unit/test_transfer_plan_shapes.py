@@ -4,6 +4,8 @@ and a batch shape's cached constants must follow the key they were made for. CPU
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from umbp.pool import Arena
 from umbp.transfer import Moves, make_engine
 from umbp.transfer import model_layouts as L
 from umbp.transfer.api import slot_reach
+from umbp.transfer.kernel_engine import KernelEngine
 from umbp.transfer.plans import cut_rounds, plan_rounds, plan_runs, sorted_runs
 from umbp.transfer.shapes import ShapeCache, length_term
 
@@ -58,6 +61,8 @@ def test_rounds_laid_out_in_one_pass_equal_the_per_round_reference(engine) -> No
         batch = engine._checked(_random_batch(engine, rng, load=bool(trial % 2)), load=bool(trial % 2))
         shape, _ids, offs = engine.flat(batch)
         n = shape.nobj
+        stand_in = SimpleNamespace(flat=engine.flat, _last_order=None)  # the kernel engine's _path count
+        assert KernelEngine._run_count(stand_in, batch) == plan_runs(sorted_runs(batch))[1][0].size
         cuts = sorted({int(c) for c in rng.integers(1, n, int(rng.integers(0, 4)))}) if n > 1 else []
         budgets = [1 << 40]
         rounds = [batch]

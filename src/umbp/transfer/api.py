@@ -86,7 +86,7 @@ class TransferEngine:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.shapes = ShapeCache(self.groups, template_offsets(list(self.groups.items())))
         self._flat_of: tuple | None = None  # (batch, shape, ids, offsets) of the batch checked last
-        self._flat_round: tuple | None = None  # the same for the round flat() saw last
+        self._flat_rounds: dict[int, tuple] = {}  # the same for rounds cut from batches (remember())
 
     def object_bytes(self, group: int) -> int:
         return self.groups[group].object_bytes
@@ -154,6 +154,7 @@ class TransferEngine:
         ids = _joined([ids for _g, _m, ids, _o in out])
         offs = _joined([offs for _g, _m, _i, offs in out])
         self._flat_of = (out, shape, ids, offs)  # the engine's planning reuses them (see flat())
+        self._flat_rounds.clear()  # rounds of earlier calls
         if not ids.size:
             return out
         # as unsigned, a negative id is huge: one compare checks both ends of the range
@@ -176,14 +177,23 @@ class TransferEngine:
     def flat(self, batch: list) -> tuple[BatchShape, np.ndarray, np.ndarray]:
         """(shape, block ids, arena offsets) of a checked batch or a round cut from one, the ids and
         offsets as one array each in batch order. The batch _checked saw last is not joined again."""
-        for known in (self._flat_of, self._flat_round):
-            if known is not None and known[0] is batch:
-                return known[1], known[2], known[3]
-        key = tuple((m.group, ids.size, slot_reach(g.object_bytes, m)) for g, m, ids, _o in batch)
+        known = self._flat_of
+        if known is None or known[0] is not batch:
+            known = self._flat_rounds.get(id(batch))
+        if known is not None and known[0] is batch:
+            return known[1], known[2], known[3]
         ids = _joined([ids for _g, _m, ids, _o in batch])
         offs = _joined([offs for _g, _m, _i, offs in batch])
+        return self.remember(batch, ids, offs)
+
+    def remember(self, batch: list, ids: np.ndarray, offs: np.ndarray) -> tuple[BatchShape, np.ndarray, np.ndarray]:
+        """Keep a round's flat view for flat() (a round is planned in several steps), up to a few rounds
+        of one call (the rounds of the call before are let go)."""
+        key = tuple((m.group, i.size, slot_reach(g.object_bytes, m)) for g, m, i, _o in batch)
         shape = self.shapes.get(key)
-        self._flat_round = (batch, shape, ids, offs)  # a round is planned in several steps
+        if len(self._flat_rounds) >= 64:
+            self._flat_rounds.clear()
+        self._flat_rounds[id(batch)] = (batch, shape, ids, offs)  # holds batch: its id is not reused
         return shape, ids, offs
 
 

@@ -184,6 +184,7 @@ class KernelEngine(TransferEngine):
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = TablePool()
         self._last_layouts: tuple[Batch, tuple[int, ...], list[tuple]] | None = None
+        self._last_order: tuple[Batch, np.ndarray] | None = None  # _run_count's sort, for _layouts
         self._last: dict[int, torch.cuda.Event | None] = {SAVE: None, LOAD: None}  # each direction's newest
 
     def warm_up(self, block: int, offset: int, verify: bool = True) -> None:
@@ -378,8 +379,17 @@ class KernelEngine(TransferEngine):
         nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
         if nbytes < max(min_run_bytes, self.dma_min_batch_bytes):
             return "zero-copy"
-        runs = self._layouts(batch, (0, self.flat(batch)[0].nobj))[0][1][0].size
-        return "dma" if nbytes >= min_run_bytes * runs else "zero-copy"
+        return "dma" if nbytes >= min_run_bytes * self._run_count(batch) else "zero-copy"
+
+    def _run_count(self, batch: Batch) -> int:
+        """How many runs of adjacent slots the batch's slots form (_path): a sort and one compare, not
+        a whole layout, which the batch needs only if it is one round (then its sort is reused)."""
+        shape, _ids, offs = self.flat(batch)
+        order = np.argsort(offs, kind="stable")
+        so = offs[order]
+        reach = shape.uniform_reach if shape.uniform_reach is not None else shape.reach[order][:-1]
+        self._last_order = (batch, order)
+        return 1 + int(np.count_nonzero(so[1:] != so[:-1] + reach))
 
     def _layouts(self, batch: Batch, bounds: tuple[int, ...]) -> list[tuple]:
         """plans.plan_rounds for the batch cut at `bounds`, kept for the batch seen last: a call that is
@@ -389,7 +399,9 @@ class KernelEngine(TransferEngine):
         if known is not None and known[0] is batch and known[1] == bounds:
             return known[2]
         shape, _ids, offs = self.flat(batch)
-        layouts = plan_rounds(offs, shape.size, shape.reach, list(bounds))
+        known = self._last_order
+        order = known[1] if known is not None and known[0] is batch and len(bounds) == 2 else None
+        layouts = plan_rounds(offs, shape.size, shape.reach, list(bounds), order)
         self._last_layouts = (batch, bounds, layouts)
         return layouts
 
@@ -414,6 +426,10 @@ class KernelEngine(TransferEngine):
         bounds = [0]
         for r in rounds:
             bounds.append(bounds[-1] + sum(ids.size for _g, _m, ids, _o in r))
+        if len(rounds) > 1:  # each round's ids and offsets: views of the batch's, not joined again
+            _shape, ids, offs = self.flat(batch)
+            for r, a, b in zip(rounds, bounds[:-1], bounds[1:], strict=True):
+                self.remember(r, ids[a:b], offs[a:b])
         return list(zip(rounds, self._layouts(batch, tuple(bounds)), strict=True))
 
     def _staging(

@@ -203,14 +203,21 @@ def plan_runs(runs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, tuple[np.ndarra
 
 
 def plan_rounds(
-    offs: np.ndarray, size: np.ndarray, reach: np.ndarray, bounds: list[int]
+    offs: np.ndarray,
+    size: np.ndarray,
+    reach: np.ndarray,
+    bounds: list[int],
+    order: np.ndarray | None = None,
 ) -> list[tuple[np.ndarray, tuple[np.ndarray, ...], int]]:
     """plan_runs(sorted_runs(round)) for every round of a batch at once (rounds: consecutive objects of
     the batch, round r = objects bounds[r]:bounds[r + 1], as cut_rounds cuts them; offs, size, reach:
     per object in batch order). One sort by (round, offset) and one pass instead of a sort and a layout
-    per round: ~25 numpy calls a round, ~1-5 us each on a slow host, between a restore's copies."""
+    per round: ~25 numpy calls a round, ~1-5 us each on a slow host, between a restore's copies.
+    `order`: the stable argsort of offs, if the caller has it (one round only)."""
     n, nr = offs.size, len(bounds) - 1
-    if nr == 1:
+    if order is not None and nr == 1:
+        pass
+    elif nr == 1:
         order = np.argsort(offs, kind="stable")
     else:  # stable within a round, like the per-round argsort: loads may share a slot
         order = np.lexsort((offs, np.repeat(np.arange(nr), np.diff(bounds))))
