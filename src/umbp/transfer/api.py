@@ -158,13 +158,11 @@ class TransferEngine:
         if not ids.size:
             return out
         # as unsigned, a negative id is huge: one compare checks both ends of the range
-        if bool(np.any(ids.view(np.uint64) >= shape.limit.view(np.uint64))):
+        if (ids.view(np.uint64) >= shape.limit.view(np.uint64)).any():  # methods: no np.any wrapper
             for geom, _m, part, _o in out:
                 geom.check_blocks(part)  # raises, naming the group's range
         # sign bit or any of the low 3 bits set: negative or not 8-byte aligned
-        if bool(np.any(offs & _SIGN_OR_MISALIGNED)) or bool(
-            np.any(offs + shape.reach > self.arena.capacity_bytes)
-        ):
+        if (offs & _SIGN_OR_MISALIGNED).any() or (offs + shape.reach > self.arena.capacity_bytes).any():
             raise ValueError("umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch")
         if load:
             _check_single_writes(out, shape, ids)
@@ -236,7 +234,7 @@ def slot_reach(object_bytes: int, moves: Moves) -> int:
 def _has_repeats(ids: np.ndarray) -> bool:
     """Sort and compare neighbours: ~10x cheaper than np.unique for the thousands of ids of one load."""
     s = np.sort(ids)
-    return bool(np.any(s[1:] == s[:-1]))
+    return bool((s[1:] == s[:-1]).any())
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -254,7 +252,7 @@ def check_disjoint(starts: list[np.ndarray], reaches: list[int]) -> None:
         return
     if len(set(reaches)) == 1:
         s = np.sort(s)
-        overlap = bool(np.any(s[1:] - s[:-1] < reaches[0]))
+        overlap = bool((s[1:] - s[:-1] < reaches[0]).any())
     else:
         e = np.concatenate([o + r for o, r in zip(starts, reaches, strict=True)])
         order = np.argsort(s, kind="stable")

@@ -220,7 +220,8 @@ def plan_rounds(
     elif nr == 1:
         order = np.argsort(offs, kind="stable")
     else:  # stable within a round, like the per-round argsort: loads may share a slot
-        order = np.lexsort((offs, np.repeat(np.arange(nr), np.diff(bounds))))
+        sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        order = np.lexsort((offs, np.repeat(np.arange(nr), sizes)))
     so, ss = offs[order], size[order]
     new_run = np.empty(n, bool)
     new_run[0] = True
@@ -236,7 +237,7 @@ def plan_rounds(
     ends = np.cumsum(padded)
     cuts = np.searchsorted(first, bounds)  # each round's first run (and the run count at the end)
     before = np.concatenate(([0], ends))[cuts]  # staging bytes of the rounds before each round
-    base = ends - padded - np.repeat(before[:-1], np.diff(cuts))
+    base = ends - padded - np.repeat(before[:-1], cuts[1:] - cuts[:-1])
     pos = np.empty_like(so)
     pos[order] = so + (base - start)[np.repeat(np.arange(first.size), last - first + 1)]
     totals = (before[1:] - before[:-1]).tolist()
