@@ -6,8 +6,10 @@ planning it relies on, host side only:
 * `Plan`: one launch's plan in int64 words (layout in triton_kernels.py): a segment table, each object's
   block id, its addresses on the arena or staging side, the digests a verified load expects, and zeroed
   checksum words. Built in page-locked memory from a `TablePool`.
-* `sorted_runs` / `plan_runs`: the batch's arena slots sorted and cut into runs of adjacent slots, and
-  where each object lies in device staging, so that each run is one copy-engine copy.
+* `plan_rounds`: for every round of a batch in one pass, its arena slots sorted and cut into runs of
+  adjacent slots, and where each object lies in device staging, so that each run is one copy-engine copy.
+  `sorted_runs` / `plan_runs` compute the same for one round, step by step: the reference the tests hold
+  plan_rounds to. Per-object constants of a batch come from its `BatchShape` (shapes.py).
 * `round_budgets` / `cut_rounds`: how a batch is cut into rounds that fit a staging buffer, shaped for
   what the caller waits for (see round_budgets).
 """
