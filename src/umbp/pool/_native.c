@@ -1,6 +1,6 @@
 /* umbp.pool._native: the per-byte and per-value loops of the pool's hot paths, out of the interpreter.
  *
- * Why: the pure-Python paths (umbp.pool.psum, umbp.pool.resp) are already one numpy call or one buffer
+ * Why: the pure-Python paths (umbp.pool.checksum, umbp.pool.remote.resp) are already one numpy call or one buffer
  * check per object, but on a 16-core host the interpreter steps around them (and the GIL they retake)
  * cap a 64 KiB object stream at 2-4 GB/s, below the disk and the server (docs/ssd.md, docs/remote.md).
  * Here a whole batch runs with the GIL released: copy + checksum of many objects in one call, and the
@@ -9,7 +9,7 @@
  * Everything here has a pure-Python twin that gives identical results (tests compare them); the
  * extension is optional and umbp.pool.native falls back when it is missing or UMBP_NATIVE=0.
  *
- * psum64 format 2 (see psum.py): a CRC-64 (P = x^64 + x^4 + x^3 + x + 1) of the object's bits in a
+ * psum64 format 2 (see umbp/pool/checksum/): a CRC-64 (P = x^64 + x^4 + x^3 + x + 1) of the object's bits in a
  * fixed order: each 4 KiB row (the last zero-padded) is 64 Horner chains of 8 words, lane l times
  * x^(512 l), row r times x^(32768 r), all xored, the length mixed in with xor (nbytes * GOLDEN).
  */
@@ -68,7 +68,7 @@ static uint64_t lane_lo[LANES][16], lane_hi[LANES][16]; /* lane_k[l] * v for v <
 static uint64_t gamma_k[ROW_WORDS]; /* x^(64 e(i)) for word i of a row: what the carry-less path multiplies by */
 static uint64_t row_step;           /* x^(64 * 512): from one row's weight to the next */
 
-/* A row's value (psum.py): 64 Horner chains over the row's 8 steps, each times lane_k, xored. Partial
+/* A row's value (checksum/digest.py): 64 Horner chains over the row's 8 steps, each times lane_k, xored. Partial
  * rows (n < ROW_BYTES) are zero-padded. The loop over lanes is what the compiler vectorises. */
 HOT_LOOP
 static uint64_t row_value_portable(const unsigned char *p, size_t n) {

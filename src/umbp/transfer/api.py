@@ -184,7 +184,9 @@ class TransferEngine:
         offs = _joined([offs for _g, _m, _i, offs in batch])
         return self.remember(batch, ids, offs)
 
-    def remember(self, batch: list, ids: np.ndarray, offs: np.ndarray) -> tuple[BatchShape, np.ndarray, np.ndarray]:
+    def remember(
+        self, batch: list, ids: np.ndarray, offs: np.ndarray
+    ) -> tuple[BatchShape, np.ndarray, np.ndarray]:
         """Keep a round's flat view for flat() (a round is planned in several steps), up to a few rounds
         of one call (the rounds of the call before are let go)."""
         key = tuple((m.group, i.size, slot_reach(g.object_bytes, m)) for g, m, i, _o in batch)
@@ -208,9 +210,9 @@ def _check_single_writes(out: list, shape: BatchShape, ids: np.ndarray) -> None:
     groups = [m.group for _g, m, _i, _o in out]
     # (group, block) as one key: the group's index times the largest block count, plus the block
     index = {g: i for i, g in enumerate(dict.fromkeys(groups))}
-    keys = np.repeat(np.array([index[g] for g in groups], np.int64), shape.counts) * int(
-        shape.limit.max()
-    ) + ids
+    keys = (
+        np.repeat(np.array([index[g] for g in groups], np.int64), shape.counts) * int(shape.limit.max()) + ids
+    )
     if _has_repeats(keys):
         for g in dict.fromkeys(groups):
             mine = [part for _geom, m, part, _o in out if m.group == g]

@@ -33,6 +33,7 @@ from umbp.pool import Arena
 from umbp.pool.checksum import LANES, ROW_BYTES, lane_table
 from umbp.transfer import batchcopy
 from umbp.transfer.api import Handle, Moves, TransferEngine
+from umbp.transfer.completion import DeviceHandle
 from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.plans import (
     Plan,
@@ -52,46 +53,6 @@ SAVE, LOAD = 0, 1  # stream index per direction
 FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a plan's int64 words)
 # the copy kernel's constexprs, in its signature's order (triton_kernels.copy_objects)
 COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS")
-
-
-class DeviceHandle(Handle):
-    """Completes when its CUDA event does; values come from a small page-locked int64 buffer (None: an
-    unverified load, every object written), which goes back to the engine's pool once read."""
-
-    def __init__(
-        self,
-        sizes: list[int],
-        event: torch.cuda.Event | None,
-        host: torch.Tensor | None,
-        keep: list[torch.Tensor],
-        mix: np.ndarray | None,
-        pool: TablePool | None,
-    ):
-        super().__init__(sizes)
-        self._event, self._host, self._keep, self._mix, self._pool = event, host, keep, mix, pool
-
-    def done(self) -> bool:
-        return self._event is None or self._event.query()
-
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-        self._keep = []
-
-    def _flat(self) -> list:
-        if self._values is None:
-            if self._host is None:
-                self._values = [True] * sum(self._sizes)
-            else:
-                vals = self._host.numpy()
-                if self._mix is None:
-                    self._values = (vals != 0).tolist()
-                else:  # digests: the length term goes in here
-                    self._values = (vals.view(np.uint64) ^ self._mix).tolist()
-                if self._pool is not None:
-                    self._pool.give(self._host, None)  # read: the buffer may serve the next call
-                self._host = None
-        return self._values
 
 
 class KernelEngine(TransferEngine):

@@ -35,7 +35,7 @@ class Plan:
     columns [nobj] each, then (verified loads) expected digests as (digest less its length term, skip)
     pairs [2 * nobj], then (checksumming launches) one zeroed checksum word per object. `sums()`: each
     object's pieces' checksum terms xored together, i.e. its psum64 less the length term, which the host
-    xors in (DeviceHandle), so the device needs no extra op per group."""
+    xors in (completion.DeviceHandle), so the device needs no extra op per group."""
 
     def __init__(self, host: torch.Tensor, nseg: int, n: int, nobj: int, ncols: int, want: bool, sums: bool):
         self.host, self.buf = host, host

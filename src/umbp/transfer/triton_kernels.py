@@ -4,7 +4,7 @@ Why a kernel instead of cudaMemcpy: the arena slots of a batch are scattered, an
 runs at ~2.4 GB/s on an H200 (launch-bound). Page-locked host memory is mapped into the device's address
 space (UVA), so SM loads/stores reach it directly over PCIe: one launch moves every page of a batch, in
 either direction, with no device staging and no host memcpy. The same pass computes the psum64 of each
-object (umbp.pool.psum) because the data is already in registers: a checksumming launch walks each piece
+object (umbp.pool.checksum) because the data is already in registers: a checksumming launch walks each piece
 as tiles of CROWS rows x 64 lanes, and for each of a row's 8 steps loads, stores and folds one word per
 (row, lane) into that lane's Horner chain (acc * x**64 + w: six shifts and some xors, since the field's
 polynomial is sparse); after the 8 steps each chain is multiplied once by its weight K[64*row + lane]
@@ -82,7 +82,7 @@ def _raw_stream(device_index: int) -> int:
 
 @triton.jit
 def mulx64(a):
-    """a * x**64 in GF(2)[x] / (x**64 + x**4 + x**3 + x + 1), a uint64 (umbp.pool.psum.mulx64)."""
+    """a * x**64 in GF(2)[x] / (x**64 + x**4 + x**3 + x + 1), a uint64 (umbp.pool.checksum.gf64.mulx64)."""
     o = (a >> 60) ^ (a >> 61) ^ (a >> 63)
     return a ^ (a << 1) ^ (a << 3) ^ (a << 4) ^ o ^ (o << 1) ^ (o << 3) ^ (o << 4)
 
@@ -172,7 +172,7 @@ def copy_objects(
     """n pieces. `*_at`: word offsets in `plan` of the block ids, the source and destination rows (unused
     on a KV side), the checksums (xored into atomically: several pieces make one object's digest) and
     the expected digests (pairs: digest less its length term, skip flag). `ktab`: psum64's lane weights K
-    (umbp.pool.psum.lane_table), enough for the largest object. GUARD: an object whose checksum (made by
+    (umbp.pool.checksum.gf64.lane_table), enough for the largest object. GUARD: an object whose checksum (made by
     an earlier launch over the same plan) is not the one expected moves nothing, and `out[obj]` (int64,
     page-locked host memory: the caller's result, no copy back needed) says whether it was written."""
     pid = tl.program_id(0)
