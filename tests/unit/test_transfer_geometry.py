@@ -142,6 +142,7 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     assert list(pos) == list(np.arange(64) * (64 << 10))
     assert [list(a) for a in spans] == [[0], [0], [63 * (64 << 10) + (60 << 10)]]
     assert total % 16 == 0 and total >= spans[2][0]
+
     def flat(b):  # what TransferEngine.flat gives for these batches (the stand-in geometry has no template)
         (_g, m, _i, offs), n = b[0], b[0][3].size
         reach = m.slot_bytes or geom.object_bytes
@@ -315,7 +316,9 @@ def test_a_plan_carries_the_expected_digests_less_their_length_term():
     from umbp.transfer.shapes import make_shape
 
     def geom(nbytes, pieces):
-        return SimpleNamespace(object_bytes=nbytes, num_blocks=64, template=SimpleNamespace(obj=np.zeros(pieces)))
+        return SimpleNamespace(
+            object_bytes=nbytes, num_blocks=64, template=SimpleNamespace(obj=np.zeros(pieces))
+        )
 
     a, b = geom(4096, 2), geom(1000, 1)
     batch = [
