@@ -5,18 +5,24 @@ turn 1 computes an 840-token prompt (8 greedy tokens, logprobs), vLLM's local pr
 (``reset_prefix_cache`` without resetting the connector, as umbp's own end-to-end tests do), turn 2 resends
 the same prompt. Reported per row:
 
-* ``external``: what the connector's scheduler side told vLLM it would load for turn 2
+* ``turn2_external``: what the connector's scheduler side told vLLM it would load for turn 2
   (``get_num_new_matched_tokens``, i.e. vLLM's ``num_external_computed_tokens``), recorded by wrapping
   that method on the live connector object;
-* ``cached``: vLLM's own ``num_cached_tokens`` of turn 2 (local + external; local is 0 after the reset);
-* whether turn 2's tokens equal turn 1's (a full recompute) and the largest logprob difference.
+* ``turn2_cached``: vLLM's own ``num_cached_tokens`` of turn 2 (local + external; local is 0 after the reset);
+* ``tokens_equal`` / ``max_abs_dlogprob``: turn 2 against turn 1 (a full recompute).
+
+A connector that refuses to start is a row too: ``ROW-FAILED`` with the traceback and the error line.
 
 LMCache is imported from a separate target directory (``pip install --no-deps --target``) so the shared
-virtual environment is not touched; see bench/results/peers-lmcache.txt for the exact commands.  LMCache's
-copy step between vLLM's paged KV cache and its CPU buffers is whatever LMCache itself selects on a CPU-only
-host has none (LMCache then runs "in degraded mode (recompute)"), so by default the harness replaces that one
-step with the plain-torch gather/scatter in ``lmcache_cpu_copy.py`` (``--no-replace-copy`` shows the
-unreplaced behaviour).
+virtual environment is not touched; see bench/results/peers-lmcache.txt for the exact commands.
+
+* ``--connector lmcache`` (vLLM's LMCacheConnectorV1): LMCache 0.5.6 has no copy step between vLLM's paged KV
+  cache and its buffers on a CPU-only host (it then runs "in degraded mode (recompute)"), so by default the
+  harness replaces that one step with the layout-checked torch gather/scatter in ``lmcache_cpu_copy.py``
+  (``--no-replace-copy`` shows the unreplaced behaviour).
+* ``--connector lmcache-mp`` (LMCacheMPConnector): the harness starts LMCache's cache server on 127.0.0.1 and
+  stops it at the end; LMCache's own CPU transfer path is used (nothing replaced), with the one start-up
+  workaround described in ``hide_llvmlite_from_kernel_rebind``.
 
 Usage (from the worktree root)::
 
