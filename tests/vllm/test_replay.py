@@ -288,3 +288,24 @@ def test_dcp_layout_known_answers(tmp_path, page):
     turn = {r.req_id: r for r in run(tmp_path, layout, page).records}["A#1"]
     assert (turn.local, turn.oracle) == (0, 176)
     assert turn.restored == (176 if page else 0)
+
+
+@pytest.mark.parametrize("kw", [{}, {"checkpoint": 1}])
+def test_a_restored_turn_is_a_local_hit_for_the_next(tmp_path, kw):
+    """After a restore, vLLM caches the loaded blocks and the prompt-tail state like computed ones, so the
+    session's next turn hits its predecessor's whole prompt on the GPU (docs/replay.md: fewer GPU-local
+    hits when restoring come from pool pressure, not from restored blocks missing from the prefix cache)."""
+    from umbp.replay.driver import Setting, replay
+
+    a0 = Segment("A0", 190)
+    a1 = (a0, Segment("A-reply", 30), Segment("A-tool", 40))
+    turns = two_sessions()[:2] + [
+        Turn("A", 2, (*a1, Segment("A-reply2", 20), Segment("A-tool2", 30)), think_s=0.1),
+        two_sessions()[2],
+    ]
+    result = replay(tiny_layout(**kw), Setting(True, 0), turns, concurrency=2, workdir=tmp_path)
+    recs = {r.req_id: r for r in result.records}
+    restored, after = recs["A#1"], recs["A#2"]
+    assert restored.local == 0 and restored.restored == 176  # B's prompt evicted A from the 12-block pool
+    assert after.local == after.oracle >= restored.prompt_tokens - 16
+    assert after.restorable == 0 and after.external == 0
