@@ -144,14 +144,7 @@ def table(summaries: list[dict[str, Any]], header: str) -> str:
                 f"{bpt / 1e3:,.1f} KB" if bpt else "-",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines = [header]
-    for n, row in enumerate(rows):
-        lines.append(
-            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        )
-        if n == 0:
-            lines.append("-" * len(lines[-1]))
+    lines = [header, *_aligned(rows)]
     for s in summaries:
         if s["stopped_early_reasons"]:
             reasons = ", ".join(f"{k}: {v}" for k, v in s["stopped_early_reasons"].items())
@@ -349,14 +342,7 @@ def peer_table(summaries: list[dict[str, Any]], header: str) -> str:
         if s["stopped_early_reasons"]:
             top = list(s["stopped_early_reasons"].items())[:3]
             notes.append(f"  why short ({name}): " + ", ".join(f"{k}: {v}" for k, v in top))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines = [header]
-    for n, row in enumerate(rows):
-        lines.append(
-            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        )
-        if n == 0:
-            lines.append("-" * len(lines[-1]))
+    lines = [header, *_aligned(rows)]
     if any(s.get("connector") == "offloading" for s in summaries):
         notes.append(f"  {SIMULATED_COPY}")
     return "\n".join(lines + notes)
@@ -404,3 +390,16 @@ def peer_payload(payload: dict[str, Any]) -> dict[str, Any]:
         "note": SIMULATED_COPY,
         "layouts": layouts,
     }
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as text columns (the first left-aligned, the rest right-aligned), a rule under the first row."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
+        if n == 0:
+            lines.append("-" * len(lines[-1]))
+    return lines

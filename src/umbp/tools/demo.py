@@ -171,21 +171,21 @@ def run(args: argparse.Namespace) -> int:
 def _run_restart(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
     from umbp.tools import demo_restart
 
-    result, ok = demo_restart.run(args, model_dir)
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
-    out = write_json(args.out, result)
-    demo_restart.print_table(result)
-    print(f"\n(wall time {result['wall_s']} s; JSON in {out})")
-    return 0 if ok else 1
+    return _run_variant(demo_restart.run(args, model_dir), demo_restart.print_table, args, t0)
 
 
 def _run_pd(args: argparse.Namespace, model_dir: Path, t0: float) -> int:
     from umbp.tools import pd
 
-    result, ok = pd.run_demo(args, model_dir)
+    return _run_variant(pd.run_demo(args, model_dir), pd.print_demo, args, t0)
+
+
+def _run_variant(outcome: tuple[dict, bool], print_table, args: argparse.Namespace, t0: float) -> int:
+    """Write a variant's result (with the wall time) as JSON, print its table; exit code 1 if it failed."""
+    result, ok = outcome
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     out = write_json(args.out, result)
-    pd.print_demo(result)
+    print_table(result)
     print(f"\n(wall time {result['wall_s']} s; JSON in {out})")
     return 0 if ok else 1
 

@@ -228,14 +228,7 @@ class Wire:
             except BlockingIOError:
                 self._wait(self._poll_out)
                 continue
-            while sent:
-                n = views[i].nbytes
-                if sent >= n:
-                    sent -= n
-                    i += 1
-                else:
-                    views[i] = views[i][sent:]
-                    sent = 0
+            i = _advance(views, i, sent)
 
     # ---- reading ------------------------------------------------------------------------------------
 
@@ -516,15 +509,20 @@ def _sendmsg_all(sock: Any, parts: Sequence[bytes | memoryview]) -> None:
     views = [memoryview(p) for p in parts if len(p)]
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + _IOV_MAX])
-        while sent:
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        i = _advance(views, i, sock.sendmsg(views[i : i + _IOV_MAX]))
+
+
+def _advance(views: list[memoryview], i: int, sent: int) -> int:
+    """After a vectored send from views[i] took `sent` bytes: the index of the first buffer not wholly sent,
+    that buffer trimmed to what is left of it."""
+    while sent:
+        n = views[i].nbytes
+        if sent < n:
+            views[i] = views[i][sent:]
+            break
+        sent -= n
+        i += 1
+    return i
 
 
 _HIT, _MISS = b"$1\r\n1\r\n", b"$-1\r\n"
