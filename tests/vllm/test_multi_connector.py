@@ -38,18 +38,11 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheT
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from umbp.replay.engine import make_scheduler  # noqa: E402
+from umbp.tools.pd import TO_DECODE  # noqa: E402
 from umbp.vllm.connector import UMBPConnector  # noqa: E402
 
 PROMPT = [3 + (i * 37) % 500 for i in range(840)]
 GROUPS = [GroupDef("fa", 400), GroupDef("mamba", 400)]
-TO_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 NUM_BLOCKS = 64
 
 
