@@ -1,6 +1,7 @@
-"""Builds umbp's optional C extension (umbp.pool._native); everything else is in pyproject.toml.
+"""Builds umbp's optional C extensions (umbp.pool._native, umbp.transfer._rounds); everything else is in
+pyproject.toml.
 
-The extension is optional: without a C compiler the install still succeeds and umbp runs its pure-Python
+The extensions are optional: without a C compiler the install still succeeds and umbp runs its pure-Python
 paths (slower on hosts with many cores; see docs/pool.md). CI sets UMBP_REQUIRE_NATIVE=1 so a build that
 silently failed there is an error, not a slower pass."""
 
@@ -13,6 +14,12 @@ setup(
             ["src/umbp/pool/_native.c"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
-        )
+        ),
+        Extension(
+            "umbp.transfer._rounds",
+            ["src/umbp/transfer/_rounds.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            optional=True,
+        ),
     ]
 )

@@ -57,11 +57,14 @@ def _engine(max_tokens: int):
     ring = {d: [[torch.empty(0, dtype=torch.uint8), None] for _ in range(2)] for d in (0, 1)}
     turn = {0: 0, 1: 0}
 
-    def ring_slot(direction: int, nbytes: int) -> list:
+    def take(direction: int, nbytes: int) -> list:
         turn[direction] += 1
         return ring[direction][turn[direction] % 2]
 
-    e._ring_slot = ring_slot
+    if hasattr(e, "ring"):
+        e.ring.take = take
+    else:  # trees before the staging ring had its own module
+        e._ring_slot = take
     rng = np.random.default_rng(0)
     blocks = [int(b) for b in rng.permutation(2 * need + 8)[:need]]
     slots = [int(x) * obj for x in rng.permutation(2 * need)[:need]]

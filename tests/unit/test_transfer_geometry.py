@@ -149,8 +149,11 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
         size, reach = np.full(n, geom.object_bytes), np.full(n, reach)
         return SimpleNamespace(nobj=n, size=size, reach=reach, uniform_reach=None), None, offs
 
-    engine = SimpleNamespace(_last_order=None, dma_min_batch_bytes=1 << 20, flat=flat)
+    engine = SimpleNamespace(
+        _last_order=None, _last_layouts=None, _ring_bytes=1 << 30, dma_min_batch_bytes=1 << 20, flat=flat
+    )
     engine._run_count = lambda b: KernelEngine._run_count(engine, b)
+    engine._lay_out = lambda b, budgets: KernelEngine._lay_out(engine, b, budgets)
 
     def path(b, choice, bar):
         return KernelEngine._path(engine, b, choice, bar)
@@ -173,6 +176,7 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
 
     from umbp.transfer import Moves
     from umbp.transfer.kernel_engine import LOAD, SAVE, KernelEngine
+    from umbp.transfer.plans import round_bounds, slice_batch
 
     obj, cap = 64 << 10, 128 << 20
 
@@ -183,8 +187,13 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
             d = [int(i) for i in ids] if digests else None
             batch.append((SimpleNamespace(object_bytes=obj), Moves(g, ids, ids * obj, d), ids, ids * obj))
             first += n
-        engine = SimpleNamespace(_ring_bytes=ring_bytes, min_round_bytes=min_round)
-        return KernelEngine._rounds(engine, batch, direction, cold)
+        shape = SimpleNamespace(reach=np.full(first, obj, np.int64), nobj=first)
+        engine = SimpleNamespace(
+            _ring_bytes=ring_bytes, min_round_bytes=min_round, flat=lambda b: (shape, None, None)
+        )
+        budgets = KernelEngine._budgets(engine, batch, direction, cold)
+        bounds = round_bounds(np.full(first, obj + 16), list(budgets), ring_bytes) if budgets else [0, first]
+        return [slice_batch(batch, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def check(cut, counts, ring):
         assert all(sum(p[2].size for p in r) * (obj + 16) <= ring for r in cut)

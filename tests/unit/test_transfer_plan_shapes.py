@@ -4,6 +4,7 @@ and a batch shape's cached constants must follow the key they were made for. CPU
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -61,8 +62,12 @@ def test_rounds_laid_out_in_one_pass_equal_the_per_round_reference(engine) -> No
         batch = engine._checked(_random_batch(engine, rng, load=bool(trial % 2)), load=bool(trial % 2))
         shape, _ids, offs = engine.flat(batch)
         n = shape.nobj
-        stand_in = SimpleNamespace(flat=engine.flat, _last_order=None)  # the kernel engine's _path count
-        assert KernelEngine._run_count(stand_in, batch) == plan_runs(sorted_runs(batch))[1][0].size
+        stand_in = SimpleNamespace(
+            flat=engine.flat, _last_order=None, _last_layouts=None, _ring_bytes=1 << 30
+        )
+        stand_in._lay_out = lambda b, budgets, s=stand_in: KernelEngine._lay_out(s, b, budgets)
+        count = KernelEngine._run_count(stand_in, batch)  # the kernel engine's _path count
+        assert count == plan_runs(sorted_runs(batch))[1][0].size
         cuts = sorted({int(c) for c in rng.integers(1, n, int(rng.integers(0, 4)))}) if n > 1 else []
         budgets = [1 << 40]
         rounds = [batch]
@@ -147,3 +152,113 @@ def test_checks_over_a_whole_batch_still_name_the_fault(engine, batch, match) ->
 def test_a_load_may_write_one_block_of_two_groups_and_read_one_slot_twice(engine) -> None:
     ok = [Moves(0, [1, 2], [0, 0]), Moves(1, [1], [4096]), Moves(2, [2], [4096])]
     assert engine.load(ok).result() == [[True, True], [True], [True]]
+
+
+def _greedy_rounds(costs: list[int], budgets: list[int], cap: int) -> list[list[int]]:
+    """Object by object: a round takes objects while they fit its budget (the last budget and any round
+    past it: up to cap), and at least one."""
+    rounds: list[list[int]] = [[]]
+    used = 0
+    for i, c in enumerate(costs):
+        k = len(rounds) - 1
+        room = budgets[k] if k < len(budgets) - 1 else max(cap, budgets[-1])
+        if rounds[-1] and used + c > room:
+            rounds.append([])
+            used = 0
+        rounds[-1].append(i)
+        used += c
+    return [r for r in rounds if r]
+
+
+def test_rounds_are_cut_greedily_and_keep_every_objects_moves(engine) -> None:
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        load = bool(trial % 2)
+        batch = engine._checked(_random_batch(engine, rng, load=load), load=load)
+        per = [slot_reach(g.object_bytes, m) + 16 for g, m, ids, _o in batch for _ in range(ids.size)]
+        budgets = [int(x) for x in rng.integers(1, 3 * max(per), int(rng.integers(1, 5)))]
+        cap = int(rng.integers(1, 4 * max(per)))
+        want = _greedy_rounds(per, budgets, cap)
+        got = cut_rounds(batch, budgets, cap)
+        assert [sum(ids.size for _g, _m, ids, _o in r) for r in got] == [len(r) for r in want]
+        flat = [
+            (m.group, int(b), int(o), None if m.digests is None else m.digests[j], m.slot_bytes)
+            for _g, m, ids, offs in batch
+            for j, (b, o) in enumerate(zip(ids, offs, strict=True))
+        ]
+        cut = [
+            (m.group, int(b), int(o), None if m.digests is None else list(m.digests)[j], m.slot_bytes)
+            for r in got
+            for _g, m, ids, offs in r
+            for j, (b, o) in enumerate(zip(ids, offs, strict=True))
+        ]
+        assert cut == flat
+        for r in got:  # each piece's Moves says what its arrays hold
+            for _g, m, ids, offs in r:
+                assert list(m.block_ids) == ids.tolist() and list(m.offsets) == offs.tolist()
+
+
+def test_the_c_layout_equals_the_numpy_one() -> None:
+    """plans.lay_out's C path (umbp.transfer._rounds) against round_bounds + plan_rounds: random batches
+    of 1 to 5,000 objects (insertion sort and radix sort), slots in runs, scattered, shared by two
+    objects (loads) and far into a large arena, one round or many."""
+    from umbp.pool import native
+    from umbp.transfer import plans
+
+    if plans._rounds is None:
+        if os.environ.get("UMBP_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"UMBP_REQUIRE_NATIVE=1 but umbp.transfer._rounds is {plans._why_not}")
+        pytest.skip(f"umbp.transfer._rounds is {plans._why_not}")
+    assert native.optional_extension("umbp.transfer._rounds")[0] is plans._rounds
+    rng = np.random.default_rng(17)
+    for trial in range(400):
+        n = int(rng.choice([1, 2, 5, 47, 48, 49, 300, 5000])) if trial % 4 else int(rng.integers(1, 200))
+        kinds = rng.integers(0, 3, n)  # three object sizes, slots padded or not
+        size = np.array([4096, 200 * 8, 24 * 8])[kinds].astype(np.int64)
+        reach = size + 8 * rng.integers(0, 3, n) * (rng.random(n) < 0.5)
+        offs = np.empty(n, np.int64)
+        cursor = int(rng.integers(0, 1 << 40)) & ~7 if trial % 3 == 0 else 0
+        for i in range(n):
+            if i and rng.random() < 0.1:
+                offs[i] = offs[i - 1]  # a slot loaded twice
+                continue
+            cursor += 0 if rng.random() < 0.6 else 8 * int(rng.integers(1, 64))
+            offs[i] = cursor
+            cursor += int(reach[i])
+        if rng.random() < 0.5:
+            offs = offs[rng.permutation(n)]  # slots at random
+            reach = reach.copy()
+        cost = reach + plans.RUN_PAD
+        many = rng.integers(1, max(2, int(cost.sum()) // 2), int(rng.integers(2, 6)))
+        budgets = () if rng.random() < 0.3 else tuple(int(x) for x in many)  # (): one round
+        cap = int(rng.integers(1, max(2, int(cost.sum()))))
+        got_bounds, got = plans.lay_out(offs, size, reach, budgets, cap)
+        want_bounds = plans.round_bounds(cost, list(budgets), cap) if budgets else [0, n]
+        want = plans.plan_rounds(offs, size, reach, want_bounds)
+        assert got_bounds == want_bounds, trial
+        assert len(got) == len(want)
+        for (gp, gr, gt), (wp, wr, wt) in zip(got, want, strict=True):
+            assert gp.tolist() == wp.tolist() and gt == wt, trial
+            assert [a.tolist() for a in gr] == [a.tolist() for a in wr], trial
+
+
+def test_the_c_layout_refuses_what_it_cannot_sort() -> None:
+    from umbp.transfer import plans
+
+    if plans._rounds is None:
+        pytest.skip(f"umbp.transfer._rounds is {plans._why_not}")
+    one = np.ones(3, np.int64) * 64
+    out = np.empty(8 * 3 + 4, np.int64)
+    for bad in ([0, 8, -8], [0, 8, 12]):
+        with pytest.raises(ValueError, match="offset"):
+            plans._rounds.lay_out(np.array(bad, np.int64), one, one, (), 0, 16, out)
+    many = 1 << 17  # 17 bits of batch index beside offset / 8: an offset of 2**62 leaves too few
+    offs = np.arange(many, dtype=np.int64) * 64
+    offs[-1] = 1 << 62
+    size = np.full(many, 64, np.int64)
+    with pytest.raises(ValueError, match="too large"):
+        plans._rounds.lay_out(offs, size, size, (), 0, 16, np.empty(8 * many + 4, np.int64))
+    with pytest.raises(ValueError, match="out"):
+        plans._rounds.lay_out(np.zeros(3, np.int64), one, one, (), 0, 16, out[:10])
+    with pytest.raises(TypeError, match="int64"):
+        plans._rounds.lay_out(np.zeros(3, np.int32), one, one, (), 0, 16, out)

@@ -1,8 +1,9 @@
-"""The optional C extension (umbp.pool._native), or None.
+"""The optional C extensions: the pool's (umbp.pool._native, here as `lib`, or None) and how any other
+is loaded (`optional_extension`: the transfer engine's round layout, umbp.transfer._rounds).
 
-Why optional: umbp must install and run wherever numpy does; the extension only makes the pool's
-per-object loops cheaper (psum64 copies, GET-reply parsing), and every caller keeps its pure-Python path,
-which gives identical results. Set UMBP_NATIVE=0 to use the Python paths (e.g. to compare them).
+Why optional: umbp must install and run wherever numpy does; the extensions only make per-object loops
+cheaper (psum64 copies, GET-reply parsing, a transfer's staging layout), and every caller keeps its
+pure-Python path, which gives identical results. Set UMBP_NATIVE=0 to use the Python paths (e.g. to compare them).
 UMBP_REQUIRE_NATIVE=1 (set by CI) makes a missing extension an import error instead of a quiet fallback.
 """
 
@@ -12,21 +13,23 @@ import importlib
 import os
 from types import ModuleType
 
-lib: ModuleType | None = None
-why_not: str = ""
 
-_disabled = os.environ.get("UMBP_NATIVE", "1") == "0"
-if _disabled:
-    why_not = "disabled by UMBP_NATIVE=0"
-else:
+def optional_extension(module: str) -> tuple[ModuleType | None, str]:
+    """(the C extension `module`, or None; why not, when None), by the rules above: UMBP_NATIVE=0 turns
+    every extension off, UMBP_REQUIRE_NATIVE=1 makes a missing one an ImportError."""
+    if os.environ.get("UMBP_NATIVE", "1") == "0":
+        return None, "disabled by UMBP_NATIVE=0"
     try:
-        lib = importlib.import_module("umbp.pool._native")
+        return importlib.import_module(module), ""
     except ImportError as exc:  # a missing module is the usual case; anything else is worth showing
-        why_not = "not built" if isinstance(exc, ModuleNotFoundError) else f"not loadable ({exc})"
-        why_not += "; reinstall umbp with a C compiler present (e.g. apt-get install gcc; pip install -e .)"
+        why = "not built" if isinstance(exc, ModuleNotFoundError) else f"not loadable ({exc})"
+        why += "; reinstall umbp with a C compiler present (e.g. apt-get install gcc; pip install -e .)"
+    if os.environ.get("UMBP_REQUIRE_NATIVE") == "1":
+        raise ImportError(f"umbp: UMBP_REQUIRE_NATIVE=1 but the C extension {module} is {why}")
+    return None, why
 
-if lib is None and not _disabled and os.environ.get("UMBP_REQUIRE_NATIVE") == "1":
-    raise ImportError(f"umbp: UMBP_REQUIRE_NATIVE=1 but the C extension umbp.pool._native is {why_not}")
+
+lib, why_not = optional_extension("umbp.pool._native")
 
 
 def describe() -> str:

@@ -1,7 +1,7 @@
 """The kernel path: one Triton launch per direction moves a whole batch between GPU pages and the
 page-locked arena (see triton_kernels.py for why), on the engine's own CUDA streams. This module submits
-the work and completes the handles; what each launch is told, and how a batch is cut and laid out, is
-planned in plans.py.
+the work and completes the handles; what each launch is told is planned in plans.py, and how a batch is
+split between the paths and cut into rounds in rounds.py.
 
 save:  KV pages --kernel--> arena slots (+ per-piece checksums) -> per-object digests -> host (async)
 load:  arena slots --kernel--> KV pages                                       (no digests given)
@@ -38,24 +38,20 @@ from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.plans import (
     Plan,
     TablePool,
-    aligned,
-    batch_cost,
     build_plan,
-    cut_rounds,
     passed,
-    plan_rounds,
-    round_budgets,
     templates,
 )
+from umbp.transfer.ring import StagingRing
+from umbp.transfer.rounds import LOAD, SAVE, BatchRounds
 from umbp.transfer.staged import Batch, staged_load, staged_save
 
-SAVE, LOAD = 0, 1  # stream index per direction
 FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a plan's int64 words)
 # the copy kernel's constexprs, in its signature's order (triton_kernels.copy_objects)
 COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS")
 
 
-class KernelEngine(TransferEngine):
+class KernelEngine(BatchRounds, TransferEngine):
     backend = "kernel"
 
     def __init__(
@@ -140,8 +136,7 @@ class KernelEngine(TransferEngine):
         # dma rounds: gathers (save) / verify + scatter (load) run on these, so round r's kernels overlap
         # round r-1's (or r+1's) copy-engine transfer on the direction's main stream
         self.aux = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
-        self._ring: dict[int, list[list]] = {SAVE: [], LOAD: []}  # per direction: [[staging, free event]]
-        self._turn = {SAVE: 0, LOAD: 0}
+        self.ring = StagingRing(self.device, self._ring_bytes, pooled=cuda)
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = TablePool()
         self._last_layouts: tuple[Batch, tuple[int, ...], list[tuple]] | None = None
@@ -166,7 +161,7 @@ class KernelEngine(TransferEngine):
         finally:
             self.save_path, self.load_path = paths
             self.synchronize()
-            self._ring = {SAVE: [], LOAD: []}
+            self.ring.clear()
 
     def synchronize(self) -> None:
         for s in (*(self.streams or ()), *(self.aux or ())):
@@ -185,13 +180,15 @@ class KernelEngine(TransferEngine):
         keep: list[torch.Tensor] = []
         caller = self._caller()
         try:
+            shape = self.flat(batch)[0]
+            out = self._host_buffer(shape.nobj)
+            if self._path(batch, self.save_path, self.dma_min_run_bytes) == "dma":
+                # streams named explicitly: each `with torch.cuda.stream` costs ~16 us of host time
+                # (H200 host), in front of the first copy
+                self._save_dma(batch, keep, caller, self._idle(SAVE), out)
+                return self._track(SAVE, self._finish(batch, out, keep, shape.mix, self._main(SAVE)))
             with self._on(SAVE, caller):
-                shape = self.flat(batch)[0]
-                out = self._host_buffer(shape.nobj)
-                if self._path(batch, self.save_path, self.dma_min_run_bytes) == "zero-copy":
-                    self._save_zero_copy(batch, keep, out)
-                else:
-                    self._save_dma(batch, keep, caller, self._idle(SAVE), out)
+                self._save_zero_copy(batch, keep, out)
                 return self._track(SAVE, self._finish(batch, out, keep, shape.mix, self._main(SAVE)))
         except BaseException:
             self._drain(keep)
@@ -207,27 +204,33 @@ class KernelEngine(TransferEngine):
     def _save_dma(
         self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, out: torch.Tensor
     ) -> None:
-        """Per round: KV pages -> staging (kernel on the gather stream, HBM speed, checksums, digests to
-        the host), then staging -> arena on the save stream (copy engine, one copy per run of adjacent
-        slots). Round r's gather runs while round r-1's copy does; two staging buffers take turns."""
+        """Per round: KV pages -> staging (kernel on the gather stream, HBM speed, checksums), then
+        staging -> arena on the save stream (copy engine, one copy per run of adjacent slots), then the
+        round's digests to the host (issued after the copy: they are not what the copy waits for). Round
+        r's gather runs while round r-1's copy does; two staging buffers take turns. The save stream
+        waits for the last digests, so the handle's event covers them."""
         gather, save = self._side(SAVE), self._main(SAVE)
         if gather is not None:
             gather.wait_stream(caller)
         at = 0
         with self._stream(gather):  # one switch per call: each costs ~16 us of host time (H200 host)
-            for r, layout in self._laid_out(batch, SAVE, cold):
+            for a, b, layout in self._laid_out(batch, SAVE, cold):
+                r = self._cut(batch, a, b)
                 stg, rows, runs, slot = self._staging(layout, SAVE)
-                self._acquire(slot, gather)
+                StagingRing.acquire(slot, gather)
                 plan = self._plan(r, [rows], sums=True, stream=gather)
                 self._copy(plan, None, 0, self._align16(r, [rows]), checksum=True, hbm=True)
-                self._sm_copy(plan.sums(), out[at : at + plan.nobj])
                 gathered = self._event(gather)
                 if gathered is not None:
                     save.wait_event(gathered)
                 self._copy_runs(runs, stg, to_arena=True, stream=save)
                 self._release(slot, save)
+                self._sm_copy(plan.sums(), out[at : at + plan.nobj])
                 keep += [stg, plan.buf]
                 at += plan.nobj
+            digests = self._event(gather)
+            if digests is not None:
+                save.wait_event(digests)
 
     # ------------------------------------------------------------------ load
     def _load(self, batch: Batch) -> Handle:
@@ -237,21 +240,20 @@ class KernelEngine(TransferEngine):
         keep: list[torch.Tensor] = []
         dma = self._path(batch, self.load_path, self.dma_min_run_bytes) == "dma"
         verify = any(m.digests is not None for _g, m, _i, _o in batch)
-        caller, last = self._caller(), self._main(LOAD)
+        caller = self._caller()
         try:
+            out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
+            if dma:  # streams named explicitly (see _save); the handle completes after the last scatter
+                self._load_dma(batch, keep, caller, self._idle(LOAD), out)
+                return self._track(LOAD, self._finish(batch, out, keep, None, self._side(LOAD)))
             with self._on(LOAD, caller):
-                out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
-                if dma:
-                    self._load_dma(batch, keep, caller, self._idle(LOAD), out)
-                    last = self._side(LOAD)
-                elif out is None:
+                if out is None:
                     self._load_direct(batch, keep)
                 else:
                     at = 0
-                    for r, layout in self._laid_out(batch, LOAD, cold=False):
-                        at = self._load_staged(r, layout, keep, out, at)
-                with self._stream(last if dma else None):  # the handle completes after the last scatter
-                    return self._track(LOAD, self._finish(batch, out, keep, None, last))
+                    for a, b, layout in self._laid_out(batch, LOAD, cold=False):
+                        at = self._load_staged(self._cut(batch, a, b), layout, keep, out, at)
+                return self._track(LOAD, self._finish(batch, out, keep, None, self._main(LOAD)))
         except BaseException:
             self._drain(keep)
             raise
@@ -279,7 +281,7 @@ class KernelEngine(TransferEngine):
         -> KV pages for the objects whose checksum matched (compared inside that launch). Returns the
         index of the next object's verdict in `out`."""
         stg, rows, _runs, slot = self._staging(layout, LOAD)
-        self._acquire(slot, self._main(LOAD))
+        StagingRing.acquire(slot, self._main(LOAD))
         arena = self.arena_base + self.flat(batch)[2]
         verify = any(m.digests is not None for _g, m, _i, _o in batch)
         plan = self._plan(batch, [arena, rows], sums=True, stream=self._main(LOAD))
@@ -291,31 +293,55 @@ class KernelEngine(TransferEngine):
         return at + plan.nobj
 
     def _load_dma(self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, out) -> None:
-        """Per round: arena -> staging on the load stream (copy engine, one copy per run), issued before
-        anything else of the round is planned; then on the scatter stream the checksums of the staged
-        bytes (when digests are given) and staging -> KV pages for the objects that matched. Round r's
-        verify and scatter run while round r+1's copy does."""
+        """Per round: arena -> staging on the load stream (copy engine, one copy per run), then on the
+        scatter stream the checksums of the staged bytes (when digests are given) and staging -> KV pages
+        for the objects that matched. The host stays one round ahead of its planning: round r+1's copy is
+        issued before round r's verify and scatter are planned, so the copy engine always has a round
+        queued while the host plans (planning a round in between left it idle ~0.3-0.4 ms per round of
+        an 8K-token restore on the H200; bench/probes/restore_timeline_gpu.py). With two staging
+        buffers taking turns, round r+2's copy waits for round r's scatter, which is issued by then."""
         copy, work = self._main(LOAD), self._side(LOAD)
-        if work is not None:
-            work.wait_stream(caller)
+        queued = self._event(caller)  # both streams after the caller's queued work, as every transfer
+        if queued is not None:
+            work.wait_event(queued)
+            copy.wait_event(queued)
         at = 0
+        staged: list[tuple] = []
         with self._stream(work):  # copy-stream work is issued on `copy` explicitly (see _save_dma)
-            for r, layout in self._laid_out(batch, LOAD, cold):
-                stg, rows, runs, slot = self._staging(layout, LOAD)
-                self._acquire(slot, copy)
-                self._copy_runs(runs, stg, to_arena=False, stream=copy)
-                copied = self._event(copy)
-                if copied is not None:
-                    work.wait_event(copied)
-                verify = any(m.digests is not None for _g, m, _i, _o in r)
-                plan = self._plan(r, [rows], sums=verify, stream=work)
-                align16 = self._align16(r, [rows])
-                if verify:
-                    self._copy(plan, 0, 0, align16, checksum=True, store=False, hbm=True)
-                self._scatter(plan, 0, align16, out, at, verify)
-                self._release(slot, work)
-                keep += [stg, plan.buf]
-                at += plan.nobj
+            for a, b, layout in self._laid_out(batch, LOAD, cold):
+                staged.append(((batch, a, b), *self._stage_in(layout, copy)))
+                if len(staged) > 1:
+                    at = self._verify_scatter(staged.pop(0), work, keep, out, at)
+            for round_ in staged:
+                at = self._verify_scatter(round_, work, keep, out, at)
+
+    def _stage_in(self, layout: tuple, copy) -> tuple:
+        """Queue a round's copy arena -> staging on `copy`: (staging buffer, object rows, ring slot, the
+        copy's event). The scatter stream waits for that event only when the round's verify and scatter
+        are issued (_verify_scatter): waiting at once would hold the round before's scatter behind this
+        copy."""
+        stg, rows, runs, slot = self._staging(layout, LOAD)
+        StagingRing.acquire(slot, copy)
+        self._copy_runs(runs, stg, to_arena=False, stream=copy)
+        return stg, rows, slot, self._event(copy)
+
+    def _verify_scatter(self, staged: tuple, work, keep: list, out, at: int) -> int:
+        """A staged round's checksums (when digests are given) and scatter into the KV pages, on `work`
+        (the current stream) once its copy is done; its staging buffer is free again after them. Returns
+        the index of the next object's verdict in `out`."""
+        part, stg, rows, slot, copied = staged
+        if copied is not None:
+            work.wait_event(copied)
+        r = self._cut(*part)
+        verify = any(m.digests is not None for _g, m, _i, _o in r)
+        plan = self._plan(r, [rows], sums=verify, stream=work)
+        align16 = self._align16(r, [rows])
+        if verify:
+            self._copy(plan, 0, 0, align16, checksum=True, store=False, hbm=True)
+        self._scatter(plan, 0, align16, out, at, verify)
+        self._release(slot, work)
+        keep += [stg, plan.buf]
+        return at + plan.nobj
 
     def _scatter(self, plan: Plan, column: int, align16: bool, out, at: int, verify: bool) -> None:
         """Staging (the plan's row column) -> KV pages; verified: only the objects whose checksum (already
@@ -327,81 +353,16 @@ class KernelEngine(TransferEngine):
         if out is not None:
             out.numpy()[at : at + plan.nobj] = 1
 
-    # ------------------------------------------------------------------ rounds and staging
-    def _path(self, batch: Batch, choice: str, min_run_bytes: int) -> str:
-        """'auto': the copy engines when the batch's arena slots form runs of adjacent slots averaging
-        >= min_run_bytes (each run is one DMA; in one batch call 256 KiB runs reach 0.96-0.98 of a plain
-        copy on the H200 and 64 KiB runs 0.81-0.89; run by run, without that call, ~10 us each), else
-        zero-copy (SM-issued PCIe traffic, ~0.9 of a copy engine whatever the object size). Slots come in
-        runs when the index hands them out together (DramIndex.reserve_many). A batch under
-        dma_min_batch_bytes is zero-copy in any case. Thresholds: docs/transfer.md."""
-        if choice != "auto":
-            return choice
-        nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
-        if nbytes < max(min_run_bytes, self.dma_min_batch_bytes):
-            return "zero-copy"
-        return "dma" if nbytes >= min_run_bytes * self._run_count(batch) else "zero-copy"
-
-    def _run_count(self, batch: Batch) -> int:
-        """How many runs of adjacent slots the batch's slots form (_path): a sort and one compare, not
-        a whole layout, which the batch needs only if it is one round (then its sort is reused)."""
-        shape, _ids, offs = self.flat(batch)
-        order = np.argsort(offs, kind="stable")
-        so = offs[order]
-        reach = shape.uniform_reach if shape.uniform_reach is not None else shape.reach[order][:-1]
-        self._last_order = (batch, order)
-        return 1 + int(np.count_nonzero(so[1:] != so[:-1] + reach))
-
-    def _layouts(self, batch: Batch, bounds: tuple[int, ...]) -> list[tuple]:
-        """plans.plan_rounds for the batch cut at `bounds`, kept for the batch seen last: a call that is
-        one round lays its slots out once for _path and _staging (each sort and layout was ~0.1 ms of
-        the H200 host's time per call)."""
-        known = self._last_layouts
-        if known is not None and known[0] is batch and known[1] == bounds:
-            return known[2]
-        shape, _ids, offs = self.flat(batch)
-        known = self._last_order
-        order = known[1] if known is not None and known[0] is batch and len(bounds) == 2 else None
-        layouts = plan_rounds(offs, shape.size, shape.reach, list(bounds), order)
-        self._last_layouts = (batch, bounds, layouts)
-        return layouts
-
-    def _rounds(self, batch: Batch, direction: int, cold: bool) -> list[Batch]:
-        """Cut the batch, in order, into rounds that each fit a ring buffer (plans.round_budgets says how
-        they are sized). `cold` (see _idle): nothing of this direction is in flight, so someone is likely
-        waiting for this batch alone: loads taper (short tail), saves ramp (early first copy); else the
-        rounds are even."""
-        total, biggest = batch_cost(batch)
-        shape = "even" if not cold else ("taper" if direction == LOAD else "ramp")
-        budgets = round_budgets(total, self._ring_bytes, shape, self.min_round_bytes)
-        if len(budgets) == 1:
-            return [batch]
-        if shape == "even":  # plus one object, so that the greedy cut needs no extra round
-            budgets = [min(self._ring_bytes, b + biggest) for b in budgets]
-        return cut_rounds(batch, budgets, self._ring_bytes)
-
-    def _laid_out(self, batch: Batch, direction: int, cold: bool) -> list[tuple[Batch, tuple]]:
-        """The batch's rounds (_rounds), each with its staging layout (plans.plan_rounds: all rounds in
-        one pass)."""
-        rounds = self._rounds(batch, direction, cold)
-        bounds = [0]
-        for r in rounds:
-            bounds.append(bounds[-1] + sum(ids.size for _g, _m, ids, _o in r))
-        if len(rounds) > 1:  # each round's ids and offsets: views of the batch's, not joined again
-            _shape, ids, offs = self.flat(batch)
-            for r, a, b in zip(rounds, bounds[:-1], bounds[1:], strict=True):
-                self.remember(r, ids[a:b], offs[a:b])
-        return list(zip(rounds, self._layouts(batch, tuple(bounds)), strict=True))
-
+    # ------------------------------------------------------------------ staging
     def _staging(
         self, layout: tuple, direction: int
     ) -> tuple[torch.Tensor, np.ndarray, tuple[np.ndarray, ...], list]:
         """Device staging laid out like a round's runs of adjacent arena slots (pads between objects
         included; `layout`: from _laid_out), so that each run is one copy. Returns (16-byte aligned uint8
         buffer, each object's row address in the round's order, copy runs as arrays (arena offset, staging
-        offset, bytes), its ring slot: see _acquire)."""
+        offset, bytes), its ring slot: see ring.StagingRing)."""
         pos, runs, total = layout
-        slot = self._ring_slot(direction, total)
+        slot = self.ring.take(direction, total)
         return slot[0], slot[0].data_ptr() + pos, runs, slot
 
     def _copy_runs(self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream) -> None:
@@ -419,23 +380,6 @@ class KernelEngine(TransferEngine):
                     self.arena_tensor[a : a + n].copy_(stg[s : s + n], non_blocking=True)
                 else:
                     stg[s : s + n].copy_(self.arena_tensor[a : a + n], non_blocking=True)
-
-    def _ring_slot(self, direction: int, nbytes: int) -> list:
-        """[buffer, event after which it is free]: one of two per direction, taken in turn (rounds are cut
-        to fit, see _rounds); a one-off buffer on CPU or for a round that does not fit."""
-        ring = self._ring[direction]
-        if self.streams is None or nbytes > self._ring_bytes:
-            return [aligned(nbytes, self.device), None]
-        if not ring:  # both at once: never an allocation (which can fail) between a batch's rounds
-            ring += [[aligned(self._ring_bytes, self.device), None] for _ in range(2)]
-        self._turn[direction] += 1
-        return ring[self._turn[direction] % len(ring)]
-
-    @staticmethod
-    def _acquire(slot: list, stream) -> None:
-        """Order `stream` after the last round that used this staging buffer (on the device)."""
-        if slot[1] is not None and stream is not None:
-            stream.wait_event(slot[1])
 
     def _release(self, slot: list, stream) -> None:
         slot[1] = self._event(stream)

@@ -10,8 +10,10 @@ planning it relies on, host side only:
   adjacent slots, and where each object lies in device staging, so that each run is one copy-engine copy.
   `sorted_runs` / `plan_runs` compute the same for one round, step by step: the reference the tests hold
   plan_rounds to. Per-object constants of a batch come from its `BatchShape` (shapes.py).
-* `round_budgets` / `cut_rounds`: how a batch is cut into rounds that fit a staging buffer, shaped for
-  what the caller waits for (see round_budgets).
+* `round_budgets` / `round_bounds` / `slice_batch`: how a batch is cut into rounds that fit a staging
+  buffer, shaped for what the caller waits for (see round_budgets); `cut_rounds` composes them.
+* `lay_out`: round_bounds and plan_rounds in one call to the C extension umbp.transfer._rounds where it is
+  built (identical results), else those numpy functions.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from umbp.pool.native import optional_extension
 from umbp.transfer.api import Moves, slot_reach
 from umbp.transfer.shapes import BatchShape, template_offsets
 from umbp.transfer.staged import Batch
 
 RUN_PAD = 16  # staging bytes a run may need for alignment: the worst case a round budget counts per object
+_rounds, _why_not = optional_extension("umbp.transfer._rounds")  # lay_out in one C call (_rounds.c)
+
+Layout = tuple[np.ndarray, tuple[np.ndarray, ...], int]  # (pos, (arena, staging, bytes) runs, total)
 
 
 class Plan:
@@ -289,43 +295,106 @@ def round_budgets(total: int, ring: int, shape: str, min_round: int) -> list[int
     return out
 
 
+def c_layout() -> bool:
+    """Whether lay_out runs in C (umbp.transfer._rounds is built and not turned off)."""
+    return _rounds is not None
+
+
+def lay_out(
+    offs: np.ndarray,
+    size: np.ndarray,
+    reach: np.ndarray,
+    budgets: tuple[int, ...],
+    cap: int,
+    order: np.ndarray | None = None,
+) -> tuple[list[int], list[Layout]]:
+    """A batch cut into rounds (round_bounds; budgets empty: one round) and every round laid out
+    (plan_rounds): (bounds, layouts). One C call where the extension is built (umbp.transfer._rounds,
+    identical results: tests compare them), else those two numpy functions (`order`: the offsets'
+    stable argsort, if the caller has it, for one round)."""
+    n = int(offs.size)
+    if _rounds is not None and n:
+        out = np.empty(8 * n + 4, np.int64)
+        try:
+            nr, nruns = _rounds.lay_out(offs, size, reach, budgets, cap, RUN_PAD, out)
+        except ValueError:  # offsets too large to sort beside this many indices: numpy sorts them
+            pass
+        else:
+            return _unpacked(out, n, nr, nruns)
+    bounds = round_bounds(reach + RUN_PAD, list(budgets), cap) if budgets else [0, n]
+    return bounds, plan_rounds(offs, size, reach, bounds, order)
+
+
+def _unpacked(out: np.ndarray, n: int, nr: int, nruns: int) -> tuple[list[int], list[Layout]]:
+    """lay_out's C result (see _rounds.c for the word layout) as bounds and per-round views."""
+    bounds = out[: nr + 1].tolist()
+    pos = out[nr + 1 : nr + 1 + n]
+    at = nr + 1 + n
+    first = out[at : at + nr + 1].tolist()
+    totals = out[at + nr + 1 : at + 2 * nr + 1].tolist()
+    at += 2 * nr + 1
+    start, base, length = (out[at + k * nruns : at + (k + 1) * nruns] for k in range(3))
+    layouts = []
+    for r in range(nr):
+        a, b, x, y = bounds[r], bounds[r + 1], first[r], first[r + 1]
+        layouts.append((pos[a:b], (start[x:y], base[x:y], length[x:y]), totals[r]))
+    return bounds, layouts
+
+
 def cut_rounds(batch: Batch, budgets: list[int], cap: int) -> list[Batch]:
-    """Cut the batch, in order, into rounds of at most budgets[k] staging bytes each; the last round may
+    """Cut the batch, in order, into rounds of at most budgets[k] staging bytes each (round_bounds says
+    where), each round its own Batch (slice_batch)."""
+    counts = [ids.size for _g, _m, ids, _o in batch]
+    cost = np.repeat(
+        np.array([slot_reach(g.object_bytes, m) + RUN_PAD for g, m, _i, _o in batch], np.int64), counts
+    )
+    bounds = round_bounds(cost, budgets, cap)
+    return [slice_batch(batch, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def round_bounds(cost: np.ndarray, budgets: list[int], cap: int) -> list[int]:
+    """Where each round of a batch starts, as an index into its objects in batch order (and the object
+    count at the end): round k takes the longest run of objects whose costs (cost: per object, its slot's
+    reach plus a run's worst-case alignment pad) add up to at most budgets[k], and at least one object
+    (an object over its budget gets a round of its own). The last budget, and any round past it, may
     take up to `cap` (a ring buffer), so that the objects the greedy cut leaves over (budgets are bytes,
-    objects are whole) join it instead of making a sliver of a round. An object over its budget gets a
-    round of its own. Each object costs its slot's reach plus a run's worst-case alignment pad."""
-    cost = [slot_reach(geom.object_bytes, m) + RUN_PAD for geom, m, _i, _o in batch]
-    rounds: list[Batch] = [[]]
-    used, k = 0, 0
-    room_of = budgets[0] if len(budgets) > 1 else max(cap, budgets[0])
-    for c, (geom, m, ids, offs) in zip(cost, batch, strict=True):
-        s = 0
-        while s < ids.size:
-            room = (room_of - used) // c
-            if room <= 0 and rounds[-1]:
-                rounds.append([])
-                k += 1
-                used, room_of = 0, budgets[k] if k < len(budgets) - 1 else max(cap, budgets[-1])
-                continue
-            e = min(ids.size, s + max(1, room))
-            digests = None if m.digests is None else _part(m.digests, s, e)
-            rounds[-1].append(
-                (geom, Moves(m.group, ids[s:e], offs[s:e], digests, m.slot_bytes), ids[s:e], offs[s:e])
-            )
-            used += (e - s) * c
-            s = e
-    return [r for r in rounds if r]
+    objects are whole) join it instead of making a sliver of a round. A search per round on the costs'
+    running sum: no per-object or per-Moves Python in front of a restore's first copy."""
+    n = int(cost.size)
+    if n == 0:
+        return [0]
+    cum = np.cumsum(cost)
+    bounds, spent, k = [0], 0, 0
+    while bounds[-1] < n:
+        room = budgets[k] if k < len(budgets) - 1 else max(cap, budgets[-1])
+        end = max(bounds[-1] + 1, int(np.searchsorted(cum, spent + room, side="right")))
+        bounds.append(end)
+        spent, k = int(cum[end - 1]), k + 1
+    return bounds
+
+
+def slice_batch(batch: Batch, a: int, b: int) -> Batch:
+    """Objects a:b of the batch (indices in batch order) as a Batch of their own: each Moves cut to its
+    part, Moves left with none dropped."""
+    out: Batch = []
+    at = 0
+    for geom, m, ids, offs in batch:
+        lo, hi = max(a - at, 0), min(b - at, ids.size)
+        at += ids.size
+        if lo >= hi:
+            continue
+        if lo == 0 and hi == ids.size:
+            out.append((geom, m, ids, offs))
+            continue
+        digests = None if m.digests is None else _part(m.digests, lo, hi)
+        part_ids, part_offs = ids[lo:hi], offs[lo:hi]
+        out.append((geom, Moves(m.group, part_ids, part_offs, digests, m.slot_bytes), part_ids, part_offs))
+    return out
 
 
 def _part(values, s: int, e: int) -> list:
     """values[s:e] as a list, copying only that part when values is already one."""
     return values[s:e] if isinstance(values, list) else list(values)[s:e]
-
-
-def batch_cost(batch: Batch) -> tuple[int, int]:
-    """(staging bytes the batch's objects may take, the largest object's), as cut_rounds counts them."""
-    cost = [slot_reach(geom.object_bytes, m) + RUN_PAD for geom, m, _i, _o in batch]
-    return sum(c * part[2].size for c, part in zip(cost, batch, strict=True)), max(cost)
 
 
 def aligned(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""Probe (not a test; CUDA): one verified restore and one save of the `umbp bench restore` layout, host and
+device on one clock. The engine's host steps (validation, layouts, staging, copy calls, plans, launches,
+handle) are wrapped in profiler ranges; the device's copies and kernels come from the same profile. It
+prints every host range and device op in start order, in microseconds from the call's start, so that
+idle copy engine time and the host step it waited for line up.
+
+    PYTHONPATH=$PWD/src python3 bench/probes/restore_timeline_gpu.py [tokens,...] [host]
+
+`host`: no profiler (it slows the host steps several-fold); each step timed with perf_counter instead,
+printed as the median over calls of its summed time per call, with when the first copy was issued and
+when the call returned (submit) and completed (wall).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+STEPS = (
+    "_checked",
+    "flat",
+    "_laid_out",
+    "_staging",
+    "_copy_runs",
+    "_plan",
+    "_copy",
+    "_sm_copy",
+    "_finish",
+    "_path",
+)
+
+
+def wrap(engine) -> None:
+    from torch.profiler import record_function
+
+    for name in STEPS:
+        inner = getattr(engine, name)
+
+        @functools.wraps(inner)
+        def step(*a, _inner=inner, _name=name, **k):
+            with record_function("host " + _name):
+                return _inner(*a, **k)
+
+        setattr(engine, name, step)
+
+
+def wrap_timed(engine, spans: dict) -> None:
+    import time
+
+    for name in STEPS:
+        inner = getattr(engine, name)
+
+        @functools.wraps(inner)
+        def step(*a, _inner=inner, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                spans.setdefault(_name, []).append((t, time.perf_counter()))
+
+        setattr(engine, name, step)
+
+
+def host(engine, fn, label: str, spans: dict, reps: int = 31) -> None:
+    """Median per call: each step's summed host time, the first copy call's return, submit and wall."""
+    import statistics
+    import time
+
+    import torch
+
+    for _ in range(3):
+        fn().result()
+    rows: dict[str, list[float]] = {}
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        spans.clear()
+        t0 = time.perf_counter()
+        h = fn()
+        t1 = time.perf_counter()
+        h.result()
+        t2 = time.perf_counter()
+        for name, s in spans.items():
+            rows.setdefault(name, []).append(sum(b - a for a, b in s) * 1e6)
+        first = spans.get("_copy_runs", [(t0, t0)])[0][1]
+        rows.setdefault("= first copy issued at", []).append((first - t0) * 1e6)
+        rows.setdefault("= submit", []).append((t1 - t0) * 1e6)
+        rows.setdefault("= wall", []).append((t2 - t0) * 1e6)
+    print(f"\n-- {label}: host us per call, median of {reps} (steps nest: _plan holds flat)")
+    for name, v in rows.items():
+        print(f"  {name:<24} {statistics.median(v):8.1f}")
+
+
+def one(engine, fn, label: str) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for _ in range(3):
+        fn().result()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("call"):
+            h = fn()
+        with record_function("wait"):
+            h.result()
+        torch.cuda.synchronize()
+    events = [
+        e
+        for e in prof.events()
+        if e.name.startswith(("host ", "call", "wait")) or e.device_type.name == "CUDA"
+    ]
+    t0 = min(e.time_range.start for e in events if e.name == "call")
+    print(f"\n-- {label}: host ranges and device ops, us from the call's start")
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        where = "GPU " if e.device_type.name == "CUDA" else "    "
+        print(f"  {where}{e.time_range.start - t0:8.1f} +{e.time_range.elapsed_us():7.1f}  {e.name[:70]}")
+
+
+def main(tokens: list[int], timed: bool) -> None:
+    from umbp.tools import bench_restore as B
+
+    r = B.Restore(max(tokens))
+    spans: dict = {}
+    wrap_timed(r.engine, spans) if timed else wrap(r.engine)
+    for n in tokens:
+        save_batch, batch, nbytes = r.prepare(n)
+        h2d, d2h = B.copy_seconds(nbytes, 9)
+        print(
+            f"\n== {n} tokens, {nbytes / 1e6:.1f} MB; pinned copy H2D {h2d * 1e3:.3f} ms, D2H {d2h * 1e3:.3f} ms"
+        )
+        for what, fn in (
+            ("verified load", lambda b=batch: r.engine.load(b)),
+            ("save", lambda b=save_batch: r.engine.save(b)),
+        ):
+            if timed:
+                host(r.engine, fn, f"{what}, {n} tokens", spans)
+            else:
+                one(r.engine, fn, f"{what}, {n} tokens")
+
+
+if __name__ == "__main__":
+    main(
+        [int(t) for t in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768").split(",")],
+        "host" in sys.argv[2:],
+    )

@@ -1,0 +1,103 @@
+"""How a transfer batch is split between the kernel engine's two ways across PCIe and cut into rounds:
+the per-call decisions made before anything is copied (kernel_engine.py issues the work).
+
+* `_path`: zero-copy or the copy engines ("dma"), by the bytes per run of adjacent arena slots;
+* `_budgets` / `_laid_out`: how many rounds, of what size, each laid out in device staging
+  (plans.lay_out: one C call where the extension is built);
+* `_cut`: one round as a Batch of its own, made only when its kernels are planned.
+
+A mixin of KernelEngine (it reads the engine's `flat`, `remember`, ring size and round knobs): kept apart
+because it decides what is copied when, while the engine decides on which stream and with which launch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from umbp.transfer.plans import RUN_PAD, c_layout, lay_out, round_budgets, slice_batch
+from umbp.transfer.staged import Batch
+
+SAVE, LOAD = 0, 1  # directions (the engine's stream index per direction)
+
+
+class BatchRounds:
+    """Round planning for KernelEngine (see the module docstring)."""
+
+    _last_layouts: tuple | None
+    _last_order: tuple | None
+    _ring_bytes: int
+    min_round_bytes: int
+    dma_min_batch_bytes: int
+
+    def _path(self, batch: Batch, choice: str, min_run_bytes: int) -> str:
+        """'auto': the copy engines when the batch's arena slots form runs of adjacent slots averaging
+        >= min_run_bytes (each run is one DMA; in one batch call 256 KiB runs reach 0.96-0.98 of a plain
+        copy on the H200 and 64 KiB runs 0.81-0.89; run by run, without that call, ~10 us each), else
+        zero-copy (SM-issued PCIe traffic, ~0.9 of a copy engine whatever the object size). Slots come in
+        runs when the index hands them out together (DramIndex.reserve_many). A batch under
+        dma_min_batch_bytes is zero-copy in any case. Thresholds: docs/transfer.md."""
+        if choice != "auto":
+            return choice
+        nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
+        if nbytes < max(min_run_bytes, self.dma_min_batch_bytes):
+            return "zero-copy"
+        return "dma" if nbytes >= min_run_bytes * self._run_count(batch) else "zero-copy"
+
+    def _run_count(self, batch: Batch) -> int:
+        """How many runs of adjacent slots the batch's slots form (_path). With the C layout, the batch
+        laid out as one round, which _laid_out reuses when the batch is one round; else a sort and one
+        compare (and the sort is reused)."""
+        if c_layout():
+            return self._lay_out(batch, ())[1][0][1][0].size
+        shape, _ids, offs = self.flat(batch)
+        order = np.argsort(offs, kind="stable")
+        so = offs[order]
+        reach = shape.uniform_reach if shape.uniform_reach is not None else shape.reach[order][:-1]
+        self._last_order = (batch, order)
+        return 1 + int(np.count_nonzero(so[1:] != so[:-1] + reach))
+
+    def _lay_out(self, batch: Batch, budgets: tuple[int, ...]) -> tuple[list[int], list[tuple]]:
+        """plans.lay_out for the batch, kept for the batch seen last: a call that is one round lays its
+        slots out once for _path and _staging (each sort and layout was ~0.1 ms of the H200 host's time
+        per call in numpy)."""
+        known = self._last_layouts
+        if known is not None and known[0] is batch and known[1] == budgets:
+            return known[2]
+        shape, _ids, offs = self.flat(batch)
+        known = self._last_order
+        order = known[1] if known is not None and known[0] is batch and not budgets else None
+        result = lay_out(offs, shape.size, shape.reach, budgets, self._ring_bytes, order)
+        self._last_layouts = (batch, budgets, result)
+        return result
+
+    def _budgets(self, batch: Batch, direction: int, cold: bool) -> tuple[int, ...]:
+        """Staging bytes of each round the batch is cut into (plans.round_budgets says how they are
+        sized; empty: one round), each round fitting a ring buffer. `cold` (see _idle): nothing of this
+        direction is in flight, so someone is likely waiting for this batch alone: loads taper (short
+        tail), saves ramp (early first copy); else the rounds are even."""
+        cost = self.flat(batch)[0].reach + RUN_PAD
+        total = int(cost.sum())
+        kind = "even" if not cold else ("taper" if direction == LOAD else "ramp")
+        budgets = round_budgets(total, self._ring_bytes, kind, self.min_round_bytes)
+        if len(budgets) == 1:
+            return ()
+        if kind == "even":  # plus one object, so that the greedy cut needs no extra round
+            biggest = int(cost.max())
+            budgets = [min(self._ring_bytes, b + biggest) for b in budgets]
+        return tuple(budgets)
+
+    def _laid_out(self, batch: Batch, direction: int, cold: bool) -> list[tuple[int, int, tuple]]:
+        """The batch's rounds as (first object, end, staging layout), all laid out in one pass
+        (plans.lay_out). A round's own Batch is made only when its kernels are planned (_cut): a
+        restore's first copy needs the layout alone."""
+        bounds, layouts = self._lay_out(batch, self._budgets(batch, direction, cold))
+        return list(zip(bounds[:-1], bounds[1:], layouts, strict=True))
+
+    def _cut(self, batch: Batch, a: int, b: int) -> Batch:
+        """Objects a:b of the batch as a round of its own, its ids and offsets views of the batch's."""
+        shape, ids, offs = self.flat(batch)
+        if a == 0 and b == shape.nobj:
+            return batch
+        r = slice_batch(batch, a, b)
+        self.remember(r, ids[a:b], offs[a:b])
+        return r
