@@ -16,9 +16,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 HOST = "127.0.0.1"  # tests only ever bind and reach loopback
+
+
+def blob(n: int, seed: int) -> np.ndarray:
+    """n random bytes, the same for the same seed: a test object's payload."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def require_redis() -> None:

@@ -1,7 +1,9 @@
 """Fixtures shared by the unit tests."""
 
 import os
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +33,15 @@ def impl(request, monkeypatch):
             pytest.fail(f"umbp.pool._native is {native.why_not}")
         pytest.skip(f"the C extension is {native.why_not}")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A Redis/Valkey server on 127.0.0.1 for the shared-tier tests of one module (tests/redis_servers.py
+    finds it; each module that asks gets its own)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from redis_servers import start_server
+
+    s = start_server(tmp_path_factory.mktemp("redis"))
+    yield s
+    s.stop()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_servers import require_redis, start_server  # noqa: E402
+from redis_servers import blob, require_redis  # noqa: E402
 
 require_redis()
 
@@ -31,17 +31,6 @@ SCHEMES = [{"auth_mac": "hmac-sha256"}, {"auth_mac": "aes-gmac"}, {"encrypt": Tr
 
 def key(i: int) -> str:
     return f"umbp:v1:ns:tp0:pcp0:dcp0:pp0:g0:{i:064x}"
-
-
-def blob(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("redis"))
-    yield s
-    s.stop()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_servers import HOST, require_redis, start_cluster  # noqa: E402
+from redis_servers import HOST, blob, require_redis, start_cluster  # noqa: E402
 
 require_redis()
 
@@ -25,10 +25,6 @@ NS = "0123456789abcdef0123456789abcdef"
 
 def okey(i: int, tp: int = 0, group: int = 0) -> str:
     return f"umbp:v1:{NS}:tp{tp}:pcp0:dcp0:pp0:g{group}:{i:064x}"
-
-
-def blob(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def slot_of_tag(tag: str) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_servers import require_redis, start_server  # noqa: E402
+from redis_servers import blob, require_redis, start_server  # noqa: E402
 
 require_redis()
 
@@ -30,10 +30,6 @@ def server(tmp_path):
 def make_tier(url: str, **opts) -> RedisTier:
     base = {"url": url, "retry_interval_s": 5.0, "timeout_s": 1.0, "quarantine_s": 0}
     return RedisTier(RemoteConfig.from_options({**base, **opts}))
-
-
-def blob(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def pool_of(tier: RedisTier):

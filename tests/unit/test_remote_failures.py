@@ -11,15 +11,11 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_servers import RedisServer, require_redis, start_server  # noqa: E402
+from redis_servers import RedisServer, blob, require_redis, start_server  # noqa: E402
 
 require_redis()
 
 from umbp.pool.remote.tier import RedisTier, RemoteConfig  # noqa: E402
-
-
-def blob(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 class MovedClock:

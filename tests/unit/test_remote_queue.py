@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_servers import require_redis, start_server  # noqa: E402
+from redis_servers import blob, require_redis  # noqa: E402
 
 require_redis()
 
@@ -27,17 +27,6 @@ CODECS = {
     "hmac": {"auth_key_env": "UMBP_TEST_QUEUE_KEY"},
     "aes-gcm": {"auth_key_env": "UMBP_TEST_QUEUE_KEY", "encrypt": True},
 }
-
-
-def blob(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("redis"))
-    yield s
-    s.stop()
 
 
 @pytest.fixture(params=list(CODECS))

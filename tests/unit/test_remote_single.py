@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_servers import make_tls_files, require_redis, start_server  # noqa: E402
+from redis_servers import blob, make_tls_files, require_redis, start_server  # noqa: E402
 
 require_redis()
 
@@ -28,17 +28,6 @@ NS = "0123456789abcdef0123456789abcdef"
 def okey(i: int, ns: str = NS, tp: int = 0, group: int = 0) -> str:
     """A key in umbp's object-key format (docs/keys.md)."""
     return f"umbp:v1:{ns}:tp{tp}:pcp0:dcp0:pp0:g{group}:{i:064x}"
-
-
-def blob(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("redis"))
-    yield s
-    s.stop()
 
 
 @pytest.fixture
