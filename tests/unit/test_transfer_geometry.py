@@ -147,7 +147,10 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
         (_g, m, _i, offs), n = b[0], b[0][3].size
         reach = m.slot_bytes or geom.object_bytes
         size, reach = np.full(n, geom.object_bytes), np.full(n, reach)
-        return SimpleNamespace(nobj=n, size=size, reach=reach, uniform_reach=None), None, offs
+        shape = SimpleNamespace(
+            nobj=n, size=size, reach=reach, uniform_reach=None, total_size=int(size.sum())
+        )
+        return shape, None, offs
 
     engine = SimpleNamespace(
         _last_order=None, _last_layouts=None, _ring_bytes=1 << 30, dma_min_batch_bytes=1 << 20, flat=flat
@@ -165,6 +168,10 @@ def test_auto_path_takes_the_copy_engines_only_for_long_runs_of_adjacent_slots()
     engine.dma_min_batch_bytes = 4 << 20  # padded: 3.75 MiB in one run, but under the batch floor
     assert path(padded, "auto", 1 << 20) == "zero-copy"
     assert path(padded, "dma", 1 << 20) == "dma"
+    # every object alone reaches the bar: the copy engines whatever the runs, decided without counting them
+    engine.dma_min_batch_bytes = 1 << 20
+    engine._run_count = lambda b: (_ for _ in ()).throw(AssertionError("runs counted"))
+    assert path(gaps, "auto", 60 << 10) == "dma"
 
 
 def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
@@ -187,7 +194,7 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
             d = [int(i) for i in ids] if digests else None
             batch.append((SimpleNamespace(object_bytes=obj), Moves(g, ids, ids * obj, d), ids, ids * obj))
             first += n
-        shape = SimpleNamespace(reach=np.full(first, obj, np.int64), nobj=first)
+        shape = SimpleNamespace(nobj=first, total_reach=first * obj, max_reach=obj)
         engine = SimpleNamespace(
             _ring_bytes=ring_bytes, min_round_bytes=min_round, flat=lambda b: (shape, None, None)
         )

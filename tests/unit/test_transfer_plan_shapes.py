@@ -111,6 +111,9 @@ def test_a_batch_shape_holds_its_keys_per_object_constants(engine) -> None:
         ]
         groups = [m.group for _g, m, _i, _o in batch]
         assert shape.distinct_groups == (len(set(groups)) == len(groups))
+        assert shape.total_size == sum(g.object_bytes * c for (g, _r), c in zip(each, counts))
+        assert shape.total_reach == sum(r * c for (_g, r), c in zip(each, counts))
+        assert shape.max_reach == max(r for (_g, r), c in zip(each, counts) if c)
         assert not shape.size.flags.writeable  # shared by every call of the shape
 
 

@@ -38,9 +38,12 @@ class BatchRounds:
         dma_min_batch_bytes is zero-copy in any case. Thresholds: docs/transfer.md."""
         if choice != "auto":
             return choice
-        nbytes = sum(ids.size * g.object_bytes for g, _m, ids, _o in batch)
+        shape = self.flat(batch)[0]
+        nbytes = shape.total_size
         if nbytes < max(min_run_bytes, self.dma_min_batch_bytes):
             return "zero-copy"
+        if nbytes >= min_run_bytes * shape.nobj:  # runs <= objects: no need to count them
+            return "dma"
         return "dma" if nbytes >= min_run_bytes * self._run_count(batch) else "zero-copy"
 
     def _run_count(self, batch: Batch) -> int:
@@ -75,14 +78,14 @@ class BatchRounds:
         sized; empty: one round), each round fitting a ring buffer. `cold` (see _idle): nothing of this
         direction is in flight, so someone is likely waiting for this batch alone: loads taper (short
         tail), saves ramp (early first copy); else the rounds are even."""
-        cost = self.flat(batch)[0].reach + RUN_PAD
-        total = int(cost.sum())
+        shape = self.flat(batch)[0]
+        total = shape.total_reach + RUN_PAD * shape.nobj  # each object's slot plus a run's alignment pad
         kind = "even" if not cold else ("taper" if direction == LOAD else "ramp")
         budgets = round_budgets(total, self._ring_bytes, kind, self.min_round_bytes)
         if len(budgets) == 1:
             return ()
         if kind == "even":  # plus one object, so that the greedy cut needs no extra round
-            biggest = int(cost.max())
+            biggest = shape.max_reach + RUN_PAD
             budgets = [min(self._ring_bytes, b + biggest) for b in budgets]
         return tuple(budgets)
 

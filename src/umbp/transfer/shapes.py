@@ -49,6 +49,9 @@ class BatchShape:
     pieces: int  # pieces of the whole batch (the copy kernel's work items)
     distinct_groups: bool  # no group appears in two Moves (then duplicate ids can only repeat within one)
     uniform_reach: int | None  # every slot's reach, if they are all equal
+    total_size: int  # bytes of all objects
+    total_reach: int  # arena bytes all slots span
+    max_reach: int  # the widest slot's reach
 
 
 def make_shape(key: ShapeKey, groups: Mapping[int, GroupGeometry], toff: Mapping[int, int]) -> BatchShape:
@@ -87,6 +90,9 @@ def make_shape(key: ShapeKey, groups: Mapping[int, GroupGeometry], toff: Mapping
         pieces=int(pieces.sum()),
         distinct_groups=len(set(groups_seen)) == len(groups_seen),
         uniform_reach=reaches.pop() if len(reaches) == 1 else None,
+        total_size=int(arrays[0].sum()),
+        total_reach=int(arrays[1].sum()),
+        max_reach=int(arrays[1].max()) if arrays[1].size else 0,
     )
 
 
