@@ -39,6 +39,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from umbp.replay.engine import make_scheduler  # noqa: E402
 from umbp.tools.pd import TO_DECODE  # noqa: E402
+from umbp.tools.vllm_harness import umbp_transfer  # noqa: E402
 from umbp.vllm.connector import UMBPConnector  # noqa: E402
 
 PROMPT = [3 + (i * 37) % 500 for i in range(840)]
@@ -126,12 +127,7 @@ def build_multi(tmp_path, umbp_extra: dict | None = None) -> MultiHarness:
     )
     children = [
         {"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
-        {
-            "kv_connector": "UMBPConnector",
-            "kv_connector_module_path": "umbp.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": umbp_extra or {"dram_bytes": 64 << 20},
-        },
+        umbp_transfer(umbp_extra or {"dram_bytes": 64 << 20}),
     ]
     transfer = KVTransferConfig(
         kv_connector="MultiConnector",

@@ -18,12 +18,7 @@ from umbp.tools.demo import umbp_scheduler
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TRANSFER = {
-    "kv_connector": "UMBPConnector",
-    "kv_connector_module_path": "umbp.vllm",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"dram_gb": 0.25},
-}
+TRANSFER = H.umbp_transfer({"dram_gb": 0.25})
 
 
 @pytest.mark.parametrize("arch", ["granite", "qwen3_next"])

@@ -229,12 +229,7 @@ class Bench:
         from umbp.tools.demo import umbp_scheduler
 
         self.engines += 1
-        transfer = {
-            "kv_connector": "UMBPConnector",
-            "kv_connector_module_path": "umbp.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": self.extra(),
-        }
+        transfer = H.umbp_transfer(self.extra())
         self.llm = H.make_llm_for_arch(self.opts.arch, self.opts.model_dir, kv_transfer_config=transfer)
         self.rig = Rig(
             umbp_scheduler(self.llm), get_kv_transfer_group()._worker, self.server, self.proxy, self.rng

@@ -56,12 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_setting(arch: str, model_dir: Path, prompt: list[int], args, boundary_page: bool) -> dict:
     from umbp.tools import vllm_harness as H
 
-    transfer = {
-        "kv_connector": "UMBPConnector",
-        "kv_connector_module_path": "umbp.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"dram_gb": 0.25, "boundary_page": boundary_page},
-    }
+    transfer = H.umbp_transfer({"dram_gb": 0.25, "boundary_page": boundary_page})
     t0 = time.perf_counter()
     llm = H.make_llm_for_arch(arch, model_dir, kv_transfer_config=transfer, prefix_match_unit=args.unit)
     try:

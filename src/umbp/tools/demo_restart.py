@@ -26,12 +26,7 @@ def one_turn(spec: dict[str, Any]) -> dict[str, Any]:
     from umbp.tools import vllm_harness as H
     from umbp.tools.demo import umbp_scheduler
 
-    transfer = {
-        "kv_connector": "UMBPConnector",
-        "kv_connector_module_path": "umbp.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": spec["extra"],
-    }
+    transfer = H.umbp_transfer(spec["extra"])
     llm = H.make_llm_for_arch(
         spec["arch"], spec["model_dir"], kv_transfer_config=transfer, prefix_match_unit=spec.get("unit", 16)
     )

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from umbp.tools.vllm_harness import umbp_transfer
+
 TO_DECODE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -42,15 +44,6 @@ CALL_TIMEOUT_S = 300.0
 
 
 # ------------------------------------------------------------------ configurations of the two forms
-def umbp_child(role: str, extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "UMBPConnector",
-        "kv_connector_module_path": "umbp.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": dict(extra),
-    }
-
-
 def nixl_configs(umbp_extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(P, D) kv_transfer_config dicts of the NIXL form. umbp sits after NIXL, so on an instance that also
     loads over NIXL, NIXL's hit is taken first (MultiConnector loads from the first connector with a hit)."""
@@ -59,7 +52,7 @@ def nixl_configs(umbp_extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
         "kv_connector": "MultiConnector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {
-            "connectors": [{**nixl, "kv_role": "kv_producer"}, umbp_child("kv_both", umbp_extra)]
+            "connectors": [{**nixl, "kv_role": "kv_producer"}, umbp_transfer(umbp_extra)]
         },
     }
     decode = {**nixl, "kv_role": "kv_consumer"}
@@ -68,7 +61,7 @@ def nixl_configs(umbp_extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 def store_configs(umbp_extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(P, D) kv_transfer_config dicts of the store-mediated form (umbp_extra must name a shared tier)."""
-    return umbp_child("kv_producer", umbp_extra), umbp_child("kv_consumer", umbp_extra)
+    return umbp_transfer(umbp_extra, "kv_producer"), umbp_transfer(umbp_extra, "kv_consumer")
 
 
 # ------------------------------------------------------------------ one instance (a child process)

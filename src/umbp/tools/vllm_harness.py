@@ -175,6 +175,17 @@ def setup_env(
             torch._C.set_num_threads(n)  # torch.set_num_threads may be vLLM's no-op by now
 
 
+def umbp_transfer(extra: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:
+    """umbp's ``kv_transfer_config`` dict with ``extra`` as its ``kv_connector_extra_config``: a connector of
+    its own, or one child of a MultiConnector."""
+    return {
+        "kv_connector": "UMBPConnector",
+        "kv_connector_module_path": "umbp.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": dict(extra),
+    }
+
+
 def make_llm(
     model_dir: str | os.PathLike[str],
     *,
