@@ -15,7 +15,7 @@ from umbp.transfer import Moves, make_engine
 from umbp.transfer import model_layouts as L
 from umbp.transfer.api import slot_reach
 from umbp.transfer.kernel_engine import KernelEngine
-from umbp.transfer.plans import cut_rounds, plan_rounds, plan_runs, sorted_runs
+from umbp.transfer.plans import RUN_PAD, plan_rounds, plan_runs, round_bounds, slice_batch, sorted_runs
 from umbp.transfer.shapes import ShapeCache, length_term
 
 
@@ -24,6 +24,15 @@ def engine():
     groups = {0: L.attention(2, 64, 4, 2, 8), 1: L.hybrid(1, 64, 4, 2, 8, [200])[0][1]}
     groups[2] = L.hybrid(1, 64, 4, 2, 8, [96])[0][1]
     return make_engine(Arena(1 << 22, pinned=False), groups)
+
+
+def cut_rounds(batch, budgets: list[int], cap: int) -> list:
+    """The batch cut as the kernel engine cuts it: round_bounds on each object's cost, slice_batch per round."""
+    cost = np.array(
+        [slot_reach(g.object_bytes, m) + RUN_PAD for g, m, ids, _o in batch for _ in range(ids.size)]
+    )
+    bounds = round_bounds(cost.astype(np.int64), budgets, cap)
+    return [slice_batch(batch, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def _random_batch(engine, rng, load: bool) -> list[Moves]:
@@ -71,7 +80,7 @@ def test_rounds_laid_out_in_one_pass_equal_the_per_round_reference(engine) -> No
         cuts = sorted({int(c) for c in rng.integers(1, n, int(rng.integers(0, 4)))}) if n > 1 else []
         budgets = [1 << 40]
         rounds = [batch]
-        if cuts:  # cut where the random cuts fall, as cut_rounds would (consecutive objects)
+        if cuts:  # cut where the random cuts fall, as round_bounds would (consecutive objects)
             cost = [slot_reach(g.object_bytes, m) + 16 for g, m, _i, _o in batch]
             per = np.repeat(cost, [ids.size for _g, _m, ids, _o in batch])
             edges = [0, *cuts, n]

@@ -32,7 +32,17 @@ from umbp.replay.trace import Segment, TokenCache, Turn, parse_line, read_trace,
 pytestmark = pytest.mark.vllm
 
 
-def tiny_layout(*, kind="attention", checkpoint=None, eagle=False, blocks=12) -> ReplayLayout:
+def tiny_layout(
+    *,
+    kind="attention",
+    checkpoint=None,
+    eagle=False,
+    blocks=12,
+    state_page=256,
+    max_model_len=2048,
+    dram_gb=0.01,
+) -> ReplayLayout:
+    """B=64, u=16 attention (or MLA) + Mamba-style state, a GPU pool of ``blocks`` blocks."""
     page = 64 * 2 * 8 if kind == "mla" else 64 * 4 * 4
     return ReplayLayout(
         name="tiny",
@@ -42,13 +52,13 @@ def tiny_layout(*, kind="attention", checkpoint=None, eagle=False, blocks=12) ->
         num_gpu_blocks=blocks,
         groups=(
             GroupConfig(kind, 64, 1, page, eagle=eagle),
-            GroupConfig("state", 64, 1, 256, checkpoint_alignment=checkpoint),
+            GroupConfig("state", 64, 1, state_page, checkpoint_alignment=checkpoint),
         ),
         max_num_batched_tokens=1024,
         max_num_seqs=8,
-        max_model_len=2048,
+        max_model_len=max_model_len,
         ranks=1,
-        dram_gb_per_rank=0.01,
+        dram_gb_per_rank=dram_gb,
         retention=0,
     ).validate()
 

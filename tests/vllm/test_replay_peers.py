@@ -14,10 +14,11 @@ import json
 from pathlib import Path
 
 import pytest
+from test_replay import tiny_layout, two_sessions  # the same tiny layouts and two-session trace
 
-from umbp.replay.deployments import GroupConfig, ReplayLayout
+from umbp.replay.deployments import ReplayLayout
 from umbp.replay.generate import AgenticProfile, generate
-from umbp.replay.trace import Segment, Turn, write_trace
+from umbp.replay.trace import Turn, write_trace
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -25,26 +26,19 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def hybrid(
     checkpoint: int | None, *, eagle: bool = False, dram_gb: float = 0.05, blocks: int = 40
 ) -> ReplayLayout:
-    """B=64, u=16 attention (or MLA with EAGLE) + Mamba-style state, a GPU pool of ``blocks`` blocks."""
+    """B=64, u=16 attention (or MLA with EAGLE) + Mamba-style state pages as large as the attention ones, a
+    GPU pool of ``blocks`` blocks."""
     kind = "mla" if eagle else "attention"
     page = 64 * 2 * 8 if eagle else 64 * 4 * 4
-    return ReplayLayout(
-        name="tiny",
-        description="test",
-        unit=16,
-        eagle_drop=eagle,
-        num_gpu_blocks=blocks,
-        groups=(
-            GroupConfig(kind, 64, 1, page, eagle=eagle),
-            GroupConfig("state", 64, 1, page, checkpoint_alignment=checkpoint),
-        ),
-        max_num_batched_tokens=1024,
-        max_num_seqs=8,
+    return tiny_layout(
+        kind=kind,
+        checkpoint=checkpoint,
+        eagle=eagle,
+        blocks=blocks,
+        state_page=page,
         max_model_len=4096,
-        ranks=1,
-        dram_gb_per_rank=dram_gb,
-        retention=0,
-    ).validate()
+        dram_gb=dram_gb,
+    )
 
 
 def agentic_turns() -> list[Turn]:
@@ -118,15 +112,6 @@ def test_peer_eagle_never_beyond_oracle(tmp_path):
 
     result = run(tmp_path, hybrid(None, eagle=True), Setting(False, 0, "offloading"))
     assert all(r.restored <= r.restorable for r in result.records)
-
-
-def two_sessions() -> list[Turn]:
-    a0 = Segment("A0", 190)
-    return [
-        Turn("A", 0, (a0,), arrival_s=0.0),
-        Turn("A", 1, (a0, Segment("A-reply", 30), Segment("A-tool", 40)), think_s=100.0),
-        Turn("B", 0, (Segment("B0", 440),), arrival_s=1.0),
-    ]
 
 
 def test_peer_partial_tail_known_answer(tmp_path):

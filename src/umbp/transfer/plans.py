@@ -11,7 +11,7 @@ planning it relies on, host side only:
   `sorted_runs` / `plan_runs` compute the same for one round, step by step: the reference the tests hold
   plan_rounds to. Per-object constants of a batch come from its `BatchShape` (shapes.py).
 * `round_budgets` / `round_bounds` / `slice_batch`: how a batch is cut into rounds that fit a staging
-  buffer, shaped for what the caller waits for (see round_budgets); `cut_rounds` composes them.
+  buffer, shaped for what the caller waits for (see round_budgets).
 * `lay_out`: round_bounds and plan_rounds in one call to the C extension umbp.transfer._rounds where it is
   built (identical results), else those numpy functions.
 """
@@ -218,7 +218,7 @@ def plan_rounds(
     order: np.ndarray | None = None,
 ) -> list[tuple[np.ndarray, tuple[np.ndarray, ...], int]]:
     """plan_runs(sorted_runs(round)) for every round of a batch at once (rounds: consecutive objects of
-    the batch, round r = objects bounds[r]:bounds[r + 1], as cut_rounds cuts them; offs, size, reach:
+    the batch, round r = objects bounds[r]:bounds[r + 1], as round_bounds cuts them; offs, size, reach:
     per object in batch order). One sort by (round, offset) and one pass instead of a sort and a layout
     per round: ~25 numpy calls a round, ~1-5 us each on a slow host, between a restore's copies.
     `order`: the stable argsort of offs, if the caller has it (one round only)."""
@@ -339,17 +339,6 @@ def _unpacked(out: np.ndarray, n: int, nr: int, nruns: int) -> tuple[list[int], 
         a, b, x, y = bounds[r], bounds[r + 1], first[r], first[r + 1]
         layouts.append((pos[a:b], (start[x:y], base[x:y], length[x:y]), totals[r]))
     return bounds, layouts
-
-
-def cut_rounds(batch: Batch, budgets: list[int], cap: int) -> list[Batch]:
-    """Cut the batch, in order, into rounds of at most budgets[k] staging bytes each (round_bounds says
-    where), each round its own Batch (slice_batch)."""
-    counts = [ids.size for _g, _m, ids, _o in batch]
-    cost = np.repeat(
-        np.array([slot_reach(g.object_bytes, m) + RUN_PAD for g, m, _i, _o in batch], np.int64), counts
-    )
-    bounds = round_bounds(cost, budgets, cap)
-    return [slice_batch(batch, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def round_bounds(cost: np.ndarray, budgets: list[int], cap: int) -> list[int]:
