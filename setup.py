@@ -1,5 +1,5 @@
-"""Builds umbp's optional C extensions (umbp.pool._native, umbp.transfer._rounds); everything else is in
-pyproject.toml.
+"""Builds umbp's optional C extensions (umbp.pool._native, umbp.transfer._rounds and _checks);
+everything else is in pyproject.toml.
 
 The extensions are optional: without a C compiler the install still succeeds and umbp runs its pure-Python
 paths (slower on hosts with many cores; see docs/pool.md). CI sets UMBP_REQUIRE_NATIVE=1 so a build that
@@ -15,11 +15,15 @@ setup(
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),
-        Extension(
-            "umbp.transfer._rounds",
-            ["src/umbp/transfer/_rounds.c"],
-            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-            optional=True,
+        *(
+            Extension(
+                f"umbp.transfer.{name}",
+                [f"src/umbp/transfer/{name}.c"],
+                depends=["src/umbp/transfer/_radix.h"],
+                extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+                optional=True,
+            )
+            for name in ("_rounds", "_checks")
         ),
     ]
 )

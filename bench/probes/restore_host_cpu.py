@@ -121,11 +121,14 @@ def measure(tokens: list[int], reps: int) -> list[dict]:
 
 
 def _tree(rev: str, repo: Path, into: Path) -> Path:
-    """src/ of `rev` under `into`, with this checkout's built C extension."""
+    """src/ of `rev` under `into`, with this checkout's built C extensions that `rev` has sources for."""
     archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "src"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    for so in (repo / "src/umbp/pool").glob("_native*.so"):
-        shutil.copy(so, into / "src/umbp/pool" / so.name)
+    for so in (repo / "src").rglob("_*.so"):
+        rel = so.relative_to(repo)
+        source = into / rel.parent / (so.name.split(".")[0] + ".c")
+        if source.exists():
+            shutil.copy(so, into / rel)
     return into / "src"
 
 

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--total-mib", type=int, default=None, help="payload per direction (default 1024, quick 64)"
     )
+    parser.add_argument(
+        "--paths",
+        default="",
+        help="measure only these paths, in this order (comma-separated row labels, e.g. 'auto,dma'; "
+        "default: every path, auto last)",
+    )
     parser.add_argument("--batches", type=int, default=4, help="batches the payload is cut into (default 4)")
     parser.add_argument("--ctas", type=int, default=None, help="kernel grid size (default: one per SM)")
     parser.add_argument("--sweep-ctas", default="16,33,66,132", help="grid sizes tried at 16 KiB pages")
@@ -305,6 +311,12 @@ def _layouts(page: int, nblocks: int, device: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    unknown = [p for p in args.paths.split(",") if p and p not in PATHS] if args.paths else []
+    if unknown:
+        print(
+            f"umbp bench transfer: unknown path {unknown[0]!r} (paths: {', '.join(PATHS)})", file=sys.stderr
+        )
+        return 2
     try:
         import torch
     except ImportError:
@@ -378,6 +390,8 @@ def _rows_for(args: argparse.Namespace, case: Case, page: int, reps: int, paths:
     if not any(word in case.name for word in args.only.split(",")):
         return []
     obj = max(_object_bytes(layers) for layers in case.groups.values())
+    if args.paths:  # the order asked for: rows measured later may find the GPU warmer
+        paths = [p for p in args.paths.split(",") if p in paths]
     rows = []
     for path in paths:
         r = reps if path != "staged" else max(1, reps // 3)

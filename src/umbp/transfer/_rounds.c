@@ -26,43 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Sort keys (offset / 8 above, batch index below) by LSD radix, 11 bits a pass, passes whose digit is
- * the same for every key skipped: a round's offsets share their high bits. Insertion sort below 48. */
-static void sort_keys(uint64_t *k, uint64_t *tmp, Py_ssize_t n) {
-    if (n < 48) {
-        for (Py_ssize_t i = 1; i < n; i++) {
-            uint64_t v = k[i];
-            Py_ssize_t j = i;
-            for (; j > 0 && k[j - 1] > v; j--)
-                k[j] = k[j - 1];
-            k[j] = v;
-        }
-        return;
-    }
-    uint64_t all_or = 0, all_and = ~(uint64_t)0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        all_or |= k[i];
-        all_and &= k[i];
-    }
-    uint64_t differ = all_or ^ all_and;
-    Py_ssize_t count[2048];
-    for (int shift = 0; shift < 64; shift += 11) {
-        if (((differ >> shift) & 2047) == 0)
-            continue;
-        memset(count, 0, sizeof count);
-        for (Py_ssize_t i = 0; i < n; i++)
-            count[(k[i] >> shift) & 2047]++;
-        Py_ssize_t at = 0;
-        for (int d = 0; d < 2048; d++) {
-            Py_ssize_t c = count[d];
-            count[d] = at;
-            at += c;
-        }
-        for (Py_ssize_t i = 0; i < n; i++)
-            tmp[count[(k[i] >> shift) & 2047]++] = k[i];
-        memcpy(k, tmp, (size_t)n * sizeof *k);
-    }
-}
+#include "_radix.h"
 
 static int get_int64s(PyObject *obj, Py_buffer *view, const char *name, Py_ssize_t n, int writable) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
