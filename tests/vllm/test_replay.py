@@ -319,3 +319,21 @@ def test_a_restored_turn_is_a_local_hit_for_the_next(tmp_path, kw):
     assert restored.local == 0 and restored.restored == 176  # B's prompt evicted A from the 12-block pool
     assert after.local == after.oracle >= restored.prompt_tokens - 16
     assert after.restorable == 0 and after.external == 0
+
+
+def test_a_restore_waits_for_its_load_not_for_the_next_arrival(tmp_path):
+    """A restored turn alone in the engine: its load is queued in a step with nothing to compute, and the
+    clock must stop when that load completes, not jump to the next turn's arrival (it did: restored
+    turns then took seconds of modelled time where their load takes microseconds)."""
+    from umbp.replay.driver import Setting, replay
+
+    layout = tiny_layout()
+    turns = two_sessions() + [Turn("C", 0, (Segment("C0", 100),), arrival_s=500.0)]
+    result = replay(layout, Setting(True, 0), turns, concurrency=3, workdir=tmp_path)
+    recs = {r.req_id: r for r in result.records}
+    restored = recs["A#1"]
+    assert restored.restored == 176 and restored.submitted_s < 400.0
+    timing = layout.timing
+    load_s = 2 * (timing.transfer_latency_s + 1e-3)  # a few KiB over the link: latency-bound
+    compute_s = 2 * timing.step_seconds(restored.prompt_tokens, 1e3 * restored.prompt_tokens / 1000)
+    assert restored.finished_s - restored.submitted_s < load_s + compute_s

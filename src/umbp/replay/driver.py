@@ -323,8 +323,11 @@ class Replay:
         dt = self.layout.timing.step_seconds(so.total_num_scheduled_tokens, self._context_load(so))
         if dt > 0:  # a peer's worker may hold the forward back (vLLM's OffloadingConnector: jobs_to_flush)
             start = self.workers.barrier(so.kv_connector_metadata, start)
-        end = start + dt if dt > 0 else self._next_event(start)
-        self.workers.dispatch(so.kv_connector_metadata, start, end)
+            end = start + dt
+            self.workers.dispatch(so.kv_connector_metadata, start, end)
+        else:  # queued before the jump, so that the jump can stop at this step's own jobs
+            self.workers.dispatch(so.kv_connector_metadata, start, start)
+            end = self._next_event(start)
         self.now = end
         sched.update_from_output(so, self._runner_output(so))
         self._note_loads()
