@@ -23,7 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from umbp.pool import native
 from umbp.vllm.compose import apply_load_failure_policy, register_with_vllm
 from umbp.vllm.config import UMBPConfig
-from umbp.vllm.kv_layout import describe
+from umbp.vllm.kv_layout import describe, pipeline_limits
 from umbp.vllm.logs import attach_to_vllm_logging
 from umbp.vllm.metadata import UMBPConnectorMetadata
 from umbp.vllm.scheduler import SchedulerSide
@@ -47,6 +47,9 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         # Inside a MultiConnector vLLM reads the policy from the outer config (umbp.vllm.compose).
         apply_load_failure_policy(transfer, self.cfg.load_failure_policy)
         self.layout = describe(vllm_config, kv_cache_config, tenant=self.cfg.tenant)
+        limits = pipeline_limits(self.layout.identity.parallel)
+        if limits is not None and role == KVConnectorRole.SCHEDULER:  # once per deployment
+            logger.warning(limits)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
