@@ -9,6 +9,7 @@ own layers, so:
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -59,7 +60,7 @@ def test_each_stage_names_its_own_namespace(tmp_path):
     assert first.namespace != second.namespace
 
 
-def test_a_stage_with_more_layers_than_the_slot_refuses_its_saves():
+def test_a_stage_with_more_layers_than_the_slot_refuses_its_saves(caplog):
     config = stage_config(["model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"])
     kv = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
     for t in kv.values():
@@ -79,10 +80,14 @@ def test_a_stage_with_more_layers_than_the_slot_refuses_its_saves():
         w.arena.view(0, 3 * PAGE)[:] = 0xAB
         # the scheduler (stage 0: one layer) reserved one page for the object; the next page is another
         # object's slot, which two layers' bytes would overwrite
-        w.save(UMBPConnectorMetadata(saves=[SaveJob(7, 0, [PageMove(1, 0, PAGE, b"\x01" * 8)])]))
+        with caplog.at_level(logging.WARNING, logger="umbp"):
+            for job in (7, 8):
+                w.save(UMBPConnectorMetadata(saves=[SaveJob(job, 0, [PageMove(1, 0, PAGE, b"\x01" * 8)])]))
         meta = w.take_worker_meta()
-        assert meta is not None and 7 in meta.failed and 7 not in meta.saved
-        assert w.totals["save_failures"] == 1
+        assert meta is not None and {7, 8} <= set(meta.failed) and not meta.saved
+        assert w.totals["save_failures"] == 2
+        warned = [r for r in caplog.records if "reserved" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].exc_info is None  # one line, not a traceback per save
         assert bytes(w.arena.view(0, 3 * PAGE)) == b"\xab" * (3 * PAGE)  # nothing written
     finally:
         w.close()

@@ -66,6 +66,10 @@ class PendingSave:
     finished: bool = False  # confirmed (or failed) in this worker's metadata
 
 
+class SlotTooSmall(ValueError):
+    """This rank's object of a group is larger than the slot the scheduler reserved for it."""
+
+
 class WorkerSide(LoadPath):
     """One rank's half of the connector: its arena, its lower tiers and the copies between them and the
     KV cache; saves here, loads in :class:`~umbp.vllm.worker_loads.LoadPath`."""
@@ -95,6 +99,7 @@ class WorkerSide(LoadPath):
         self.feeder: ThreadPoolExecutor | None = None  # hands saved objects to the SSD / shared tiers
         self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
         self.totals: Counter[str] = Counter()  # since start, for `umbp stats`-style inspection and tests
+        self._slot_warned = False  # SlotTooSmall is logged once, not per save
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.rank not in self.layout.ranks:
@@ -191,6 +196,12 @@ class WorkerSide(LoadPath):
                 continue
             try:
                 moves = self._start_save(job)
+            except SlotTooSmall as exc:  # a layout mismatch, the same every step: one warning, then counts
+                if not self._slot_warned:
+                    logger.warning("%s; such saves are refused and counted as save_failures", exc)
+                    self._slot_warned = True
+                self._refuse_save(job)
+                continue
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never a crash
                 self._save_failed(job)
                 continue
@@ -242,7 +253,11 @@ class WorkerSide(LoadPath):
             return None
         nbytes = pages.object_bytes
         if nbytes > min(m.nbytes for m in job.moves):
-            raise ValueError(f"umbp: page of {nbytes} bytes exceeds its slot of {job.moves[0].nbytes}")
+            raise SlotTooSmall(
+                f"umbp: group {job.group}'s objects take {nbytes} bytes on rank {self.rank.tag()} but the "
+                f"scheduler reserved {min(m.nbytes for m in job.moves)} (under pipeline parallelism: a stage "
+                "with more layers of the group than stage 0; docs/vllm.md)"
+            )
         for move in job.moves:
             self.slots.pop(move.offset, None)  # being rewritten: invalid until the copy is done
         return Moves(
