@@ -69,17 +69,21 @@ def test_spec_sizes():
     assert stored_page_bytes(ATTN) == PAGE
 
 
-def _worker(config: KVCacheConfig, kv_caches: dict) -> WorkerSide:
+def worker(config: KVCacheConfig, kv_caches: dict, rank: RankCoord | None = None) -> WorkerSide:
+    """A registered worker whose layout is its own config's, as each rank builds it."""
+    rank = rank or RankCoord()
     layout = Layout(
         groups=(),
         unit=BLOCK,
         eagle_groups=frozenset(),
         identity=None,
         namespace="ab" * 16,
-        ranks=(RankCoord(),),
-        object_bytes=tuple(stored_page_bytes(g.kv_cache_spec) for g in config.kv_cache_groups),
+        ranks=(rank,),
+        object_bytes=tuple(
+            stored_page_bytes(g.kv_cache_spec) * len(g.layer_names) for g in config.kv_cache_groups
+        ),
     )
-    w = WorkerSide(UMBPConfig(dram_bytes=64 * 4096), layout, config, rank=RankCoord())
+    w = WorkerSide(UMBPConfig(dram_bytes=64 * 4096), layout, config, rank=rank)
     w.register(kv_caches)
     return w
 
@@ -90,7 +94,7 @@ def test_round_trip_through_vllms_own_views_leaves_the_padding_alone():
     raw = torch.empty(0, dtype=torch.uint8).set_(kv["mamba"].untyped_storage()).view(NB, PAGE)
     gen = torch.Generator().manual_seed(7)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-    w = _worker(config, kv)
+    w = worker(config, kv)
     try:
         assert w.groups[0].object_bytes == CONTENT  # the state bytes, not the padded page
         saved = raw.clone()

@@ -20,24 +20,14 @@ if os.environ.get("UMBP_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
 from sched_harness import GroupDef, build  # noqa: E402
+from test_padded_pages import ATTN, BLOCK, NB, PAGE, worker  # noqa: E402  the same attention spec
 from vllm.v1.attention.backends.utils import KVCacheLayout  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from umbp.identity import ParallelSizes, RankCoord  # noqa: E402
-from umbp.vllm.config import UMBPConfig  # noqa: E402
-from umbp.vllm.kv_layout import Layout, describe, pipeline_limits  # noqa: E402
+from umbp.vllm.kv_layout import describe, pipeline_limits  # noqa: E402
 from umbp.vllm.metadata import PageMove, SaveJob, UMBPConnectorMetadata  # noqa: E402
-from umbp.vllm.worker import WorkerSide  # noqa: E402
-
-NB, BLOCK = 8, 16
-ATTN = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
-PAGE = ATTN.page_size_bytes
 
 
 def stage_config(layers: list[str]) -> KVCacheConfig:
@@ -65,17 +55,7 @@ def test_a_stage_with_more_layers_than_the_slot_refuses_its_saves(caplog):
     kv = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
     for t in kv.values():
         t.fill_(1.0)
-    layout = Layout(
-        groups=(),
-        unit=BLOCK,
-        eagle_groups=frozenset(),
-        identity=None,
-        namespace="cd" * 16,
-        ranks=(RankCoord(pp=1),),
-        object_bytes=(2 * PAGE,),  # this stage's own objects: two layers' pages
-    )
-    w = WorkerSide(UMBPConfig(dram_bytes=16 * PAGE), layout, config, rank=RankCoord(pp=1))
-    w.register(kv)
+    w = worker(config, kv, rank=RankCoord(pp=1))  # its layout is its own: two layers' pages
     try:
         w.arena.view(0, 3 * PAGE)[:] = 0xAB
         # the scheduler (stage 0: one layer) reserved one page for the object; the next page is another

@@ -335,5 +335,6 @@ def test_a_restore_waits_for_its_load_not_for_the_next_arrival(tmp_path):
     assert restored.restored == 176 and restored.submitted_s < 400.0
     timing = layout.timing
     load_s = 2 * (timing.transfer_latency_s + 1e-3)  # a few KiB over the link: latency-bound
-    compute_s = 2 * timing.step_seconds(restored.prompt_tokens, 1e3 * restored.prompt_tokens / 1000)
+    n = restored.prompt_tokens  # at most every prompt token scheduled, each over a context of n
+    compute_s = 2 * timing.step_seconds(n, n * n / 1000)
     assert restored.finished_s - restored.submitted_s < load_s + compute_s
