@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--paths",
-        default="",
+        type=lambda text: [p for p in text.split(",") if p],
+        default=[],
         help="measure only these paths, in this order (comma-separated row labels, e.g. 'auto,dma'; "
         "default: every path, auto last)",
     )
@@ -311,7 +312,7 @@ def _layouts(page: int, nblocks: int, device: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    unknown = [p for p in args.paths.split(",") if p and p not in PATHS] if args.paths else []
+    unknown = [p for p in args.paths if p not in PATHS]
     if unknown:
         print(
             f"umbp bench transfer: unknown path {unknown[0]!r} (paths: {', '.join(PATHS)})", file=sys.stderr
@@ -391,7 +392,7 @@ def _rows_for(args: argparse.Namespace, case: Case, page: int, reps: int, paths:
         return []
     obj = max(_object_bytes(layers) for layers in case.groups.values())
     if args.paths:  # the order asked for: rows measured later may find the GPU warmer
-        paths = [p for p in args.paths.split(",") if p in paths]
+        paths = [p for p in args.paths if p in paths]
     rows = []
     for path in paths:
         r = reps if path != "staged" else max(1, reps // 3)

@@ -251,12 +251,12 @@ class WorkerSide(LoadPath):
         pages = self.groups.get(job.group)
         if pages is None:
             return None
-        nbytes = pages.object_bytes
-        if nbytes > min(m.nbytes for m in job.moves):
+        nbytes, reserved = pages.object_bytes, min(m.nbytes for m in job.moves)
+        if nbytes > reserved:
             raise SlotTooSmall(
                 f"umbp: group {job.group}'s objects take {nbytes} bytes on rank {self.rank.tag()} but the "
-                f"scheduler reserved {min(m.nbytes for m in job.moves)} (under pipeline parallelism: a stage "
-                "with more layers of the group than stage 0; docs/vllm.md)"
+                f"scheduler reserved {reserved} (under pipeline parallelism: a stage with more layers of the "
+                "group than stage 0; docs/vllm.md)"
             )
         for move in job.moves:
             self.slots.pop(move.offset, None)  # being rewritten: invalid until the copy is done
