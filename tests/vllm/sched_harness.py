@@ -114,6 +114,8 @@ class Harness:
     log: list[str] = field(default_factory=list)
     dcp: int = 1  # decode context parallel size: attention blocks span block_size * dcp tokens
     interleave: int = 1  # vLLM cp_kv_cache_interleave_size: consecutive tokens one DCP rank holds
+    # per worker, per group: the layers it holds (pipeline parallel: each stage its own, maybe none)
+    layers: list[list[list[str]]] = field(default_factory=list)
 
     # ---------------------------------------------------------------- requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
@@ -226,6 +228,12 @@ class Harness:
         dcp_rank = self.workers[rank]._worker.rank.dcp
         return shard_slot(p, block_size, self.dcp, dcp_rank, self.interleave)
 
+    def _layers(self, rank: int, g: int) -> list[tuple[str, str | None]]:
+        """(layer name, value salt) of each layer of group g on this worker: a layer other than the
+        default one per group gets values of its own, so a restore into the wrong layer is caught."""
+        names = self.layers[rank][g] if self.layers else [f"g{g}"]  # a harness built without build()
+        return [(name, None if name == f"g{g}" else name) for name in names]
+
     def _fake_forward(self, cache, so, rank: int = 0) -> None:
         salt = self.workers[rank]._worker.rank.dcp if self.dcp > 1 else 0
         for req_id, n in so.num_scheduled_tokens.items():
@@ -234,20 +242,21 @@ class Harness:
             start = end - n
             block_ids = self.sched.kv_cache_manager.get_block_ids(req_id)
             for g, gdef in enumerate(self.groups):
-                t = cache[f"g{g}"]
                 table = block_ids[g]
-                if gdef.kind == "mamba":
-                    idx = (end - 1) // gdef.block_size
-                    if idx < len(table) and table[idx]:
-                        t[table[idx]] = state_value(req.all_token_ids, end, salt)
-                    continue
-                for p in range(start, end):
-                    slot = self._slot(p, gdef.block_size, rank)
-                    if slot is None:
+                for name, layer in self._layers(rank, g):
+                    t = cache[name]
+                    if gdef.kind == "mamba":
+                        idx = (end - 1) // gdef.block_size
+                        if idx < len(table) and table[idx]:
+                            t[table[idx]] = state_value(req.all_token_ids, end, salt, layer)
                         continue
-                    b = table[slot[0]]
-                    if b:
-                        t[b, slot[1]] = token_value(req.all_token_ids, p)
+                    for p in range(start, end):
+                        slot = self._slot(p, gdef.block_size, rank)
+                        if slot is None:
+                            continue
+                        b = table[slot[0]]
+                        if b:
+                            t[b, slot[1]] = token_value(req.all_token_ids, p, layer)
 
     def _corrupt_arena(self, worker, meta) -> None:
         for job in meta.loads:
@@ -265,23 +274,25 @@ class Harness:
         salt = self.workers[rank]._worker.rank.dcp if self.dcp > 1 else 0
         bad = []
         for g, gdef in enumerate(self.groups):
-            t, table = cache[f"g{g}"], block_ids[g]
-            if gdef.kind == "mamba":
-                idx = (tokens - 1) // gdef.block_size
-                got = t[table[idx]].flatten()[0].item()
-                if got != state_value(req.all_token_ids, tokens, salt):
-                    bad.append(f"g{g} state at {tokens}")
-                continue
-            lo = 0 if gdef.kind == "fa" else max(0, tokens - gdef.window)
-            for p in range(lo, tokens):
-                slot = self._slot(p, gdef.block_size, rank)
-                if slot is None:
-                    continue  # another DCP rank's shard
-                b = table[slot[0]]
-                got = t[b, slot[1]].flatten()[0].item()
-                if got != token_value(req.all_token_ids, p):
-                    bad.append(f"g{g} token {p}")
-                    break
+            table = block_ids[g]
+            for name, layer in self._layers(rank, g):
+                t = cache[name]
+                if gdef.kind == "mamba":
+                    idx = (tokens - 1) // gdef.block_size
+                    got = t[table[idx]].flatten()[0].item()
+                    if got != state_value(req.all_token_ids, tokens, salt, layer):
+                        bad.append(f"{name} state at {tokens}")
+                    continue
+                lo = 0 if gdef.kind == "fa" else max(0, tokens - gdef.window)
+                for p in range(lo, tokens):
+                    slot = self._slot(p, gdef.block_size, rank)
+                    if slot is None:
+                        continue  # another DCP rank's shard
+                    b = table[slot[0]]
+                    got = t[b, slot[1]].flatten()[0].item()
+                    if got != token_value(req.all_token_ids, p, layer):
+                        bad.append(f"{name} token {p}")
+                        break
         return bad
 
 
@@ -293,14 +304,15 @@ def _digest(tokens: list[int]) -> float:
     return float(int.from_bytes(hashlib.blake2b(repr(tokens).encode(), digest_size=3).digest(), "big"))
 
 
-def token_value(tokens: list[int], p: int) -> float:
-    return _digest(list(tokens[: p + 1]))
+def token_value(tokens: list[int], p: int, layer: str | None = None) -> float:
+    return _digest(list(tokens[: p + 1]) + ([("layer", layer)] if layer else []))
 
 
-def state_value(tokens: list[int], t: int, salt: int = 0) -> float:
+def state_value(tokens: list[int], t: int, salt: int = 0, layer: str | None = None) -> float:
     """The state after t tokens; ``salt`` (a DCP rank) makes each rank's copy distinct, so a rank that
-    loaded another rank's state page would be caught."""
-    return -_digest(list(tokens[:t]) + ([("rank", salt)] if salt else [])) - 1.0
+    loaded another rank's state page would be caught; ``layer`` does the same for layers."""
+    extra = ([("rank", salt)] if salt else []) + ([("layer", layer)] if layer else [])
+    return -_digest(list(tokens[:t]) + extra) - 1.0
 
 
 def shard_slot(
@@ -332,8 +344,11 @@ def build(
     interleave: int = 1,
     eagle_groups: frozenset[int] = frozenset(),
     lookahead: bool = True,
+    stage_layers: list[list[int]] | None = None,
 ) -> Harness:
-    """``dcp > 1``: vLLM's decode context parallelism over the ``tp`` ranks (tp >= dcp); block sizes in
+    """``stage_layers``: pipeline parallelism, one entry per stage with its number of layers of each group
+    (0: none); vLLM's scheduler gets stage 0's KV-cache config, each stage's workers their own.
+    ``dcp > 1``: vLLM's decode context parallelism over the ``tp`` ranks (tp >= dcp); block sizes in
     ``groups`` are per rank, as in vLLM's specs. ``eagle_groups``: groups annotated ``is_eagle_group``
     (DSpark confines the drop to its MLA group this way; none annotated: vLLM drops on every group).
     ``lookahead=False``: EAGLE with vLLM's plain block hashes where it has lookahead ones (0.34)."""
@@ -387,37 +402,41 @@ def build(
         kv_transfer_config=transfer,
         speculative_config=spec,
         parallel_config=ParallelConfig(
-            tensor_parallel_size=tp, decode_context_parallel_size=dcp, cp_kv_cache_interleave_size=interleave
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            cp_kv_cache_interleave_size=interleave,
+            pipeline_parallel_size=len(stage_layers or [None]),
         ),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=1, layers=[f"g{g}"], layer_stride=0, block_stride=0)
-            for g in range(len(groups))
-        ],
-        kv_cache_groups=[
-            KVCacheGroupSpec([f"g{g}"], _spec(gd), is_eagle_group=g in eagle_groups)
-            for g, gd in enumerate(groups)
-        ],
-        prefix_cache_retention_interval=retention,
+    stages = (
+        [[[f"g{g}"] for g in range(len(groups))]]
+        if stage_layers is None
+        else [
+            [[f"pp{st}.g{g}.{j}" for j in range(n)] for g, n in enumerate(counts)]
+            for st, counts in enumerate(stage_layers)
+        ]
     )
+    configs = [_kv_cache_config(groups, names, num_blocks, retention, eagle_groups) for names in stages]
+    kv_cache_config = configs[0]  # what vLLM hands the scheduler (generate_scheduler_kv_cache_config)
     sched, hasher = make_scheduler(vllm_config, kv_cache_config)
     with set_current_vllm_config(vllm_config):
-        workers, caches = [], []
-        for r in range(tp):
-            w = UMBPConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            w._worker.rank = RankCoord(tp=r, dcp=dcp_rank(r, 0, ParallelSizes(tp=tp, dcp=dcp)))
-            cache_t = {}
-            for g, gd in enumerate(groups):
-                if gd.kind == "mamba":
-                    cache_t[f"g{g}"] = torch.zeros(num_blocks, 4, 8)
-                else:
-                    cache_t[f"g{g}"] = torch.zeros(num_blocks, gd.block_size, 2, HEADS, HEAD)
-            w.register_kv_caches(cache_t)
-            workers.append(w)
-            caches.append(cache_t)
+        workers, caches, layers = [], [], []
+        for st, (names, config) in enumerate(zip(stages, configs)):
+            for r in range(tp):
+                w = UMBPConnector(vllm_config, KVConnectorRole.WORKER, config)
+                w._worker.rank = RankCoord(tp=r, dcp=dcp_rank(r, 0, ParallelSizes(tp=tp, dcp=dcp)), pp=st)
+                cache_t = {}
+                for g, gd in enumerate(groups):
+                    for name in names[g]:
+                        if gd.kind == "mamba":
+                            cache_t[name] = torch.zeros(num_blocks, 4, 8)
+                        else:
+                            cache_t[name] = torch.zeros(num_blocks, gd.block_size, 2, HEADS, HEAD)
+                w.register_kv_caches(cache_t)
+                workers.append(w)
+                caches.append(cache_t)
+                layers.append(names)
     return Harness(
         sched,
         workers,
@@ -426,7 +445,25 @@ def build(
         vllm_config,
         hasher,
         groups,
-        KVOutputAggregator(tp),
+        KVOutputAggregator(len(workers)),
         dcp=dcp,
         interleave=interleave,
+        layers=layers,
+    )
+
+
+def _kv_cache_config(groups, names, num_blocks, retention, eagle_groups) -> KVCacheConfig:
+    """One stage's KV-cache config: ``names[g]`` are its layers of group g (perhaps none)."""
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=1, layers=[name], layer_stride=0, block_stride=0)
+            for layer in names
+            for name in layer
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(list(names[g]), _spec(gd), is_eagle_group=g in eagle_groups)
+            for g, gd in enumerate(groups)
+        ],
+        prefix_cache_retention_interval=retention,
     )

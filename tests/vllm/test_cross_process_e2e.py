@@ -5,7 +5,6 @@ instance computes, another reuses), with identical tokens and logprobs."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,18 +14,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
+from script_runs import script_result  # noqa: E402
 
 
 def one_turn(arch: str, model_dir: Path, extra: dict, *flags: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_one_turn.py"), arch, str(model_dir), json.dumps(extra), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return script_result("_one_turn.py", arch, str(model_dir), json.dumps(extra), *flags)
 
 
 def test_new_process_restores_832_from_ssd(tiny_model_dir, tmp_path, capsys):

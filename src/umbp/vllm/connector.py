@@ -23,7 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from umbp.pool import native
 from umbp.vllm.compose import apply_load_failure_policy, register_with_vllm
 from umbp.vllm.config import UMBPConfig
-from umbp.vllm.kv_layout import describe, pipeline_limits
+from umbp.vllm.kv_layout import describe
 from umbp.vllm.logs import attach_to_vllm_logging
 from umbp.vllm.metadata import UMBPConnectorMetadata
 from umbp.vllm.scheduler import SchedulerSide
@@ -47,9 +47,6 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         # Inside a MultiConnector vLLM reads the policy from the outer config (umbp.vllm.compose).
         apply_load_failure_policy(transfer, self.cfg.load_failure_policy)
         self.layout = describe(vllm_config, kv_cache_config, tenant=self.cfg.tenant)
-        limits = pipeline_limits(self.layout.identity.parallel)
-        if limits is not None and role == KVConnectorRole.SCHEDULER:  # once per deployment
-            logger.warning(limits)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -164,8 +161,10 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             self._worker.before_forward()  # vLLM binds before the forward; start_load_kv may come after it
-            if isinstance(connector_metadata, UMBPConnectorMetadata) and connector_metadata.handoffs_done:
+            if isinstance(connector_metadata, UMBPConnectorMetadata):
                 self._worker.delivered.update(connector_metadata.handoffs_done)
+                if connector_metadata.layouts_known:
+                    self._worker.layout_known = True
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -94,16 +94,15 @@ class Producer:
             return False, None
         hit = full_hit(self.side, request)
         tokens = hit.tokens if request.num_computed_tokens >= hit.tokens else 0
+        if not self.side.stages.ready:
+            tokens = 0  # pipeline parallel, before every stage reported its layout: nothing was stored
         params = {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: {"tokens": tokens}}
         if tokens == 0:
             return False, params  # nothing to hand off: D computes the prompt
         unit = self.side.layout.unit
-        keys = [
-            heads[g] + hexes[end // unit - 1]
-            for heads in self.side._rank_heads
-            for g, ends in enumerate(hit.loads)
-            for end in ends
-        ]
+        keys, _ = self.side.rank_keys(
+            [(g, hexes[end // unit - 1]) for g, ends in enumerate(hit.loads) for end in ends]
+        )
         now = time.monotonic()
         self.pending[request.request_id] = Delivery(
             request.request_id, hit.tokens, keys, now, now + self.timeout_s

@@ -36,6 +36,7 @@ class Layout:
     ranks: tuple[RankCoord, ...]
     object_bytes: tuple[int, ...]  # per group: bytes one rank's object of that group may take (no padding)
     dcp: int = 1  # decode context parallel size: a sharded attention block spans block_size * dcp tokens
+    pp: int = 1  # pipeline stages: each reports its own namespace and object sizes (umbp.vllm.stages)
 
     @property
     def spans(self) -> tuple:
@@ -114,28 +115,12 @@ def check_parallel(sizes: ParallelSizes, groups: tuple) -> None:
         raise UnsupportedLayout(
             f"umbp: prefill_context_parallel_size={sizes.pcp} is not supported (vLLM 0.32 runs PCP only in "
             "its V2 model runner, untested with umbp); use prefill_context_parallel_size=1 "
-            "(decode_context_parallel_size and TP are supported; PP with limits, see docs/vllm.md)"
+            "(TP, decode_context_parallel_size and PP are supported)"
         )
     try:
         check_context_parallel(groups, sizes.dcp, sizes.pcp)
     except ValueError as exc:
         raise UnsupportedLayout(f"umbp: decode_context_parallel_size={sizes.dcp}: {exc}") from None
-
-
-def pipeline_limits(sizes: ParallelSizes) -> str | None:
-    """What pipeline parallelism leaves out, for a start-up warning (None without PP). vLLM hands the
-    scheduler stage 0's KV-cache config, and each stage's layer names differ: the scheduler reserves a
-    slot for stage 0's share of a group, and each stage keys its objects under a namespace of its own
-    layers (which it must: a namespace without the layer names could hand one grouping's bytes to
-    another)."""
-    if sizes.pp <= 1:
-        return None
-    return (
-        f"umbp: pipeline_parallel_size={sizes.pp}: DRAM restores work where every stage holds no more "
-        "layers of a cache group than stage 0 (a stage with more refuses those saves, counted as "
-        "save_failures); the SSD tier does not restore objects from an earlier run and the shared tier "
-        "finds none, because stages after the first key their objects under their own namespace"
-    )
 
 
 def dcp_interleave(vllm_config, kv_cache_config: KVCacheConfig) -> int:
@@ -260,4 +245,5 @@ def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> L
         ranks=tuple(all_ranks(sizes)),
         object_bytes=object_bytes,
         dcp=sizes.dcp,
+        pp=sizes.pp,
     )

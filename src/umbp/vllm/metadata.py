@@ -53,6 +53,9 @@ class UMBPOffloadMetadata(KVConnectorMetadata):
     handoffs_done: list[str] = field(
         default_factory=list
     )  # store-mediated P/D: report these finished_sending
+    layouts_known: bool = (
+        False  # pipeline parallel: the scheduler knows every rank's layout (umbp.vllm.stages)
+    )
 
     def is_empty(self) -> bool:
         return not self.saves and not self.loads and not self.handoffs_done
@@ -70,11 +73,16 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
     ssd_saved: dict[int, set[str]] = field(default_factory=dict)  # job id -> ranks that queued it to SSD
     ssd_evicted: set[str] = field(default_factory=set)  # logical keys some rank's SSD tier no longer holds
     load_failed: set[str] = field(default_factory=set)  # logical keys a failed load could not use, any rank
+    # pipeline parallel, until the scheduler knows them: rank tag -> (its namespace, its object bytes per
+    # group) (umbp.vllm.stages)
+    layouts: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UMBPWorkerMetadata:
         assert isinstance(other, UMBPWorkerMetadata)
         merged = UMBPWorkerMetadata(
-            ssd_evicted=self.ssd_evicted | other.ssd_evicted, load_failed=self.load_failed | other.load_failed
+            ssd_evicted=self.ssd_evicted | other.ssd_evicted,
+            load_failed=self.load_failed | other.load_failed,
+            layouts={**self.layouts, **other.layouts},
         )
         for name in ("saved", "failed", "ssd_saved"):
             dst = getattr(merged, name)
@@ -84,4 +92,11 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
         return merged
 
     def is_empty(self) -> bool:
-        return not (self.saved or self.failed or self.ssd_saved or self.ssd_evicted or self.load_failed)
+        return not (
+            self.saved
+            or self.failed
+            or self.ssd_saved
+            or self.ssd_evicted
+            or self.load_failed
+            or self.layouts
+        )

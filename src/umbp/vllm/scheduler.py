@@ -34,6 +34,7 @@ from umbp.vllm.metadata import LoadJob, PageMove, UMBPConnectorMetadata, UMBPWor
 from umbp.vllm.scheduler_lookup import REMOTE_REUSE_S, LookupMixin
 from umbp.vllm.scheduler_saves import SAVE_CONFIRM_STEPS, PendingSave, SaveMixin
 from umbp.vllm.scheduler_state import PendingLoad, TrackedRequest, key_head
+from umbp.vllm.stages import StageLayouts
 from umbp.vllm.stats import UMBPStats
 from umbp.vllm.tail_hashes import tail_prefix_hash
 from umbp.vllm.tiers import logical_key, scan_ssd
@@ -98,12 +99,21 @@ class SchedulerSide(LookupMixin, SaveMixin):
         spec = layout.identity.speculative_method
         self._tail_unit = cfg.tail_unit if cfg.boundary_page and not spec else 0
         self._tail_span = tail_span(layout.groups, self._tail_unit, layout.dcp, layout.eagle_groups)
-        self._rank_heads = [
-            [key_head(object_key(ns, r, g, b"\x00")) for g in range(len(layout.groups))] for r in layout.ranks
-        ]
-        if cfg.ssd_dirs:
-            self.ssd_keys = scan_ssd(cfg.ssd_dirs, layout.namespace, layout.ranks)
-            logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
+        # every rank's namespace and object sizes (umbp.vllm.stages): known at once without pipeline
+        # parallelism; with it, from the workers' first reports, and until then nothing is offered or saved
+        self.stages = StageLayouts(layout)
+        self.slot_bytes = tuple(layout.object_bytes)  # per group: what a DRAM slot takes (largest rank's)
+        self.data_bytes = tuple(n * len(layout.ranks) for n in layout.object_bytes)  # per group, all ranks
+        self._rank_heads: list[list[str | None]] = []  # per rank and group (None: holds no layer of it)
+        self._aliases: dict[str, str] = {}  # other ranks' namespaces -> this side's
+        if self.stages.ready:
+            self._stages_ready()
+        else:
+            logger.info(
+                "umbp: pipeline_parallel_size=%d: each stage reports its layout with the first step's output; "
+                "requests scheduled before then are neither restored nor saved",
+                layout.pp,
+            )
         # store-mediated P/D (umbp.vllm.handoff): a producer confirms hand-offs, a consumer waits for them
         if role in ("kv_producer", "kv_consumer") and self.remote is None:
             raise ConfigError(
@@ -120,6 +130,42 @@ class SchedulerSide(LookupMixin, SaveMixin):
     def count(self, key: str, value: int = 1) -> None:
         self.stats.add(key, value)
         self.totals[key] += value
+
+    def _stages_ready(self) -> None:
+        """Every rank's layout is known: size slots for the largest rank's object, name each rank's
+        objects under its own namespace, and find what the SSD tiers hold from earlier runs."""
+        coords = {r.tag(): r for r in self.layout.ranks}
+        ranks = self.stages.ranks()
+        self.slot_bytes, self.data_bytes = self.stages.slot_bytes(), self.stages.data_bytes()
+        self._aliases = self.stages.aliases()
+        groups = range(len(self.layout.groups))
+        self._rank_heads = [
+            [
+                key_head(object_key(r.namespace, coords[tag], g, b"\x00")) if r.object_bytes[g] else None
+                for g in groups
+            ]
+            for tag, r in ranks
+        ]
+        if self.layout.pp > 1:
+            sizes = {tag: r.object_bytes for tag, r in ranks}
+            logger.info("umbp: every pipeline stage reported its layout; object bytes per rank %s", sizes)
+        if self.cfg.ssd_dirs:
+            held = [(coords[tag], r.namespace, [n > 0 for n in r.object_bytes]) for tag, r in ranks]
+            self.ssd_keys |= scan_ssd(self.cfg.ssd_dirs, self.layout.namespace, held)
+            logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
+
+    def ours(self, keys: set[str]) -> set[str]:
+        """Logical keys a worker reported, under this side's namespace (a pipeline stage names them under
+        its own)."""
+        if not self._aliases or not keys:
+            return keys
+        out = set()
+        for key in keys:
+            parts = key.split(":", 3)  # umbp, v1, namespace, "all:g<group>:<hash>" (tiers.logical_key)
+            if len(parts) == 4:
+                parts[2] = self._aliases.get(parts[2], parts[2])
+            out.add(":".join(parts))
+        return out
 
     # ---------------------------------------------------------------- requests
     def track(self, request) -> TrackedRequest:
@@ -194,7 +240,7 @@ class SchedulerSide(LookupMixin, SaveMixin):
                 table = block_ids[g]
                 if idx >= len(table) or table[idx] == 0:
                     return None
-                move = PageMove(table[idx], -1, self.layout.object_bytes[g], self.prefix_hash(request, end))
+                move = PageMove(table[idx], -1, self.slot_bytes[g], self.prefix_hash(request, end))
                 moves.append((g, move, self.key(g, request, end)))
         return moves
 
@@ -226,7 +272,7 @@ class SchedulerSide(LookupMixin, SaveMixin):
         self.step += 1
         self._expire_unconfirmed_saves()
         self.plan_saves(scheduler_output)
-        meta = UMBPConnectorMetadata()
+        meta = UMBPConnectorMetadata(layouts_known=self.stages.ready)
         if self.producer is not None:
             self.producer.poll()
             meta.handoffs_done = self.producer.take_done()
@@ -243,8 +289,12 @@ class SchedulerSide(LookupMixin, SaveMixin):
     def on_worker_output(self, output) -> None:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, UMBPWorkerMetadata):
+            if meta.layouts and self.stages.learn(meta.layouts):
+                self._stages_ready()
+            self.ssd_keys.difference_update(self.ours(meta.ssd_evicted))
             self._confirm_saves(meta)
-            self.load_failed |= meta.load_failed  # a rank may report before vLLM reports the request
+            # a rank may report a failed load before vLLM reports the request
+            self.load_failed |= self.ours(meta.load_failed)
         failed = set(output.failed_recving or ())
         for req_id in output.finished_recving or ():
             load = self.loads.pop(req_id, None)
@@ -333,5 +383,7 @@ class SchedulerSide(LookupMixin, SaveMixin):
 def most_objects(dram_bytes: int, object_bytes: Sequence[int]) -> int:
     """How many objects the DRAM tier can hold at most (all of the smallest kind): the index is sized for
     them at start, so it never grows in the step loop."""
-    smallest = max(1, -(-min(object_bytes, default=ARENA_PAGE) // ARENA_PAGE))  # arena pages
+    # a group stage 0 holds no layer of (pipeline parallel) stores objects of another stage's size, not 0
+    sizes = [n for n in object_bytes if n]
+    smallest = max(1, -(-min(sizes, default=ARENA_PAGE) // ARENA_PAGE))  # arena pages
     return dram_bytes // ARENA_PAGE // smallest

@@ -145,17 +145,37 @@ class LookupMixin:
     ) -> None:
         """One pipelined exists() for these (group, end) objects of every rank; caches the answers."""
         hexes, unit = self._hexes(tracked), self.layout.unit
-        cut = [(g, hexes[t // unit - 1]) for g, t in asks]
-        keys = [heads[g] + hx for heads in self._rank_heads for g, hx in cut]  # rank-major
-        held = (
-            np.asarray(self.remote.exists(keys), dtype=bool)
-            .reshape(len(self._rank_heads), len(asks))
-            .all(axis=0)
-        )
-        for (g, t), ok in zip(asks, held.tolist()):
+        held = self._held_by_every_rank([(g, hexes[t // unit - 1]) for g, t in asks])
+        for (g, t), ok in zip(asks, held):
             tracked.remote[(g, t)] = (now, ok)
             if ok:
                 present[g].add(t)
+
+    def rank_keys(self, cut: list[tuple[int, str]]) -> tuple[list[str], list[int]]:
+        """Every rank's key of each (group, prefix-hash hex) object, rank-major, and which object each key
+        is of; a rank that holds no layer of a group (a pipeline stage) has none for it."""
+        keys: list[str] = []
+        owner: list[int] = []
+        for heads in self._rank_heads:
+            if None in heads:
+                cols = [i for i, (g, _) in enumerate(cut) if heads[g] is not None]
+                keys += [heads[cut[i][0]] + cut[i][1] for i in cols]
+                owner += cols
+            else:  # every rank without pipeline parallelism: one comprehension per rank
+                keys += [heads[g] + hx for g, hx in cut]
+                owner += range(len(cut))
+        return keys, owner
+
+    def _held_by_every_rank(self, cut: list[tuple[int, str]]) -> list[bool]:
+        """One pipelined EXISTS: is each object on the shared tier for every rank that stores it? Never,
+        before every rank's layout is known (umbp.vllm.stages): no rank's names are known then."""
+        if not cut or not self.stages.ready:
+            return [False] * len(cut)
+        keys, owner = self.rank_keys(cut)
+        missing = np.zeros(len(cut), dtype=bool)
+        found = np.asarray(self.remote.exists(keys), dtype=bool)
+        missing[np.asarray(owner, dtype=np.int64)[~found]] = True
+        return (~missing).tolist()
 
     @staticmethod
     def _contiguous_end(ends: set[int], size: int) -> int:
@@ -200,6 +220,9 @@ class LookupMixin:
     def lookup(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self.track(request)
         self.count("lookups")
+        if not self.stages.ready:  # pipeline parallel, before every stage reported its layout
+            self.count("lookups_layout_pending")
+            return 0, False
         max_tokens = request.num_tokens - 1
         hashed = len(request.block_hashes) * self.layout.unit
         present = self.presence(request, hashed)
@@ -230,7 +253,7 @@ class LookupMixin:
         first block in a local tier (a hit needs all of them from the start). Cheap, as vLLM asks on
         every entry into its waiting queues; the shared tier is not asked (a round trip), and a layout
         without full attention answers False: both only keep vLLM's ordinary admission order."""
-        if not self._full_blocks:
+        if not self._full_blocks or not self.stages.ready:
             return False
         tracked = self.track(request)
         self._sync(tracked)
@@ -260,12 +283,8 @@ class LookupMixin:
         held |= {ge for ge, key in keys.items() if key in self.ssd_keys}
         asks = [ge for ge in keys if ge not in held]
         if self.remote is not None and asks:
-            hexes = [bytes(self.prefix_hash(request, e)).hex() for _, e in asks]
-            rank_keys = [heads[g] + hx for heads in self._rank_heads for (g, _), hx in zip(asks, hexes)]
-            found = np.asarray(self.remote.exists(rank_keys), dtype=bool).reshape(
-                len(self._rank_heads), len(asks)
-            )
-            held |= {ge for ge, ok in zip(asks, found.all(axis=0).tolist()) if ok}
+            cut = [(g, bytes(self.prefix_hash(request, e)).hex()) for g, e in asks]
+            held |= {ge for ge, ok in zip(asks, self._held_by_every_rank(cut)) if ok}
         now = time.monotonic()
         held -= {ge for ge, key in keys.items() if self.quarantine.get(key, 0) > now}
         return {e for e in ends if all((g, e) in held for g in groups)}

@@ -94,6 +94,10 @@ class SaveMixin:
         and the state of a running request) apart from full blocks, so that only the former hold up the
         next forward on the GPU (SaveJob.fence). A job's slots are reserved together, adjacent when the
         arena has a long enough free run: the workers then copy each run in one piece."""
+        if not self.stages.ready:
+            if plans:  # pipeline parallel, before every stage reported its layout (umbp.vllm.stages)
+                self.count("saves_dropped_layout_pending", len(plans))
+            return
         wanted: dict[tuple[int, bool], dict[str, StorePlan]] = {}
         for plan in plans:
             key = self.key(plan.group, request, plan.key_end)
@@ -104,7 +108,7 @@ class SaveMixin:
             wanted.setdefault((plan.group, plan.reason in MUTABLE), {})[key] = plan
         by_job: dict[tuple[int, bool], tuple[list[PageMove], list[str]]] = {}
         for (group, mutable), plan_of in sorted(wanted.items()):
-            nbytes = self.layout.object_bytes[group]
+            nbytes = self.slot_bytes[group]
             slots = self.index.reserve_many(list(plan_of), nbytes)
             for (key, plan), slot in zip(plan_of.items(), slots):
                 if slot is None:
@@ -138,7 +142,6 @@ class SaveMixin:
             self.block_pool.free_blocks([self.block_pool.blocks[b] for b in block_ids])
 
     def _confirm_saves(self, meta: UMBPWorkerMetadata) -> None:
-        self.ssd_keys.difference_update(meta.ssd_evicted)
         for job_id, ranks in meta.ssd_saved.items():
             if job_id in self.saves:
                 self.saves[job_id].ssd_confirmed |= ranks
@@ -177,9 +180,8 @@ class SaveMixin:
             return
         if save.job.ssd and save.ssd_confirmed >= self.rank_tags:
             self.ssd_keys.update(save.keys)
-        group = save.job.group
-        nbytes = sum(m.nbytes for m in save.job.moves) * len(self.rank_tags)
+        group, objects = save.job.group, len(save.job.moves)
         self.count("stored_objects", len(save.keys))
         self.count(f"stored_objects_g{group}", len(save.keys))
         self.count("stored_bytes", sum(slot_span(m.nbytes) for m in save.job.moves) * len(self.rank_tags))
-        self.count("stored_data_bytes", nbytes)
+        self.count("stored_data_bytes", self.data_bytes[group] * objects)

@@ -30,20 +30,37 @@ def logical_of(rank_key: str) -> str:
     return logical_key(parsed.namespace, parsed.group, parsed.prefix_hash)
 
 
-def scan_ssd(dirs: Sequence[str], namespace: str, ranks: Iterable[RankCoord]) -> set[str]:
+def scan_ssd(
+    dirs: Sequence[str], namespace: str, ranks: Iterable[tuple[RankCoord, str, Sequence[bool]]]
+) -> set[str]:
+    """The logical objects (keys under ``namespace``) that every rank storing their group holds. ``ranks``:
+    each rank, the namespace it names its objects under (a pipeline stage's is its own) and which groups
+    it stores (a stage may hold no layer of one). A record under another namespace or rank is ignored."""
     from umbp.pool.ssd.format import scan_directory
 
-    held: set[str] | None = None
-    for rank in ranks:
-        keys: set[str] = set()
+    held: dict[int, set[str]] = {}
+    for rank, rank_ns, stores in ranks:
+        found: dict[int, set[str]] = {}
         for base in dirs:
-            path = rank_dir(base, namespace, rank)
+            path = rank_dir(base, rank_ns, rank)
             if not os.path.isdir(path):
                 continue
+            foreign = 0
             for key in scan_directory(path):
                 try:
-                    keys.add(logical_of(key))
+                    parsed = parse_key(key)
                 except ValueError:
-                    logger.warning("umbp: ignoring a record with a foreign key in %s", path)
-        held = keys if held is None else held & keys
-    return held or set()
+                    parsed = None
+                if parsed is None or parsed.namespace != rank_ns or parsed.rank != rank:
+                    foreign += 1
+                    continue
+                found.setdefault(parsed.group, set()).add(
+                    logical_key(namespace, parsed.group, parsed.prefix_hash)
+                )
+            if foreign:
+                logger.warning("umbp: ignoring %d records with a foreign key in %s", foreign, path)
+        for g, yes in enumerate(stores):
+            if yes:
+                mine = found.get(g, set())
+                held[g] = mine if g not in held else held[g] & mine
+    return set().union(*held.values())

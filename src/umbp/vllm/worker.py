@@ -100,6 +100,8 @@ class WorkerSide(LoadPath):
         self.stats = UMBPStats()  # this interval's counters, handed to vLLM each step
         self.totals: Counter[str] = Counter()  # since start, for `umbp stats`-style inspection and tests
         self._slot_warned = False  # SlotTooSmall is logged once, not per save
+        # pipeline parallel: this rank reports its layout until the scheduler knows it (umbp.vllm.stages)
+        self.layout_known = layout.pp <= 1
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.rank not in self.layout.ranks:
@@ -255,8 +257,8 @@ class WorkerSide(LoadPath):
         if nbytes > reserved:
             raise SlotTooSmall(
                 f"umbp: group {job.group}'s objects take {nbytes} bytes on rank {self.rank.tag()} but the "
-                f"scheduler reserved {reserved} (under pipeline parallelism: a stage with more layers of the "
-                "group than stage 0; docs/vllm.md)"
+                f"scheduler reserved {reserved} (a scheduler that does not know this rank's layout; "
+                "docs/vllm.md, pipeline parallelism)"
             )
         for move in job.moves:
             self.slots.pop(move.offset, None)  # being rewritten: invalid until the copy is done
@@ -366,7 +368,16 @@ class WorkerSide(LoadPath):
         evicted = {logical_of(k) for k in self.ssd.drain_evicted()} if self.ssd is not None else set()
         meta = UMBPWorkerMetadata(self.saved, self.failed, self.ssd_saved, evicted, self.load_failed)
         self.saved, self.failed, self.ssd_saved, self.load_failed = {}, {}, {}, set()
+        if not self.layout_known and self.arena is not None:
+            meta.layouts = {self.rank.tag(): self.reported_layout()}
         return None if meta.is_empty() else meta
+
+    def reported_layout(self) -> tuple[str, tuple[int, ...]]:
+        """This rank's namespace and the bytes of its object of each group (0: it holds no layer of it)."""
+        sizes = tuple(
+            self.groups[g].object_bytes if g in self.groups else 0 for g in range(len(self.layout.groups))
+        )
+        return self.layout.namespace, sizes
 
     def suspend(self) -> None:
         """The KV cache's memory is about to be released (vLLM's sleep mode, a weight update): finish every

@@ -200,9 +200,15 @@ class LoadPath:
             self.groups[group].scatter([b for b, _ in rows], data)
             self.count("loaded_bytes", data.numel())
         task.batch = [
-            Moves(g, ids, offs, digs if self.cfg.checksum else None, slot_span(self.layout.object_bytes[g]))
+            Moves(g, ids, offs, digs if self.cfg.checksum else None, self._reach(task, g))
             for g, (ids, offs, digs) in sorted(task.slotted.items())
         ]
+
+    def _reach(self, task: PendingLoad, group: int) -> int:
+        """How far each of the group's slots reaches: the scheduler sizes them for the largest rank's
+        object (a pipeline stage may hold fewer layers than another), never less than this rank's."""
+        reserved = max((m.nbytes for m in task.job.moves.get(group, ())), default=0)
+        return slot_span(max(self.groups[group].object_bytes, reserved))
 
     def _load_alone(self, task: PendingLoad) -> None:
         task.handle, task.first = self.engine.load(task.batch), 0

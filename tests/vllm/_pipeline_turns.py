@@ -1,0 +1,57 @@
+"""Serve one 840-token prompt twice on a real vLLM engine with two pipeline stages and umbp embedded; print
+a JSON line with both turns and the scheduler side's counters.
+
+usage: python _pipeline_turns.py ARCH MODEL_DIR LAYER_PARTITION
+
+Between the turns vLLM's local prefix cache is dropped, so the second turn's prefix can only come from
+umbp. A short request goes first: the workers report their layouts with its output (umbp.vllm.stages).
+Runs as its own process because vLLM starts the stage workers with ``spawn``, which re-imports ``__main__``.
+"""
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    arch, model_dir, partition = sys.argv[1], sys.argv[2], sys.argv[3]
+    os.environ["VLLM_PP_LAYER_PARTITION"] = partition
+    # one core per stage worker: vLLM-CPU cannot pick them itself on a single NUMA node
+    cpus = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
+    from umbp.tools import vllm_harness as H
+    from umbp.tools.demo import umbp_scheduler
+
+    llm = H.make_llm_for_arch(
+        arch,
+        model_dir,
+        kv_transfer_config=H.umbp_transfer({"dram_gb": 0.0625}),
+        prefix_match_unit=16,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
+        # vLLM-CPU allocates a later stage's input buffers only in its compile warm-up
+        enforce_eager=False,
+    )
+    try:
+        H.run_prompt(llm, H.random_prompt(20, seed=3), max_tokens=1)
+        prompt = H.random_prompt(840, seed=7)
+        first = H.run_prompt(llm, prompt)
+        H.drop_gpu_prefix_cache(llm)
+        second = H.run_prompt(llm, prompt)
+        sched = umbp_scheduler(llm)
+        result = {
+            "turns": [
+                {"tokens": t.token_ids, "logprobs": t.logprobs, "cached": t.num_cached_tokens}
+                for t in (first, second)
+            ],
+            "totals": dict(sched.totals),
+            "slot_bytes": list(sched.slot_bytes),
+            "stage0_object_bytes": list(sched.layout.object_bytes),
+        }
+    finally:
+        H.shutdown_llm(llm)
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
