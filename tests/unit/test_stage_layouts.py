@@ -48,6 +48,7 @@ def bad_reports():
         "negative size": {"tp0:pcp0:dcp0:pp1": (OTHER, (8192, -1))},
         "not a size": {"tp0:pcp0:dcp0:pp1": (OTHER, (8192, True))},
         "not a pair": {"tp0:pcp0:dcp0:pp1": OTHER},
+        "not a mapping": [("tp0:pcp0:dcp0:pp1", good)],
     }
 
 

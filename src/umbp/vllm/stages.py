@@ -52,14 +52,19 @@ class StageLayouts:
         doubt must never be restored into."""
         if self.refused is not None or self.ready:
             return False
+        if not isinstance(reports, dict):
+            return self._refuse("workers reported layouts in an unknown form")
         for tag, report in reports.items():
             problem = self._problem(tag, report)
             if problem is not None:
-                self.refused = problem
-                logger.warning("umbp: %s; pipeline stages stay uncached", problem)
-                return False
+                return self._refuse(problem)
             self.of[tag] = RankLayout(report[0], tuple(report[1]))
         return self.ready
+
+    def _refuse(self, problem: str) -> bool:
+        self.refused = problem
+        logger.warning("umbp: %s; pipeline stages stay uncached", problem)
+        return False
 
     def _problem(self, tag, report) -> str | None:
         if tag not in self.expected:

@@ -39,6 +39,8 @@ COUNTERS: dict[str, str] = {
     "stored_bytes_rank": "bytes stored, summed over ranks",
     "save_failures": "objects whose save failed",
     "saves_dropped_no_space": "saves dropped because the DRAM tier had no room even after eviction",
+    "lookups_layout_pending": "pipeline parallel: lookups answered 0 before every stage reported its layout",
+    "saves_dropped_layout_pending": "pipeline parallel: saves dropped before every stage reported its layout",
     "evictions": "objects evicted from the DRAM tier",
     "demotions": "objects copied from DRAM to the SSD tier on eviction",
     "demotions_dropped": "evicted objects not demoted (SSD staging full)",
