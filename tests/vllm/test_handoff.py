@@ -74,8 +74,8 @@ def finished_params(h, req_id: str, max_steps: int = 500) -> dict:
     raise AssertionError(f"{req_id} did not finish")
 
 
-def producer(tmp_path, url: str, tp: int, timeout_s: float = 10.0):
-    h = build(tmp_path, GROUPS, unit=16, tp=tp, extra=extra(url))
+def producer(tmp_path, url: str, tp: int, timeout_s: float = 10.0, stage_layers=None):
+    h = build(tmp_path, GROUPS, unit=16, tp=tp, extra=extra(url), stage_layers=stage_layers)
     h.umbp.producer = Producer(h.umbp, timeout_s)  # what kv_role "kv_producer" sets up
     return h
 
@@ -100,6 +100,34 @@ def test_producer_reports_sent_once_every_rank_is_visible(tmp_path, server, tp):
     add(d, "B", {"do_remote_prefill": True, "umbp_handoff": {"tokens": 832}}, max_tokens=2)
     d.admit("B")
     assert d.umbp.restored["B"] == 832 and d.held_values("B", 832) == []
+    assert d.umbp.totals["handoffs_received"] == 1
+
+
+def test_pipeline_stages_hand_off_once_every_stage_reported(tmp_path, server):
+    """Stage 1 holds no state layer, so its keys of that group are not waited for. A request whose saves
+    were dropped before the stages reported is not handed off (D computes it), never held until the
+    timeout."""
+    stages = [[1, 1], [2, 0]]
+    h = producer(tmp_path, server.url, 1, stage_layers=stages)
+    add(h, "A", TO_DECODE)  # planned in the first step, before any stage reported
+    assert finished_params(h, "A")["umbp_handoff"] == {"tokens": 0}
+    h.run()
+    assert h.sched.reset_prefix_cache()
+    add(h, "B", TO_DECODE)
+    assert finished_params(h, "B")["umbp_handoff"] == {"tokens": 832}
+    h.run()
+    assert h.umbp.totals["handoffs_delivered"] == 1 and h.umbp.totals["handoff_timeouts"] == 0
+    assert h.leaks() == LEAK_FREE
+    for w in h.workers:
+        w.shutdown()
+    d = build(tmp_path, GROUPS, unit=16, extra=extra(server.url), stage_layers=stages)
+    d.umbp.consumer = Consumer(d.umbp, 0.5)
+    d.add("warm-up", [1, 2, 3], max_tokens=1)  # D's stages report with its output
+    d.run()
+    add(d, "C", {"do_remote_prefill": True, "umbp_handoff": {"tokens": 832}}, max_tokens=2)
+    d.admit("C")
+    assert d.umbp.restored["C"] == 832
+    assert [d.held_values("C", 832, rank=r) for r in range(len(d.workers))] == [[], []]
     assert d.umbp.totals["handoffs_received"] == 1
 
 

@@ -88,14 +88,16 @@ class Producer:
     pending: dict[str, Delivery] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)  # delivered (or given up), not yet sent to the workers
 
-    def begin(self, request, hexes: list[str]) -> tuple[bool, dict[str, Any] | None]:
-        """At request_finished: the params D needs, and whether the workers will report it later."""
+    def begin(self, request, hexes: list[str], complete: bool = True) -> tuple[bool, dict[str, Any] | None]:
+        """At request_finished: the params D needs, and whether the workers will report it later.
+        ``complete=False``: some of its saves were dropped (pipeline stages not yet known), so its objects
+        would never all become visible: nothing is handed off, D computes the prompt."""
         if not wants_decode_elsewhere(request) or getattr(request.status, "name", "") not in COMPLETED:
             return False, None
         hit = full_hit(self.side, request)
         tokens = hit.tokens if request.num_computed_tokens >= hit.tokens else 0
-        if not self.side.stages.ready:
-            tokens = 0  # pipeline parallel, before every stage reported its layout: nothing was stored
+        if not complete or not self.side.stages.ready:
+            tokens = 0
         params = {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: {"tokens": tokens}}
         if tokens == 0:
             return False, params  # nothing to hand off: D computes the prompt

@@ -361,7 +361,7 @@ class SchedulerSide(LookupMixin, SaveMixin):
         self.queue_saves(request, plans)
         if self.producer is None:
             return False, None
-        return self.producer.begin(request, self._hexes(tracked))
+        return self.producer.begin(request, self._hexes(tracked), complete=not tracked.unsaved)
 
     def has_pending_work(self) -> bool:
         """Keep vLLM stepping until every queued save was sent and confirmed by all ranks, and every

@@ -97,6 +97,9 @@ class SaveMixin:
         if not self.stages.ready:
             if plans:  # pipeline parallel, before every stage reported its layout (umbp.vllm.stages)
                 self.count("saves_dropped_layout_pending", len(plans))
+                tracked = self.requests.get(request.request_id)
+                if tracked is not None:
+                    tracked.unsaved = True  # a store-mediated hand-off of it would never complete
             return
         wanted: dict[tuple[int, bool], dict[str, StorePlan]] = {}
         for plan in plans:
