@@ -1,11 +1,12 @@
-"""Serve one 840-token prompt twice on a real vLLM engine with two pipeline stages and umbp embedded; print
-a JSON line with both turns and the scheduler side's counters.
+"""Serve one 840-token prompt TURNS times on a real vLLM engine with two pipeline stages and umbp embedded;
+print a JSON line with the turns and the scheduler side's counters.
 
-usage: python _pipeline_turns.py ARCH MODEL_DIR LAYER_PARTITION
+usage: python _pipeline_turns.py ARCH MODEL_DIR LAYER_PARTITION EXTRA_CONFIG_JSON TURNS
 
-Between the turns vLLM's local prefix cache is dropped, so the second turn's prefix can only come from
-umbp. A short request goes first: the workers report their layouts with its output (umbp.vllm.stages).
-Runs as its own process because vLLM starts the stage workers with ``spawn``, which re-imports ``__main__``.
+Between turns vLLM's local prefix cache is dropped, so a later turn's prefix can only come from umbp (one
+turn per process: from what an earlier process left on the SSD tier). A short request goes first: the
+workers report their layouts with its output (umbp.vllm.stages). Runs as its own process because vLLM
+starts the stage workers with ``spawn``, which re-imports ``__main__``.
 """
 
 import json
@@ -15,6 +16,7 @@ import sys
 
 def main() -> None:
     arch, model_dir, partition = sys.argv[1], sys.argv[2], sys.argv[3]
+    extra, turns = json.loads(sys.argv[4]), int(sys.argv[5])
     os.environ["VLLM_PP_LAYER_PARTITION"] = partition
     # one core per stage worker: vLLM-CPU cannot pick them itself on a single NUMA node
     cpus = sorted(os.sched_getaffinity(0))
@@ -25,7 +27,7 @@ def main() -> None:
     llm = H.make_llm_for_arch(
         arch,
         model_dir,
-        kv_transfer_config=H.umbp_transfer({"dram_gb": 0.0625}),
+        kv_transfer_config=H.umbp_transfer(extra),
         prefix_match_unit=16,
         pipeline_parallel_size=2,
         distributed_executor_backend="mp",
@@ -35,14 +37,15 @@ def main() -> None:
     try:
         H.run_prompt(llm, H.random_prompt(20, seed=3), max_tokens=1)
         prompt = H.random_prompt(840, seed=7)
-        first = H.run_prompt(llm, prompt)
-        H.drop_gpu_prefix_cache(llm)
-        second = H.run_prompt(llm, prompt)
+        done = []
+        for i in range(turns):
+            if i:
+                H.drop_gpu_prefix_cache(llm)
+            done.append(H.run_prompt(llm, prompt))
         sched = umbp_scheduler(llm)
         result = {
             "turns": [
-                {"tokens": t.token_ids, "logprobs": t.logprobs, "cached": t.num_cached_tokens}
-                for t in (first, second)
+                {"tokens": t.token_ids, "logprobs": t.logprobs, "cached": t.num_cached_tokens} for t in done
             ],
             "totals": dict(sched.totals),
             "slot_bytes": list(sched.slot_bytes),

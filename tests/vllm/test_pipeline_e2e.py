@@ -1,9 +1,12 @@
 """umbp under vLLM's pipeline parallelism, end to end: a real engine with two stages (two worker
 processes), the tiny Falcon-H1 hybrid split 1 + 3 layers, so the second stage's objects are three times
-the size stage 0's config implies. The second turn restores its prefix at the local-hit boundary from
-umbp on both stages, with tokens and logprobs identical to the first."""
+the size stage 0's config implies. A later turn restores its prefix at the local-hit boundary from umbp
+on both stages (from DRAM, or from the SSD tier in a new engine process), with tokens and logprobs
+identical to the first."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from script_runs import script_result
@@ -11,9 +14,15 @@ from script_runs import script_result
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_two_uneven_stages_restore_832_with_identical_outputs(tiny_model_dir):
+def turns(tiny_model_dir, extra: dict, count: int) -> dict:
     model = str(tiny_model_dir("falcon_h1"))
-    result = script_result("_pipeline_turns.py", "falcon_h1", model, "1,3", timeout_s=600)
+    return script_result(
+        "_pipeline_turns.py", "falcon_h1", model, "1,3", json.dumps(extra), str(count), timeout_s=600
+    )
+
+
+def test_two_uneven_stages_restore_832_with_identical_outputs(tiny_model_dir):
+    result = turns(tiny_model_dir, {"dram_gb": 0.0625}, 2)
     first, second = result["turns"]
     totals = result["totals"]
     assert first["cached"] == 0
@@ -25,3 +34,16 @@ def test_two_uneven_stages_restore_832_with_identical_outputs(tiny_model_dir):
     assert not totals.get("save_failures")
     # the warm-up request's first step came before the stages reported: nothing offered, nothing saved
     assert totals["lookups_layout_pending"] >= 1
+
+
+def test_a_new_engine_restores_both_stages_from_the_ssd_tier(tiny_model_dir, tmp_path):
+    """Each stage's worker writes its SSD directory under its own namespace; the new engine's scheduler
+    scans them once the stages have reported, and restores 832 tokens on both."""
+    extra = {"dram_gb": 0.0625, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}
+    first = turns(tiny_model_dir, extra, 1)
+    second = turns(tiny_model_dir, extra, 1)
+    (a,), (b,) = first["turns"], second["turns"]
+    assert a["cached"] == 0 and b["cached"] == 832
+    assert second["totals"]["restored_tokens"] == 832 and second["totals"]["ssd_loaded_objects"] > 0
+    assert b["tokens"] == a["tokens"]
+    assert max(abs(x - y) for x, y in zip(b["logprobs"], a["logprobs"])) <= 1e-5
