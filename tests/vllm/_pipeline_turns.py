@@ -4,9 +4,9 @@ print a JSON line with the turns and the scheduler side's counters.
 usage: python _pipeline_turns.py ARCH MODEL_DIR LAYER_PARTITION EXTRA_CONFIG_JSON TURNS
 
 Between turns vLLM's local prefix cache is dropped, so a later turn's prefix can only come from umbp (one
-turn per process: from what an earlier process left on the SSD tier). A short request goes first: the
-workers report their layouts with its output (umbp.vllm.stages). Runs as its own process because vLLM
-starts the stage workers with ``spawn``, which re-imports ``__main__``.
+turn per process: from what an earlier process left on the SSD tier). The stages' layouts reach the
+scheduler through vLLM's start-up handshake (umbp.vllm.stages), so the first request is cached too. Runs
+as its own process because vLLM starts the stage workers with ``spawn``, which re-imports ``__main__``.
 """
 
 import json
@@ -35,7 +35,6 @@ def main() -> None:
         enforce_eager=False,
     )
     try:
-        H.run_prompt(llm, H.random_prompt(20, seed=3), max_tokens=1)
         prompt = H.random_prompt(840, seed=7)
         done = []
         for i in range(turns):

@@ -56,6 +56,17 @@ def warm_up(h) -> None:
     assert h.umbp.totals["lookups_layout_pending"] >= 1
 
 
+def handshake(h) -> None:
+    """What vLLM's EngineCore does at start-up: every worker's handshake metadata, keyed (pp, tp), handed to
+    the scheduler-side connector."""
+    content = {}
+    for w in h.workers:
+        meta = w.get_handshake_metadata()
+        if meta is not None:
+            content[(w._worker.rank.pp, w._worker.rank.tp)] = meta
+    h.sched.connector.set_xfer_handshake_metadata_pp_aware(content)
+
+
 def shut(h) -> None:
     for w in h.workers:
         w.shutdown()
@@ -102,6 +113,27 @@ def test_eagle_keying_on_every_stage(tmp_path):
     assert local > 0
     assert restore(h, "B", PROMPT) == (local, [])
     assert h.leaks() == NO_LEAKS
+
+
+def test_the_start_up_handshake_makes_the_first_request_cached(tmp_path):
+    h = build(tmp_path, FA_MAMBA_400, unit=16, tp=2, stage_layers=STAGES["more-on-stage-1"])
+    assert not h.umbp.stages.ready
+    handshake(h)
+    assert h.umbp.stages.ready
+    assert compute_then_drop(h, "A", PROMPT) == 832  # the very first request, saved
+    assert restore(h, "B", PROMPT) == (832, [])
+    assert not h.umbp.totals["lookups_layout_pending"] and not h.umbp.totals["saves_dropped_layout_pending"]
+    assert all(w._worker.layout_known for w in h.workers)  # told so by the first step's metadata
+    assert all(w.get_handshake_metadata() is None for w in h.workers)
+
+
+def test_a_p_d_connectors_handshake_from_a_later_stage_is_ignored(tmp_path):
+    """Beside NIXL in a MultiConnector, umbp is handed NIXL's metadata, from every stage: vLLM's base class
+    would refuse stages past the first and stop start-up; umbp takes nothing from it."""
+    h = build(tmp_path, FA_MAMBA_400, unit=16, stage_layers=STAGES["more-on-stage-1"])
+    h.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): object(), (1, 0): object()})
+    assert not h.umbp.stages.ready and h.umbp.stages.refused is None
+    warm_up(h)  # the step output still carries the layouts
 
 
 def test_the_first_steps_before_the_reports_neither_restore_nor_save(tmp_path):

@@ -21,11 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from umbp.pool import native
-from umbp.vllm.compose import apply_load_failure_policy, register_with_vllm
+from umbp.vllm.compose import apply_load_failure_policy, enclosing_transfer_configs, register_with_vllm
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.kv_layout import describe
 from umbp.vllm.logs import attach_to_vllm_logging
-from umbp.vllm.metadata import UMBPConnectorMetadata
+from umbp.vllm.metadata import UMBPConnectorMetadata, UMBPHandshakeMetadata
 from umbp.vllm.scheduler import SchedulerSide
 from umbp.vllm.stats import UMBPPromMetrics, UMBPStats
 from umbp.vllm.worker import WorkerSide
@@ -46,6 +46,9 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         # "fail" policy a missing page would fail the request. umbp's contract is "a miss is a recompute".
         # Inside a MultiConnector vLLM reads the policy from the outer config (umbp.vllm.compose).
         apply_load_failure_policy(transfer, self.cfg.load_failure_policy)
+        # inside a MultiConnector the start-up handshake carries only one child's metadata (vLLM 0.32 takes
+        # the first that is not None): umbp then leaves it to the other connector (NIXL needs it)
+        self._nested = bool(enclosing_transfer_configs(transfer))
         self.layout = describe(vllm_config, kv_cache_config, tenant=self.cfg.tenant)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -122,6 +125,22 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         # (True, params) only for a store-mediated hand-off (kv_producer): see umbp.vllm.handoff
         return self._sched.on_finished(request, block_ids)
 
+    # Pipeline parallelism: every rank's layout reaches the scheduler before the first request through
+    # vLLM's start-up handshake (umbp.vllm.stages). The base class refuses metadata from stages past the
+    # first, which beside a P/D connector (whose metadata this is then) would stop start-up.
+    def set_xfer_handshake_metadata_pp_aware(self, metadata) -> None:
+        self.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        if self._sched is None:
+            return
+        layouts: dict = {}
+        for value in (metadata or {}).values():
+            if isinstance(value, UMBPHandshakeMetadata):
+                layouts.update(value.layouts)
+        if layouts:
+            self._sched.learn_layouts(layouts)
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
@@ -193,6 +212,12 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self):
         return self._worker.take_worker_meta() if self._worker is not None else None
+
+    def get_handshake_metadata(self) -> UMBPHandshakeMetadata | None:
+        w = self._worker
+        if w is None or self._nested or w.layout_known or w.arena is None:
+            return None
+        return UMBPHandshakeMetadata({w.rank.tag(): w.reported_layout()})
 
     def shutdown(self) -> None:
         if self._worker is not None:

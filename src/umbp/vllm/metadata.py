@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -100,3 +101,12 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
             or self.load_failed
             or self.layouts
         )
+
+
+@dataclass
+class UMBPHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """A pipeline-parallel rank's layout, handed to the scheduler through vLLM's start-up handshake
+    (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata_pp_aware``), before the first request;
+    umbp.vllm.stages. The same report travels in the worker metadata where the handshake cannot carry it."""
+
+    layouts: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)

@@ -110,8 +110,8 @@ class SchedulerSide(LookupMixin, SaveMixin):
             self._stages_ready()
         else:
             logger.info(
-                "umbp: pipeline_parallel_size=%d: each stage reports its layout with the first step's output; "
-                "requests scheduled before then are neither restored nor saved",
+                "umbp: pipeline_parallel_size=%d: waiting for every stage's layout (vLLM's start-up handshake, "
+                "else the first step's output); requests scheduled before then are neither restored nor saved",
                 layout.pp,
             )
         # store-mediated P/D (umbp.vllm.handoff): a producer confirms hand-offs, a consumer waits for them
@@ -153,6 +153,11 @@ class SchedulerSide(LookupMixin, SaveMixin):
             held = [(coords[tag], r.namespace, [n > 0 for n in r.object_bytes]) for tag, r in ranks]
             self.ssd_keys |= scan_ssd(self.cfg.ssd_dirs, self.layout.namespace, held)
             logger.info("umbp: SSD tier holds %d objects from earlier runs", len(self.ssd_keys))
+
+    def learn_layouts(self, reports: dict) -> None:
+        """Ranks' layouts, from vLLM's start-up handshake or from the workers' step output."""
+        if self.stages.learn(reports):
+            self._stages_ready()
 
     def ours(self, keys: set[str]) -> set[str]:
         """Logical keys a worker reported, under this side's namespace (a pipeline stage names them under
@@ -289,8 +294,8 @@ class SchedulerSide(LookupMixin, SaveMixin):
     def on_worker_output(self, output) -> None:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, UMBPWorkerMetadata):
-            if meta.layouts and self.stages.learn(meta.layouts):
-                self._stages_ready()
+            if meta.layouts:
+                self.learn_layouts(meta.layouts)
             self.ssd_keys.difference_update(self.ours(meta.ssd_evicted))
             self._confirm_saves(meta)
             # a rank may report a failed load before vLLM reports the request
