@@ -65,6 +65,7 @@ def slot_span(nbytes: int) -> int:
 def umbp_group(spec) -> object:
     """The umbp.hybrid group for a vLLM spec; `tag` keeps groups vLLM looks up separately apart (vLLM
     merges only groups whose specs are equal)."""
+    check_restorable(spec)
     tag = group_tag(spec)
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindow(
@@ -83,6 +84,32 @@ def umbp_group(spec) -> object:
         f"umbp: KV-cache spec {type(spec).__name__} is not supported yet; umbp handles full attention "
         "(incl. MLA), sliding window and Mamba-style recurrent state"
     )
+
+
+def check_restorable(spec) -> None:
+    """Refuse pages whose bytes at a prefix boundary are not the prefix's alone.
+
+    * A non-causal layer (a Prefix LM) computes a prefix's KV from the tokens after it too, so two prompts
+      sharing a prefix hold different pages for it. vLLM turns its own prefix caching off for such a
+      model, but it still hashes blocks for a KV connector: umbp would restore one prompt's pages into
+      another.
+    * A page that stores one state per several tokens (compressed KV such as DeepSeek-V4's sparse MLA) or
+      several per token (pooled encoders) puts a boundary inside a state; umbp has not been proven there.
+    """
+    name = type(spec).__name__
+    if isinstance(spec, MambaSpec):
+        return  # one state per request and block: its own rules (vLLM 0.34 gives it tokens_per_state -1)
+    if getattr(spec, "non_causal", False):
+        raise UnsupportedLayout(
+            f"umbp: KV-cache spec {name} attends non-causally (a Prefix LM): a prefix's pages depend on "
+            "the tokens after it, so no prefix can be restored from a store; run this model without umbp"
+        )
+    per_state = getattr(spec, "tokens_per_state", 1)
+    if per_state != 1:
+        raise UnsupportedLayout(
+            f"umbp: KV-cache spec {name} stores one state per {per_state} tokens (compressed or pooled KV); "
+            "umbp restores pages of one state per token only, for now"
+        )
 
 
 def eagle_groups_of(vllm_config, kv_cache_config: KVCacheConfig) -> frozenset[int]:
