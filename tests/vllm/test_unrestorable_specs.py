@@ -50,3 +50,18 @@ def test_compressed_or_pooled_states_are_refused():
 def test_an_ordinary_attention_page_is_accepted():
     assert type(umbp_group(attention())).__name__ == "FullAttention"
     assert type(umbp_group(attention(sliding_window=64))).__name__ == "FullAttention"  # all blocks kept
+
+
+def test_the_kv_quantization_mode_is_part_of_the_namespace(tmp_path):
+    """Two modes may share a dtype and page size yet mean other values by the same bytes."""
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    h = build(tmp_path, [GroupDef("fa", 16)], unit=16)
+
+    def namespace(**kw) -> str:
+        return describe(h.vllm_config, one_group(attention(**kw))).namespace
+
+    plain = namespace()
+    assert namespace(kv_quant_mode=KVQuantMode.NONE) == plain  # unquantized deployments keep theirs
+    modes = {namespace(kv_quant_mode=m) for m in (KVQuantMode.NVFP4, KVQuantMode.ULTRAQUANT_4BIT)}
+    assert len(modes) == 2 and plain not in modes

@@ -224,6 +224,16 @@ def _layout_extra(kind: str, kv_layout: str | None, conv_layout: str | None) -> 
     return (("kv_layout", kv_layout),) if kv_layout else ()
 
 
+def _quant_extra(spec) -> tuple[tuple[str, str], ...]:
+    """A quantized KV cache's mode: two modes can share a dtype and a page size (packed 4-bit data with
+    different scale formats, say) and mean other values by the same bytes. None when unquantized, so the
+    namespaces of existing deployments do not change."""
+    mode = getattr(spec, "kv_quant_mode", None)
+    if mode is None or not int(mode):
+        return ()
+    return (("kv_quant_mode", getattr(mode, "name", str(mode))),)
+
+
 def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> Layout:
     sizes = parallel_sizes(vllm_config)
     kv_groups = kv_cache_config.kv_cache_groups
@@ -244,7 +254,8 @@ def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> L
             page_shapes=((stored_page_bytes(g.kv_cache_spec),),),
             dtypes=(str(getattr(g.kv_cache_spec, "dtype", getattr(g.kv_cache_spec, "dtypes", ""))),),
             extra=((("dcp_interleave", str(interleave)),) if interleave and groups[i].dcp_sharded else ())
-            + _layout_extra(type(groups[i]).__name__, kv_layout, conv_layout),
+            + _layout_extra(type(groups[i]).__name__, kv_layout, conv_layout)
+            + _quant_extra(g.kv_cache_spec),
         )
         for i, g in enumerate(kv_groups)
     )
