@@ -25,7 +25,7 @@ from umbp.vllm.compose import apply_load_failure_policy, enclosing_transfer_conf
 from umbp.vllm.config import UMBPConfig
 from umbp.vllm.kv_layout import describe
 from umbp.vllm.logs import attach_to_vllm_logging
-from umbp.vllm.metadata import UMBPConnectorMetadata, UMBPHandshakeMetadata
+from umbp.vllm.metadata import UMBPConnectorMetadata, UMBPLayoutReport
 from umbp.vllm.scheduler import SchedulerSide
 from umbp.vllm.stats import UMBPPromMetrics, UMBPStats
 from umbp.vllm.worker import WorkerSide
@@ -136,7 +136,7 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
             return
         layouts: dict = {}
         for value in (metadata or {}).values():
-            if isinstance(value, UMBPHandshakeMetadata):
+            if isinstance(value, UMBPLayoutReport):
                 layouts.update(value.layouts)
         if layouts:
             self._sched.learn_layouts(layouts)
@@ -213,11 +213,11 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self):
         return self._worker.take_worker_meta() if self._worker is not None else None
 
-    def get_handshake_metadata(self) -> UMBPHandshakeMetadata | None:
+    def get_handshake_metadata(self) -> UMBPLayoutReport | None:
         w = self._worker
         if w is None or self._nested or w.layout_known or w.arena is None:
             return None
-        return UMBPHandshakeMetadata({w.rank.tag(): w.reported_layout()})
+        return UMBPLayoutReport({w.rank.tag(): w.reported_layout()})
 
     def shutdown(self) -> None:
         if self._worker is not None:

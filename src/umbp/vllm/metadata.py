@@ -104,7 +104,7 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 @dataclass
-class UMBPHandshakeMetadata(KVConnectorHandshakeMetadata):
+class UMBPLayoutReport(KVConnectorHandshakeMetadata):
     """A pipeline-parallel rank's layout, handed to the scheduler through vLLM's start-up handshake
     (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata_pp_aware``), before the first request;
     umbp.vllm.stages. The same report travels in the worker metadata where the handshake cannot carry it."""
