@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 if os.environ.get("UMBP_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
-from sched_harness import GroupDef, Harness, _spec, fake_model_dir  # noqa: E402
+from sched_harness import GroupDef, Harness, _spec, build, fake_model_dir  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     KVTransferConfig,
@@ -240,3 +240,13 @@ def test_umbp_stats_reach_vllms_logger_through_multiconnector(tmp_path):
     reduced = logging_.transfer_stats_accumulator.reduce()
     assert reduced["UMBPConnector"]["restored_tokens"] == 832
     assert reduced["UMBPConnector"]["stored_objects"] > 0
+
+
+def test_inside_a_multi_connector_umbp_leaves_the_start_up_handshake_to_the_p_d_connector(tmp_path):
+    """vLLM carries one child's handshake metadata per worker (the first that is not None) and NIXL's
+    scheduler refuses any other kind, so umbp's pipeline-stage report must not take that slot there."""
+    h = build_multi(tmp_path)
+    ((child,),) = [[c for c in h.sched.connector._connectors if isinstance(c, UMBPConnector)]]
+    assert child._nested
+    plain = build(tmp_path / "plain", GROUPS, unit=16)
+    assert not plain.sched.connector._nested
