@@ -241,7 +241,3 @@ def test_a_slot_smaller_than_the_object_is_refused(caplog):
         assert bytes(w.arena.view(0, 3 * PAGE)) == b"\xab" * (3 * PAGE)  # nothing written
     finally:
         w.close()
-
-
-def test_group_defs_are_the_harness_kinds():
-    assert [g.kind for g in FA_MAMBA_400] == ["fa", "mamba"] and isinstance(FA_MAMBA_400[0], GroupDef)

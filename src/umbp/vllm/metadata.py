@@ -54,9 +54,8 @@ class UMBPOffloadMetadata(KVConnectorMetadata):
     handoffs_done: list[str] = field(
         default_factory=list
     )  # store-mediated P/D: report these finished_sending
-    layouts_known: bool = (
-        False  # pipeline parallel: the scheduler knows every rank's layout (umbp.vllm.stages)
-    )
+    # pipeline parallel: the scheduler knows every rank's layout, its workers stop reporting (umbp.vllm.stages)
+    layouts_known: bool = False
 
     def is_empty(self) -> bool:
         return not self.saves and not self.loads and not self.handoffs_done

@@ -37,7 +37,7 @@ from umbp.vllm.scheduler_state import PendingLoad, TrackedRequest, key_head
 from umbp.vllm.stages import StageLayouts
 from umbp.vllm.stats import UMBPStats
 from umbp.vllm.tail_hashes import tail_prefix_hash
-from umbp.vllm.tiers import logical_key, scan_ssd
+from umbp.vllm.tiers import logical_key, renamed, scan_ssd
 
 logger = logging.getLogger("umbp.vllm")
 
@@ -102,10 +102,11 @@ class SchedulerSide(LookupMixin, SaveMixin):
         # every rank's namespace and object sizes (umbp.vllm.stages): known at once without pipeline
         # parallelism; with it, from the workers' first reports, and until then nothing is offered or saved
         self.stages = StageLayouts(layout)
-        self.slot_bytes = tuple(layout.object_bytes)  # per group: what a DRAM slot takes (largest rank's)
-        self.data_bytes = tuple(n * len(layout.ranks) for n in layout.object_bytes)  # per group, all ranks
+        # set by _stages_ready; nothing is saved or loaded before it runs
+        self.slot_bytes: tuple[int, ...] = ()  # per group: what a DRAM slot takes (largest rank's object)
+        self.data_bytes: tuple[int, ...] = ()  # per group: one logical object's bytes over all ranks
         self._rank_heads: list[list[str | None]] = []  # per rank and group (None: holds no layer of it)
-        self._aliases: dict[str, str] = {}  # other ranks' namespaces -> this side's
+        self._aliases: dict[str, str] = {}  # other ranks' namespaces -> this side's (reported keys)
         if self.stages.ready:
             self._stages_ready()
         else:
@@ -158,19 +159,6 @@ class SchedulerSide(LookupMixin, SaveMixin):
         """Ranks' layouts, from vLLM's start-up handshake or from the workers' step output."""
         if self.stages.learn(reports):
             self._stages_ready()
-
-    def ours(self, keys: set[str]) -> set[str]:
-        """Logical keys a worker reported, under this side's namespace (a pipeline stage names them under
-        its own)."""
-        if not self._aliases or not keys:
-            return keys
-        out = set()
-        for key in keys:
-            parts = key.split(":", 3)  # umbp, v1, namespace, "all:g<group>:<hash>" (tiers.logical_key)
-            if len(parts) == 4:
-                parts[2] = self._aliases.get(parts[2], parts[2])
-            out.add(":".join(parts))
-        return out
 
     # ---------------------------------------------------------------- requests
     def track(self, request) -> TrackedRequest:
@@ -296,10 +284,10 @@ class SchedulerSide(LookupMixin, SaveMixin):
         if isinstance(meta, UMBPWorkerMetadata):
             if meta.layouts:
                 self.learn_layouts(meta.layouts)
-            self.ssd_keys.difference_update(self.ours(meta.ssd_evicted))
+            self.ssd_keys.difference_update(renamed(meta.ssd_evicted, self._aliases))
             self._confirm_saves(meta)
             # a rank may report a failed load before vLLM reports the request
-            self.load_failed |= self.ours(meta.load_failed)
+            self.load_failed |= renamed(meta.load_failed, self._aliases)
         failed = set(output.failed_recving or ())
         for req_id in output.finished_recving or ():
             load = self.loads.pop(req_id, None)

@@ -5,7 +5,9 @@ stage holds other layers of each cache group, and may hold more of them, fewer, 
 objects under a namespace of its own layers (it must: a namespace without the layer names could hand one
 grouping's bytes to another), so the scheduler can derive neither the other stages' names nor their sizes.
 
-Each worker therefore reports its namespace and per-group object sizes with its step output
+Each worker therefore reports its namespace and per-group object sizes: through vLLM's start-up
+handshake (``UMBPLayoutReport``), so the scheduler knows every stage before the first request; inside a
+MultiConnector, whose handshake belongs to the P/D connector, with its step output
 (``UMBPWorkerMetadata.layouts``) until the scheduler's metadata says it knows every rank's
 (``UMBPOffloadMetadata.layouts_known``). Until then the scheduler offers no hit and plans no save (both
 counted): nothing is stored into a slot too small for it, and nothing is looked up under a name no rank

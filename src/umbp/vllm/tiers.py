@@ -25,6 +25,19 @@ def logical_key(namespace: str, group: int, prefix_hash: bytes) -> str:
     return f"umbp:v1:{namespace}:all:g{group}:{bytes(prefix_hash).hex()}"
 
 
+def renamed(keys: set[str], namespaces: dict[str, str]) -> set[str]:
+    """Logical keys with each namespace in ``namespaces`` replaced by its value (the others unchanged)."""
+    if not namespaces or not keys:
+        return keys
+    out = set()
+    for key in keys:
+        parts = key.split(":", 3)  # umbp, v1, namespace, "all:g<group>:<hash>" (logical_key)
+        if len(parts) == 4:
+            parts[2] = namespaces.get(parts[2], parts[2])
+        out.add(":".join(parts))
+    return out
+
+
 def logical_of(rank_key: str) -> str:
     parsed = parse_key(rank_key)
     return logical_key(parsed.namespace, parsed.group, parsed.prefix_hash)
