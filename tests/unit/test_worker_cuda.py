@@ -45,6 +45,7 @@ def _stand_in_vllm() -> None:
         "vllm.distributed.kv_transfer.kv_connector.v1.base": {
             "KVConnectorMetadata": type("KVConnectorMetadata", (), {}),
             "KVConnectorWorkerMetadata": type("KVConnectorWorkerMetadata", (), {}),
+            "KVConnectorHandshakeMetadata": type("KVConnectorHandshakeMetadata", (), {}),
         },
         "vllm.distributed.kv_transfer.kv_connector.v1.metrics": {
             "KVConnectorStats": _Stats,
