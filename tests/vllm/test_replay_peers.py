@@ -155,9 +155,26 @@ def test_cli_peer_table_and_refusal(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(offloading, "build_offloading_engine", refuse)
     monkeypatch.setattr("umbp.replay.peer.build_offloading_engine", refuse)
+    monkeypatch.setattr("umbp.tools.replay._run_all", _in_this_process)  # so the patch above applies
     assert main(args) == 0
     assert "refused: ValueError: offloading refuses this layout" in capsys.readouterr().out
     rows = json.loads((out / "replay.json").read_text())["layouts"]["tiny"]["settings"]
     assert rows[2]["refused"] == "ValueError: offloading refuses this layout"
     peers = json.loads((out / "peers.json").read_text())["layouts"]["tiny"]["rows"]
     assert peers[2] == {k: rows[2][k] for k in ("connector", "label", "retention", "refused")}
+
+
+def _in_this_process(layouts, settings, turns, args):
+    """`umbp replay`'s settings run here rather than in its seeded worker processes."""
+    from umbp.tools.replay import _one
+
+    class NoProgress:
+        def put(self, n: int) -> None:
+            pass
+
+    workdir = str(Path(args.out) / "work")
+    return {
+        (lay.name, s.label): _one(lay, s, turns, args.concurrency, workdir, args.max_explain, NoProgress())
+        for lay in layouts
+        for s in settings[lay.name]
+    }
