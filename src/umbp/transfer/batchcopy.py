@@ -9,7 +9,9 @@ ways, 1 MiB runs 0.99 / 0.99 / 98 GB/s; 64 KiB runs only 0.81 / 0.89 (0.7 us of 
 the zero-copy kernel is better; 16 KiB runs 0.48 / 0.09.
 
 `load()` returns None where the runtime lacks the call (CPU-only torch, CUDA < 12.8): callers then copy
-run by run.
+run by run. `load_one()` is the runtime's plain `cudaMemcpyAsync`, for a run or two: it reaches the copy
+engine without the batch call's fixed cost (~20-30 us of the H200 host's time, in front of a restore's
+first byte), and without torch's stream switch and tensor slicing (~30 us there).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class _Attributes(ctypes.Structure):
 
 
 BatchCopy = Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
+OneCopy = Callable[[int, int, int, int], None]
+_DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses (unified addressing)
 
 
 def load() -> BatchCopy | None:
@@ -70,6 +74,24 @@ def load() -> BatchCopy | None:
         err = fn(*args)
         if err:
             raise RuntimeError(f"umbp: cudaMemcpyBatchAsync failed with CUDA error {err} ({d.size} copies)")
+
+    return copy
+
+
+def load_one() -> OneCopy | None:
+    """copy(dst, src, nbytes, stream_handle): one copy enqueued on the stream; raises RuntimeError with
+    the CUDA error code on failure. None without a CUDA runtime."""
+    runtime = _runtime()
+    fn = getattr(runtime, "cudaMemcpyAsync", None) if runtime is not None else None
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+
+    def copy(dst: int, src: int, nbytes: int, stream: int) -> None:
+        err = fn(dst, src, nbytes, _DEFAULT, stream)
+        if err:
+            raise RuntimeError(f"umbp: cudaMemcpyAsync failed with CUDA error {err} ({nbytes} bytes)")
 
     return copy
 

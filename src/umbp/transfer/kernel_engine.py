@@ -46,6 +46,9 @@ from umbp.transfer.ring import StagingRing
 from umbp.transfer.rounds import LOAD, SAVE, BatchRounds
 from umbp.transfer.staged import Batch, staged_load, staged_save
 
+# a call's first round issues runs one by one until this many bytes are queued (see _copy_runs): ~40 us
+# of copy at 55 GB/s, more than the batch call's host cost it covers (H200)
+LEAD_BYTES, LEAD_RUNS = 2 << 20, 4
 FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a plan's int64 words)
 # the copy kernel's constexprs, in its signature's order (triton_kernels.copy_objects)
 COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS")
@@ -103,6 +106,7 @@ class KernelEngine(BatchRounds, TransferEngine):
         self.save_path, self.load_path = save_path, load_path
         # dma copies of scattered runs: one batch call (batchcopy.py) where the CUDA runtime has it
         self._batch_copy = batchcopy.load() if cuda else None
+        self._copy_one = batchcopy.load_one() if cuda else None
         self.batch_copy_min_runs = batch_copy_min_runs
         if dma_min_run_bytes is None:  # below the bar zero-copy was faster (H200, docs/transfer.md)
             dma_min_run_bytes = (256 << 10) if self._batch_copy is not None else (4 << 20)
@@ -214,7 +218,7 @@ class KernelEngine(BatchRounds, TransferEngine):
             gather.wait_stream(caller)
         at = 0
         with self._stream(gather):  # one switch per call: each costs ~16 us of host time (H200 host)
-            for a, b, layout in self._laid_out(batch, SAVE, cold):
+            for k, (a, b, layout) in enumerate(self._laid_out(batch, SAVE, cold)):
                 r = self._cut(batch, a, b)
                 stg, rows, runs, slot = self._staging(layout, SAVE)
                 StagingRing.acquire(slot, gather)
@@ -223,7 +227,7 @@ class KernelEngine(BatchRounds, TransferEngine):
                 gathered = self._event(gather)
                 if gathered is not None:
                     save.wait_event(gathered)
-                self._copy_runs(runs, stg, to_arena=True, stream=save)
+                self._copy_runs(runs, stg, to_arena=True, stream=save, lead=k == 0)
                 self._release(slot, save)
                 self._sm_copy(plan.sums(), out[at : at + plan.nobj])
                 keep += [stg, plan.buf]
@@ -306,23 +310,24 @@ class KernelEngine(BatchRounds, TransferEngine):
             work.wait_event(queued)
             copy.wait_event(queued)
         at = 0
-        staged: list[tuple] = []
+        rounds = self._laid_out(batch, LOAD, cold)
+        a, b, layout = rounds[0]  # its copy first: before the stream switch's host time
+        staged = [((batch, a, b), *self._stage_in(layout, copy, lead=True))]
         with self._stream(work):  # copy-stream work is issued on `copy` explicitly (see _save_dma)
-            for a, b, layout in self._laid_out(batch, LOAD, cold):
+            for a, b, layout in rounds[1:]:
                 staged.append(((batch, a, b), *self._stage_in(layout, copy)))
-                if len(staged) > 1:
-                    at = self._verify_scatter(staged.pop(0), work, keep, out, at)
+                at = self._verify_scatter(staged.pop(0), work, keep, out, at)
             for round_ in staged:
                 at = self._verify_scatter(round_, work, keep, out, at)
 
-    def _stage_in(self, layout: tuple, copy) -> tuple:
+    def _stage_in(self, layout: tuple, copy, lead: bool = False) -> tuple:
         """Queue a round's copy arena -> staging on `copy`: (staging buffer, object rows, ring slot, the
         copy's event). The scatter stream waits for that event only when the round's verify and scatter
         are issued (_verify_scatter): waiting at once would hold the round before's scatter behind this
         copy."""
         stg, rows, runs, slot = self._staging(layout, LOAD)
         StagingRing.acquire(slot, copy)
-        self._copy_runs(runs, stg, to_arena=False, stream=copy)
+        self._copy_runs(runs, stg, to_arena=False, stream=copy, lead=lead)
         return stg, rows, slot, self._event(copy)
 
     def _verify_scatter(self, staged: tuple, work, keep: list, out, at: int) -> int:
@@ -365,21 +370,33 @@ class KernelEngine(BatchRounds, TransferEngine):
         slot = self.ring.take(direction, total)
         return slot[0], slot[0].data_ptr() + pos, runs, slot
 
-    def _copy_runs(self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream) -> None:
-        """Staging <-> arena on `stream` (the current one), one copy-engine copy per run: all in one batch
-        call where the runtime has it and there are enough runs (scattered slots), else run by run."""
+    def _copy_runs(
+        self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream, lead: bool = False
+    ) -> None:
+        """Staging <-> arena on `stream`, one copy-engine copy per run: all in one batch call where the
+        runtime has it and there are enough runs (scattered slots), else run by run. `lead`: a call's
+        first round, whose copy engine is idle: its first runs (up to LEAD_BYTES) go one by one ahead of
+        the batch call, so that bytes move while the host spends the batch call's fixed cost."""
         arena, staging, size = runs
-        if self._batch_copy is not None and arena.size >= self.batch_copy_min_runs:
-            a, s = self.arena_base + arena, stg.data_ptr() + staging
-            dsts, srcs = (a, s) if to_arena else (s, a)
-            self._batch_copy(dsts, srcs, size, stream.cuda_stream)
+        if self._copy_one is None:  # CPU tensors, or no CUDA runtime to call: torch copies
+            with self._stream(stream):
+                for a, s, n in zip(arena.tolist(), staging.tolist(), size.tolist()):
+                    if to_arena:
+                        self.arena_tensor[a : a + n].copy_(stg[s : s + n], non_blocking=True)
+                    else:
+                        stg[s : s + n].copy_(self.arena_tensor[a : a + n], non_blocking=True)
             return
-        with self._stream(stream):
-            for a, s, n in zip(arena.tolist(), staging.tolist(), size.tolist()):
-                if to_arena:
-                    self.arena_tensor[a : a + n].copy_(stg[s : s + n], non_blocking=True)
-                else:
-                    stg[s : s + n].copy_(self.arena_tensor[a : a + n], non_blocking=True)
+        a, s = self.arena_base + arena, stg.data_ptr() + staging
+        dsts, srcs = (a, s) if to_arena else (s, a)
+        if self._batch_copy is None or arena.size < self.batch_copy_min_runs:
+            first = size.size
+        else:
+            first = _leading_runs(size, LEAD_BYTES, LEAD_RUNS) if lead else 0
+        handle = stream.cuda_stream
+        for d, c, n in zip(dsts[:first].tolist(), srcs[:first].tolist(), size[:first].tolist()):
+            self._copy_one(d, c, n, handle)
+        if first < size.size:
+            self._batch_copy(dsts[first:], srcs[first:], size[first:], handle)
 
     def _release(self, slot: list, stream) -> None:
         slot[1] = self._event(stream)
@@ -529,3 +546,13 @@ class KernelEngine(BatchRounds, TransferEngine):
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+
+def _leading_runs(size: np.ndarray, nbytes: int, most: int) -> int:
+    """How many of the first runs it takes to reach nbytes: at most `most`, and never all of them."""
+    queued, count = 0, 0
+    for n in size[: min(most, size.size - 1)].tolist():
+        queued, count = queued + n, count + 1
+        if queued >= nbytes:
+            break
+    return count
