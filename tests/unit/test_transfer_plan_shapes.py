@@ -274,3 +274,16 @@ def test_the_c_layout_refuses_what_it_cannot_sort() -> None:
         plans._rounds.lay_out(np.zeros(3, np.int64), one, one, (), 0, 16, out[:10])
     with pytest.raises(TypeError, match="int64"):
         plans._rounds.lay_out(np.zeros(3, np.int32), one, one, (), 0, 16, out)
+
+
+def test_lead_copies_reach_the_byte_target_and_leave_the_batch_call_a_run():
+    """A round's first runs go to the copy engine one by one until LEAD_BYTES are queued, at most
+    `most` of them, and never all: the batch call that follows gets the rest."""
+    from umbp.transfer.kernel_engine import _leading_runs
+
+    mib = 1 << 20
+    assert _leading_runs(np.array([mib] * 8), 2 * mib, 4) == 2  # 2 MiB reached after two
+    assert _leading_runs(np.array([64 << 10] * 8), 2 * mib, 4) == 4  # small runs: capped at four
+    assert _leading_runs(np.array([8 * mib] * 3), 2 * mib, 4) == 1  # one run is enough
+    assert _leading_runs(np.array([mib, mib]), 8 * mib, 4) == 1  # never every run
+    assert _leading_runs(np.array([mib]), 8 * mib, 4) == 0

@@ -54,6 +54,15 @@ ENGINES = [
     pytest.param("staged", "cpu", {}, id="staged-cpu"),
     pytest.param("kernel", "cpu", ZERO, id="kernel-interpret", marks=_interp),
     pytest.param("kernel", "cpu", DMA, id="kernel-dma-interpret", marks=_interp),
+    # the copy-engine calls' split (lead copies one by one, the rest in one batch call) with host memmoves
+    # standing in for cudaMemcpyAsync and cudaMemcpyBatchAsync
+    pytest.param(
+        "kernel",
+        "cpu",
+        dict(DMA, slots="scattered", copies="host"),
+        id="kernel-dma-split-interpret",
+        marks=_interp,
+    ),
     pytest.param("staged", "cuda", {}, id="staged-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", ZERO, id="kernel-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", DMA, id="kernel-dma-cuda", marks=_cuda),
@@ -166,12 +175,14 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     arena = _arena(device, 64 << 20 if device == "cuda" else 4 << 20)
     options = dict(options)
     scattered = options.pop("slots", None) == "scattered"
+    host_copies = options.pop("copies", None) == "host"
     opts = dict(options, max_staging_bytes=int(rng.choice([1 << 14, 64 << 20]))) if options else {}
     if scattered:
         opts["max_staging_bytes"] = 64 << 20  # whole batches per round: many runs per batch copy
     engine = make_engine(
         arena, groups, backend=backend, piece_bytes=int(rng.choice([1024, 4096, 64 << 10])), **opts
     )
+    calls = _host_copies(engine) if host_copies else None
     batch = _plan(groups, rng, arena.capacity_bytes, scattered)
     refs = {(m.group, b): _object(groups[m.group], b) for m in batch for b in m.block_ids}
 
@@ -196,6 +207,33 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     # loads: unverified, then verified with one corrupted slot
     for verified in (False, True):
         _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, why)
+    # with more objects than lead copies, and where the layout takes the kernel path (not the staged one)
+    if (
+        calls is not None
+        and sum(len(m.block_ids) for m in batch) > 4
+        and all(engine.align[m.group] >= 8 for m in batch)
+    ):
+        assert calls["one"] and calls["batch"], f"both kinds of copy call were made: {calls} {why}"
+
+
+def _host_copies(engine) -> dict[str, int]:
+    """Give a CPU kernel engine the CUDA runtime's two copy calls as host memmoves (same signatures),
+    with a batch bar of two runs, so that its dma rounds take the lead-then-batch split; counts calls."""
+    import ctypes
+
+    calls = {"one": 0, "batch": 0}
+
+    def one(dst: int, src: int, nbytes: int, stream: int) -> None:
+        calls["one"] += 1
+        ctypes.memmove(dst, src, nbytes)
+
+    def batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        calls["batch"] += 1
+        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            ctypes.memmove(d, s, n)
+
+    engine._copy_one, engine._batch_copy, engine.batch_copy_min_runs = one, batch, 2
+    return calls
 
 
 def _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, why) -> None:

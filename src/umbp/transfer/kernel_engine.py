@@ -392,7 +392,7 @@ class KernelEngine(BatchRounds, TransferEngine):
             first = size.size
         else:
             first = _leading_runs(size, LEAD_BYTES, LEAD_RUNS) if lead else 0
-        handle = stream.cuda_stream
+        handle = stream.cuda_stream if stream is not None else 0  # None: CPU tensors (tests' host copies)
         for d, c, n in zip(dsts[:first].tolist(), srcs[:first].tolist(), size[:first].tolist()):
             self._copy_one(d, c, n, handle)
         if first < size.size:
