@@ -195,7 +195,7 @@ def _run_all(layouts, settings, turns, args) -> dict[tuple[str, str], tuple]:
     """Each (layout, setting) run in a spawned process whose string hashing is seeded with --hash-seed:
     vLLM's scheduler and its OffloadingConnector walk sets of request ids (finished loads, for one),
     whose order follows the process's hash seed. Under eviction that order decides which blocks the
-    peer's LRU drops first, and the same command gave its Granite row 20.28% or 20.60% by the seed."""
+    peer's LRU drops first, and the same command gave its Granite row 20.28% or 20.60% by the hash seed."""
     from multiprocessing import Manager
 
     jobs = [(lay, s) for lay in layouts for s in settings[lay.name]]
