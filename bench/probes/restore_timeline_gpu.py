@@ -31,13 +31,18 @@ STEPS = (
 )
 
 
+def _steps(engine):
+    """(name, bound step) for each of STEPS the engine has: older engines lack _copy_one, and on CPU it is None."""
+    for name in STEPS:
+        inner = getattr(engine, name, None)
+        if inner is not None:
+            yield name, inner
+
+
 def wrap(engine) -> None:
     from torch.profiler import record_function
 
-    for name in STEPS:
-        inner = getattr(engine, name, None)
-        if inner is None:
-            continue
+    for name, inner in _steps(engine):
 
         @functools.wraps(inner)
         def step(*a, _inner=inner, _name=name, **k):
@@ -50,10 +55,7 @@ def wrap(engine) -> None:
 def wrap_timed(engine, spans: dict) -> None:
     import time
 
-    for name in STEPS:
-        inner = getattr(engine, name, None)
-        if inner is None:
-            continue
+    for name, inner in _steps(engine):
 
         @functools.wraps(inner)
         def step(*a, _inner=inner, _name=name, **k):
@@ -86,7 +88,8 @@ def host(engine, fn, label: str, spans: dict, reps: int = 31) -> None:
         t2 = time.perf_counter()
         for name, s in spans.items():
             rows.setdefault(name, []).append(sum(b - a for a, b in s) * 1e6)
-        first = min(s[0][1] for name, s in spans.items() if name in ("_copy_runs", "_copy_one"))
+        copies = [s[0][1] for name, s in spans.items() if name in ("_copy_runs", "_copy_one")]
+        first = min(copies, default=t0)
         rows.setdefault("= first copy issued at", []).append((first - t0) * 1e6)
         rows.setdefault("= submit", []).append((t1 - t0) * 1e6)
         rows.setdefault("= wall", []).append((t2 - t0) * 1e6)
