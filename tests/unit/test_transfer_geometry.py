@@ -187,7 +187,7 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
 
     obj, cap = 64 << 10, 128 << 20
 
-    def rounds(counts, ring_bytes, digests=False, cold=False, direction=LOAD, min_round=8 << 20):
+    def rounds(counts, ring_bytes, digests=False, cold=False, direction=LOAD, min_round=8 << 20, tail=0):
         batch, first = [], 0
         for g, n in enumerate(counts):
             ids = np.arange(first, first + n)
@@ -196,7 +196,10 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
             first += n
         shape = SimpleNamespace(nobj=first, total_reach=first * obj, max_reach=obj)
         engine = SimpleNamespace(
-            _ring_bytes=ring_bytes, min_round_bytes=min_round, flat=lambda b: (shape, None, None)
+            _ring_bytes=ring_bytes,
+            min_round_bytes=min_round,
+            tail_round_bytes=tail,
+            flat=lambda b: (shape, None, None),
         )
         budgets = KernelEngine._budgets(engine, batch, direction, cold)
         bounds = round_bounds(np.full(first, obj + 16), list(budgets), ring_bytes) if budgets else [0, first]
@@ -235,6 +238,20 @@ def test_rounds_are_even_fit_the_ring_and_keep_every_object_in_order():
         sizes = [sum(p[2].size for p in r) for r in save]
         check(save, counts, ring)
         assert sizes[0] <= per(8) and (len(sizes) == 1 or sizes[1] <= per(16)), sizes
+    # a tail round: the restore ends on a round of ~tail bytes, the rounds before it unchanged but the
+    # one it is cut from; not for saves, nor for batches whose last round is under twice the tail
+    for counts in ([2 * cap // obj], [700, 1, 3000, 2], [720]):
+        plain = [sum(p[2].size for p in r) for r in rounds(counts, ring, cold=True)]
+        cut = rounds(counts, ring, digests=True, cold=True, tail=2 << 20)
+        check(cut, counts, ring)
+        sizes = [sum(p[2].size for p in r) for r in cut]
+        assert sizes[:-2] == plain[:-1] and sizes[-2] + sizes[-1] == plain[-1], (plain, sizes)
+        assert per(2) - 2 <= sizes[-1] <= per(2) + len(sizes), sizes  # + objects cuts left over
+        save = rounds(counts, ring, cold=True, direction=SAVE, tail=2 << 20)
+        assert [sum(p[2].size for p in r) for r in save] == [
+            sum(p[2].size for p in r) for r in rounds(counts, ring, cold=True, direction=SAVE)
+        ]
+    assert [sum(p[2].size for p in r) for r in rounds([5], ring, cold=True, tail=2 << 20)] == [5]
     assert [sum(p[2].size for p in r) for r in rounds([5], ring, cold=True)] == [5]
     assert [sum(p[2].size for p in r) for r in rounds([5], ring, cold=True, direction=SAVE)] == [5]
 
@@ -245,9 +262,18 @@ def test_round_budgets_cover_the_batch_and_fit_the_ring():
     ring, mib = 128 << 20, 1 << 20
     for total in (1, 5 * mib, 8 * mib, 9 * mib, 45 * mib + 7, 146 * mib, 548 * mib, 3 * ring):
         for shape in ("even", "taper", "ramp"):
-            b = round_budgets(total, ring, shape, 8 * mib)
-            assert total <= sum(b) < total + len(b) and all(0 < x <= ring for x in b), (total, shape, b)
+            for tail in (0, 4 * mib):
+                b = round_budgets(total, ring, shape, 8 * mib, tail)
+                assert total <= sum(b) < total + len(b) and all(0 < x <= ring for x in b), (total, shape, b)
     assert round_budgets(45 * mib, ring, "taper", 8 * mib) == [22.5 * mib, 11.25 * mib, 11.25 * mib]
+    assert round_budgets(45 * mib, ring, "taper", 8 * mib, 4 * mib) == [
+        22.5 * mib,
+        11.25 * mib,
+        7.25 * mib,
+        4 * mib,
+    ]
+    assert round_budgets(45 * mib, ring, "taper", 8 * mib, 6 * mib) == [22.5 * mib, 11.25 * mib, 11.25 * mib]
+    assert round_budgets(45 * mib, ring, "ramp", 8 * mib, 4 * mib) == [8 * mib, 16 * mib, 21 * mib]
     assert round_budgets(45 * mib, ring, "ramp", 8 * mib) == [8 * mib, 16 * mib, 21 * mib]
     assert round_budgets(300 * mib, ring, "even", 8 * mib) == [100 * mib] * 3
 

@@ -63,6 +63,14 @@ ENGINES = [
         id="kernel-dma-split-interpret",
         marks=_interp,
     ),
+    # and a restore's early copies (early.py) ahead of validation, into a pooled staging ring as on CUDA
+    pytest.param(
+        "kernel",
+        "cpu",
+        dict(DMA, slots="scattered", copies="host-early"),
+        id="kernel-dma-early-interpret",
+        marks=_interp,
+    ),
     pytest.param("staged", "cuda", {}, id="staged-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", ZERO, id="kernel-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", DMA, id="kernel-dma-cuda", marks=_cuda),
@@ -175,14 +183,14 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     arena = _arena(device, 64 << 20 if device == "cuda" else 4 << 20)
     options = dict(options)
     scattered = options.pop("slots", None) == "scattered"
-    host_copies = options.pop("copies", None) == "host"
+    copies = options.pop("copies", None)
     opts = dict(options, max_staging_bytes=int(rng.choice([1 << 14, 64 << 20]))) if options else {}
     if scattered:
         opts["max_staging_bytes"] = 64 << 20  # whole batches per round: many runs per batch copy
     engine = make_engine(
         arena, groups, backend=backend, piece_bytes=int(rng.choice([1024, 4096, 64 << 10])), **opts
     )
-    calls = _host_copies(engine) if host_copies else None
+    calls = _host_copies(engine, early=copies == "host-early") if copies else None
     batch = _plan(groups, rng, arena.capacity_bytes, scattered)
     refs = {(m.group, b): _object(groups[m.group], b) for m in batch for b in m.block_ids}
 
@@ -214,14 +222,31 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
         and all(engine.align[m.group] >= 8 for m in batch)
     ):
         assert calls["one"] and calls["batch"], f"both kinds of copy call were made: {calls} {why}"
+    if copies == "host-early" and len(batch[0].block_ids) > 1 and engine.align[batch[0].group] >= 8:
+        assert calls["early"] == 2, f"both loads led with early copies: {calls} {why}"
 
 
-def _host_copies(engine) -> dict[str, int]:
+def _host_copies(engine, early: bool = False) -> dict[str, int]:
     """Give a CPU kernel engine the CUDA runtime's two copy calls as host memmoves (same signatures),
-    with a batch bar of two runs, so that its dma rounds take the lead-then-batch split; counts calls."""
+    with a batch bar of two runs, so that its dma rounds take the lead-then-batch split; counts calls.
+    `early`: every object size qualifies for a restore's early copies, and the staging ring is pooled
+    as on CUDA (the first round shares the early copies' buffer); counts the loads that led with them."""
     import ctypes
 
-    calls = {"one": 0, "batch": 0}
+    from umbp.transfer.ring import StagingRing
+
+    calls = {"one": 0, "batch": 0, "early": 0}
+    if early:
+        engine.dma_min_run_bytes = 0
+        engine.ring = StagingRing(engine.device, engine.ring.nbytes, pooled=True)
+        real = engine._early
+
+        def counted(batch):
+            got = real(batch)
+            calls["early"] += got is not None
+            return got
+
+        engine._early = counted
 
     def one(dst: int, src: int, nbytes: int, stream: int) -> None:
         calls["one"] += 1
@@ -234,6 +259,49 @@ def _host_copies(engine) -> dict[str, int]:
 
     engine._copy_one, engine._batch_copy, engine.batch_copy_min_runs = one, batch, 2
     return calls
+
+
+@_interp
+def test_early_copies_never_skip_validation_interpret() -> None:
+    """A restore's early copies (early.py) go out before the batch is validated, so a bad batch must
+    still raise exactly what it raises without them, write no KV byte, and lead with no copy at all when
+    one of the early objects' own offsets is bad (the copy would read outside the arena)."""
+    groups = _layouts("cpu")["attn-kv-first-bf16"]
+    arena = _arena("cpu", 4 << 20)
+    engine = make_engine(arena, groups, backend="kernel", **DMA)
+    plain = make_engine(arena, groups, backend="kernel", **DMA)
+    plain.early_bytes = 0
+    calls = _host_copies(engine, early=True)
+    _host_copies(plain)
+    span = -(-engine.object_bytes(0) // SLOT) * SLOT
+    offs = [k * span for k in range(4)]
+    digests = engine.save([Moves(0, [0, 1, 2, 3], offs)]).result()[0]
+    assert engine.load([Moves(0, [0, 1, 2, 3], offs, digests)]).result() == [[True] * 4]
+    assert calls["early"] == 1
+    storages = _storages(groups)
+    snap = [st.clone() for st in storages]
+    bad = {  # the early objects' own offsets: no early copy
+        "outside the arena": ([0, 1, 2], [arena.capacity_bytes - 8, span, 2 * span], False),
+        "misaligned": ([0, 1, 2], [4, span, 2 * span], False),
+        "not an integer": ([0, 1, 2], [0.5, span, 2 * span], False),
+        "negative": ([0, 1, 2], [-span, span, 2 * span], False),
+        # the rest of the batch: early copies, then the same error
+        "a block id out of range": ([0, 1, 10**6], offs[:3], True),
+        "a block loaded twice": ([0, 1, 0], offs[:3], True),
+        "a later offset outside": ([0, 1, 2], [0, span, arena.capacity_bytes], True),
+    }
+    for why, (ids, where, led) in bad.items():
+        before = dict(calls)
+        errors = []
+        for e in (plain, engine):
+            with pytest.raises(Exception) as info:
+                e.load([Moves(0, ids, where, [0] * len(ids))])
+            errors.append((info.type, str(info.value)))
+        assert errors[0] == errors[1], why
+        assert calls["early"] - before["early"] == led, why
+        if not led:
+            assert calls["one"] == before["one"], why
+        assert all(torch.equal(a, b) for a, b in zip(storages, snap, strict=True)), why
 
 
 def _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, why) -> None:

@@ -34,6 +34,7 @@ from umbp.pool.checksum import LANES, ROW_BYTES, lane_table
 from umbp.transfer import batchcopy
 from umbp.transfer.api import Handle, Moves, TransferEngine
 from umbp.transfer.completion import DeviceHandle
+from umbp.transfer.early import EARLY_BYTES, EARLY_OBJECTS, Early, EarlyCopies, early_area
 from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.plans import (
     Plan,
@@ -54,7 +55,7 @@ FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a pl
 COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS")
 
 
-class KernelEngine(BatchRounds, TransferEngine):
+class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
     backend = "kernel"
 
     def __init__(
@@ -71,6 +72,7 @@ class KernelEngine(BatchRounds, TransferEngine):
         dma_min_run_bytes: int | None = None,
         dma_min_batch_bytes: int = 1 << 20,
         min_round_bytes: int = 16 << 20,
+        tail_round_bytes: int = 4 << 20,
         hbm_ctas: int | None = None,
         batch_copy_min_runs: int = 3,
     ):
@@ -100,6 +102,8 @@ class KernelEngine(BatchRounds, TransferEngine):
         # a round of a restore or save someone waits for: long enough that its copy outlasts the host
         # time of planning the next round (round_budgets)
         self.min_round_bytes = min_round_bytes
+        # a restore's last round: what is left after its last copy is this round's verify and scatter
+        self.tail_round_bytes = tail_round_bytes
         for p in (save_path, load_path):
             if p not in ("auto", "zero-copy", "dma"):
                 raise ValueError(f"umbp: transfer path must be 'auto', 'zero-copy' or 'dma', got {p!r}")
@@ -140,12 +144,16 @@ class KernelEngine(BatchRounds, TransferEngine):
         # dma rounds: gathers (save) / verify + scatter (load) run on these, so round r's kernels overlap
         # round r-1's (or r+1's) copy-engine transfer on the direction's main stream
         self.aux = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
-        self.ring = StagingRing(self.device, self._ring_bytes, pooled=cuda)
+        # each ring buffer ends in an area for a restore's early copies (early.py), past the rounds' room
+        self.early_bytes, self.early_objects = EARLY_BYTES, EARLY_OBJECTS
+        self._early_at = -(-self._ring_bytes // 256) * 256
+        self.ring = StagingRing(self.device, self._early_at + early_area(), pooled=cuda)
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = TablePool()
         self._last_layouts: tuple[Batch, tuple[int, ...], list[tuple]] | None = None
         self._last_order: tuple[Batch, np.ndarray] | None = None  # _run_count's sort, for _layouts
         self._last: dict[int, torch.cuda.Event | None] = {SAVE: None, LOAD: None}  # each direction's newest
+        self._marker = torch.cuda.Event() if cuda else None  # see _after
 
     def warm_up(self, block: int, offset: int, verify: bool = True) -> None:
         """Compile and load the kernel variants transfers use before serving: a variant first met
@@ -214,8 +222,7 @@ class KernelEngine(BatchRounds, TransferEngine):
         r's gather runs while round r-1's copy does; two staging buffers take turns. The save stream
         waits for the last digests, so the handle's event covers them."""
         gather, save = self._side(SAVE), self._main(SAVE)
-        if gather is not None:
-            gather.wait_stream(caller)
+        self._after(caller, gather)
         at = 0
         with self._stream(gather):  # one switch per call: each costs ~16 us of host time (H200 host)
             for k, (a, b, layout) in enumerate(self._laid_out(batch, SAVE, cold)):
@@ -237,19 +244,20 @@ class KernelEngine(BatchRounds, TransferEngine):
                 save.wait_event(digests)
 
     # ------------------------------------------------------------------ load
-    def _load(self, batch: Batch) -> Handle:
+    def _load(self, batch: Batch, early: Early | None = None) -> Handle:
         if not self._fast(batch):
             self.synchronize()
             return staged_load(self.arena, self.device, batch)
         keep: list[torch.Tensor] = []
-        dma = self._path(batch, self.load_path, self.dma_min_run_bytes) == "dma"
+        dma = early is not None or self._path(batch, self.load_path, self.dma_min_run_bytes) == "dma"
         verify = any(m.digests is not None for _g, m, _i, _o in batch)
         caller = self._caller()
         try:
-            out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
             if dma:  # streams named explicitly (see _save); the handle completes after the last scatter
-                self._load_dma(batch, keep, caller, self._idle(LOAD), out)
+                cold = early is not None or self._idle(LOAD)
+                out = self._load_dma(batch, keep, caller, cold, verify, early)
                 return self._track(LOAD, self._finish(batch, out, keep, None, self._side(LOAD)))
+            out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
             with self._on(LOAD, caller):
                 if out is None:
                     self._load_direct(batch, keep)
@@ -296,56 +304,72 @@ class KernelEngine(BatchRounds, TransferEngine):
         keep += [stg, plan.buf]
         return at + plan.nobj
 
-    def _load_dma(self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, out) -> None:
+    def _load_dma(
+        self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, verify: bool, early: Early | None
+    ) -> torch.Tensor | None:
         """Per round: arena -> staging on the load stream (copy engine, one copy per run), then on the
         scatter stream the checksums of the staged bytes (when digests are given) and staging -> KV pages
         for the objects that matched. The host stays one round ahead of its planning: round r+1's copy is
         issued before round r's verify and scatter are planned, so the copy engine always has a round
         queued while the host plans (planning a round in between left it idle ~0.3-0.4 ms per round of
         an 8K-token restore on the H200; bench/probes/restore_timeline_gpu.py). With two staging
-        buffers taking turns, round r+2's copy waits for round r's scatter, which is issued by then."""
+        buffers taking turns, round r+2's copy waits for round r's scatter, which is issued by then.
+        Returns the verdicts' host buffer (None: no digests given). Whatever the first copy does not
+        need (that buffer, the scatter stream's order) comes after it."""
         copy, work = self._main(LOAD), self._side(LOAD)
-        queued = self._event(caller)  # both streams after the caller's queued work, as every transfer
+        # both streams after the caller's queued work, as every transfer (early copies: already done)
+        queued = self._after(caller, copy) if early is None else self._marker
+        at = 0
+        rounds = self._laid_out(batch, LOAD, cold, skip=0 if early is None else early.count)
+        a, b, layout = rounds[0]  # its copy first: before the stream switch's host time
+        staged = [((batch, a, b), *self._stage_in(layout, copy, lead=True, early=early))]
         if queued is not None:
             work.wait_event(queued)
-            copy.wait_event(queued)
-        at = 0
-        rounds = self._laid_out(batch, LOAD, cold)
-        a, b, layout = rounds[0]  # its copy first: before the stream switch's host time
-        staged = [((batch, a, b), *self._stage_in(layout, copy, lead=True))]
+        out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
         with self._stream(work):  # copy-stream work is issued on `copy` explicitly (see _save_dma)
             for a, b, layout in rounds[1:]:
                 staged.append(((batch, a, b), *self._stage_in(layout, copy)))
                 at = self._verify_scatter(staged.pop(0), work, keep, out, at)
             for round_ in staged:
                 at = self._verify_scatter(round_, work, keep, out, at)
+        return out
 
-    def _stage_in(self, layout: tuple, copy, lead: bool = False) -> tuple:
-        """Queue a round's copy arena -> staging on `copy`: (staging buffer, object rows, ring slot, the
+    def _stage_in(self, layout: tuple, copy, lead: bool = False, early: Early | None = None) -> tuple:
+        """Queue a round's copy arena -> staging on `copy`: (staging buffer, object rows, ring slots, the
         copy's event). The scatter stream waits for that event only when the round's verify and scatter
         are issued (_verify_scatter): waiting at once would hold the round before's scatter behind this
-        copy."""
-        stg, rows, runs, slot = self._staging(layout, LOAD)
-        StagingRing.acquire(slot, copy)
+        copy. `early`: the first round, whose first objects are already in the early copies' slot (the
+        round uses that slot too where it fits; both are let go after the round's scatter)."""
+        fits = early is not None and self.ring.pooled and layout[2] <= self._ring_bytes
+        stg, rows, runs, slot = self._staging(layout, LOAD, early.slot if fits else None)
+        slots = [slot]
+        if early is not None:
+            rows = np.concatenate((early.rows, rows))
+            slots += [] if fits else [early.slot]
+        if not fits:
+            StagingRing.acquire(slot, copy)
         self._copy_runs(runs, stg, to_arena=False, stream=copy, lead=lead)
-        return stg, rows, slot, self._event(copy)
+        return stg, rows, slots, self._event(copy)
 
     def _verify_scatter(self, staged: tuple, work, keep: list, out, at: int) -> int:
         """A staged round's checksums (when digests are given) and scatter into the KV pages, on `work`
         (the current stream) once its copy is done; its staging buffer is free again after them. Returns
         the index of the next object's verdict in `out`."""
-        part, stg, rows, slot, copied = staged
-        if copied is not None:
-            work.wait_event(copied)
+        part, stg, rows, slots, copied = staged
         r = self._cut(*part)
         verify = any(m.digests is not None for _g, m, _i, _o in r)
-        plan = self._plan(r, [rows], sums=verify, stream=work)
+        plan = self._plan(r, [rows], sums=verify, stream=work)  # its fetch need not wait for the copy
+        if copied is not None:
+            work.wait_event(copied)
         align16 = self._align16(r, [rows])
         if verify:
             self._copy(plan, 0, 0, align16, checksum=True, store=False, hbm=True)
         self._scatter(plan, 0, align16, out, at, verify)
-        self._release(slot, work)
-        keep += [stg, plan.buf]
+        done = self._event(work)
+        for slot in slots:
+            slot[1] = done
+            keep.append(slot[0])
+        keep.append(plan.buf)
         return at + plan.nobj
 
     def _scatter(self, plan: Plan, column: int, align16: bool, out, at: int, verify: bool) -> None:
@@ -360,14 +384,14 @@ class KernelEngine(BatchRounds, TransferEngine):
 
     # ------------------------------------------------------------------ staging
     def _staging(
-        self, layout: tuple, direction: int
+        self, layout: tuple, direction: int, slot: list | None = None
     ) -> tuple[torch.Tensor, np.ndarray, tuple[np.ndarray, ...], list]:
         """Device staging laid out like a round's runs of adjacent arena slots (pads between objects
         included; `layout`: from _laid_out), so that each run is one copy. Returns (16-byte aligned uint8
         buffer, each object's row address in the round's order, copy runs as arrays (arena offset, staging
         offset, bytes), its ring slot: see ring.StagingRing)."""
         pos, runs, total = layout
-        slot = self.ring.take(direction, total)
+        slot = slot or self.ring.take(direction, total)
         return slot[0], slot[0].data_ptr() + pos, runs, slot
 
     def _copy_runs(
@@ -534,6 +558,17 @@ class KernelEngine(BatchRounds, TransferEngine):
 
     def _side(self, direction: int):
         return self.aux[direction] if self.aux is not None else None
+
+    def _after(self, caller, stream) -> torch.cuda.Event | None:
+        """Order `stream` after the work queued on the caller's stream so far; returns the marker event
+        for more streams to wait on (None on CPU). One event per engine, recorded again by each call: a
+        wait takes the record current when it is issued, and creating an event per call cost host time
+        in front of the first copy."""
+        if stream is None:
+            return None
+        self._marker.record(caller)
+        stream.wait_event(self._marker)
+        return self._marker
 
     @staticmethod
     def _stream(stream) -> AbstractContextManager:

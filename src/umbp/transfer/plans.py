@@ -256,7 +256,7 @@ def plan_rounds(
     return out
 
 
-def round_budgets(total: int, ring: int, shape: str, min_round: int) -> list[int]:
+def round_budgets(total: int, ring: int, shape: str, min_round: int, tail: int = 0) -> list[int]:
     """Staging bytes of each round of a batch of `total` bytes (each round fits one ring buffer of `ring`):
 
     * "even": as few rounds as fit, all about one size. Back-to-back batches (a serving engine's steady
@@ -267,6 +267,9 @@ def round_budgets(total: int, ring: int, shape: str, min_round: int) -> list[int
       down to `min_round`. A round's verify and scatter can start only when its copy is done, so the
       last round's are the restore's tail: a whole 128 MiB round's took ~0.2 ms on the H200. The first
       copy does not wait for the first round's size (it is issued before its kernels are planned).
+      With `tail` > 0 a last round over twice `tail` is split so that the batch ends on a round of
+      `tail` bytes: its verify and scatter are all that is left after the last copy, and the host
+      plans them while the copies before it run.
     * "ramp" (a save that finds its direction idle): doubling rounds from `min_round`: the first copy
       waits for the first round's gather, so that one is small; later gathers run beside copies.
 
@@ -292,6 +295,8 @@ def round_budgets(total: int, ring: int, shape: str, min_round: int) -> list[int
         out.append(size)
         left -= size
         size *= 2
+    if shape == "taper" and 0 < tail and 2 * tail < out[-1]:
+        out[-1:] = [out[-1] - tail, tail]
     return out
 
 

@@ -27,6 +27,7 @@ class BatchRounds:
     _last_order: tuple | None
     _ring_bytes: int
     min_round_bytes: int
+    tail_round_bytes: int
     dma_min_batch_bytes: int
 
     def _path(self, batch: Batch, choice: str, min_run_bytes: int) -> str:
@@ -59,29 +60,34 @@ class BatchRounds:
         self._last_order = (batch, order)
         return 1 + int(np.count_nonzero(so[1:] != so[:-1] + reach))
 
-    def _lay_out(self, batch: Batch, budgets: tuple[int, ...]) -> tuple[list[int], list[tuple]]:
-        """plans.lay_out for the batch, kept for the batch seen last: a call that is one round lays its
-        slots out once for _path and _staging (each sort and layout was ~0.1 ms of the H200 host's time
-        per call in numpy)."""
+    def _lay_out(
+        self, batch: Batch, budgets: tuple[int, ...], skip: int = 0
+    ) -> tuple[list[int], list[tuple]]:
+        """plans.lay_out for the batch's objects from `skip` on (bounds counted from there), kept for the
+        batch seen last: a call that is one round lays its slots out once for _path and _staging (each
+        sort and layout was ~0.1 ms of the H200 host's time per call in numpy)."""
         known = self._last_layouts
-        if known is not None and known[0] is batch and known[1] == budgets:
+        if known is not None and known[0] is batch and known[1] == (budgets, skip):
             return known[2]
         shape, _ids, offs = self.flat(batch)
         known = self._last_order
-        order = known[1] if known is not None and known[0] is batch and not budgets else None
-        result = lay_out(offs, shape.size, shape.reach, budgets, self._ring_bytes, order)
-        self._last_layouts = (batch, budgets, result)
+        whole = not budgets and not skip
+        order = known[1] if known is not None and known[0] is batch and whole else None
+        result = lay_out(offs[skip:], shape.size[skip:], shape.reach[skip:], budgets, self._ring_bytes, order)
+        self._last_layouts = (batch, (budgets, skip), result)
         return result
 
-    def _budgets(self, batch: Batch, direction: int, cold: bool) -> tuple[int, ...]:
+    def _budgets(self, batch: Batch, direction: int, cold: bool, skip: int = 0) -> tuple[int, ...]:
         """Staging bytes of each round the batch is cut into (plans.round_budgets says how they are
         sized; empty: one round), each round fitting a ring buffer. `cold` (see _idle): nothing of this
         direction is in flight, so someone is likely waiting for this batch alone: loads taper (short
         tail), saves ramp (early first copy); else the rounds are even."""
         shape = self.flat(batch)[0]
         total = shape.total_reach + RUN_PAD * shape.nobj  # each object's slot plus a run's alignment pad
+        if skip:  # objects already copied (early.py)
+            total -= int(shape.reach[:skip].sum()) + RUN_PAD * skip
         kind = "even" if not cold else ("taper" if direction == LOAD else "ramp")
-        budgets = round_budgets(total, self._ring_bytes, kind, self.min_round_bytes)
+        budgets = round_budgets(total, self._ring_bytes, kind, self.min_round_bytes, self.tail_round_bytes)
         if len(budgets) == 1:
             return ()
         if kind == "even":  # plus one object, so that the greedy cut needs no extra round
@@ -89,11 +95,16 @@ class BatchRounds:
             budgets = [min(self._ring_bytes, b + biggest) for b in budgets]
         return tuple(budgets)
 
-    def _laid_out(self, batch: Batch, direction: int, cold: bool) -> list[tuple[int, int, tuple]]:
+    def _laid_out(
+        self, batch: Batch, direction: int, cold: bool, skip: int = 0
+    ) -> list[tuple[int, int, tuple]]:
         """The batch's rounds as (first object, end, staging layout), all laid out in one pass
         (plans.lay_out). A round's own Batch is made only when its kernels are planned (_cut): a
-        restore's first copy needs the layout alone."""
-        bounds, layouts = self._lay_out(batch, self._budgets(batch, direction, cold))
+        restore's first copy needs the layout alone. `skip`: the first objects are in staging already
+        (early.py); the rest is laid out, and the first round starts at object 0 all the same."""
+        bounds, layouts = self._lay_out(batch, self._budgets(batch, direction, cold, skip), skip)
+        if skip:
+            bounds = [0] + [b + skip for b in bounds[1:]]
         return list(zip(bounds[:-1], bounds[1:], layouts, strict=True))
 
     def _cut(self, batch: Batch, a: int, b: int) -> Batch:
