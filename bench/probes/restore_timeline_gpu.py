@@ -4,11 +4,14 @@ handle) are wrapped in profiler ranges; the device's copies and kernels come fro
 prints every host range and device op in start order, in microseconds from the call's start, so that
 idle copy engine time and the host step it waited for line up.
 
-    PYTHONPATH=$PWD/src python3 bench/probes/restore_timeline_gpu.py [tokens,...] [host]
+    PYTHONPATH=$PWD/src python3 bench/probes/restore_timeline_gpu.py [tokens,...] [host|queued]
 
 `host`: no profiler (it slows the host steps several-fold); each step timed with perf_counter instead,
 printed as the median over calls of its summed time per call, with when the first copy was issued and
 when the call returned (submit) and completed (wall).
+`queued`: the profiled call issued behind a ~25 ms sleep kernel, so the device runs it with no host time in
+between; device ops are printed from the sleep's end, with the idle time before each op (the device's
+own share of a restore, and where it is idle).
 """
 
 from __future__ import annotations
@@ -98,14 +101,18 @@ def host(engine, fn, label: str, spans: dict, reps: int = 31) -> None:
         print(f"  {name:<24} {statistics.median(v):8.1f}")
 
 
-def one(engine, fn, label: str) -> None:
+def one(engine, fn, label: str, queued: bool = False) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
+
+    from umbp.tools.bench_transfer import QUEUE_CYCLES
 
     for _ in range(3):
         fn().result()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if queued:
+            torch.cuda._sleep(QUEUE_CYCLES)
         with record_function("call"):
             h = fn()
         with record_function("wait"):
@@ -116,6 +123,21 @@ def one(engine, fn, label: str) -> None:
         for e in prof.events()
         if e.name.startswith(("host ", "call", "wait")) or e.device_type.name == "CUDA"
     ]
+    if queued:
+        gpu = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+        sleep = max(gpu, key=lambda e: e.time_range.elapsed_us())
+        t0, last = sleep.time_range.end, sleep.time_range.end
+        print(f"\n-- {label}, queued: device ops, us from the sleep's end (idle before each op)")
+        for e in gpu:
+            if e is sleep or e.time_range.start < t0:
+                continue
+            idle = e.time_range.start - last
+            last = max(last, e.time_range.end)
+            print(
+                f"  {e.time_range.start - t0:8.1f} +{e.time_range.elapsed_us():7.1f} (idle {idle:6.1f})  {e.name[:60]}"
+            )
+        print(f"  device busy to {last - t0:.1f} us after the sleep")
+        return
     t0 = min(e.time_range.start for e in events if e.name == "call")
     print(f"\n-- {label}: host ranges and device ops, us from the call's start")
     for e in sorted(events, key=lambda e: e.time_range.start):
@@ -123,7 +145,7 @@ def one(engine, fn, label: str) -> None:
         print(f"  {where}{e.time_range.start - t0:8.1f} +{e.time_range.elapsed_us():7.1f}  {e.name[:70]}")
 
 
-def main(tokens: list[int], timed: bool) -> None:
+def main(tokens: list[int], timed: bool, queued: bool = False) -> None:
     from umbp.tools import bench_restore as B
 
     r = B.Restore(max(tokens))
@@ -142,11 +164,12 @@ def main(tokens: list[int], timed: bool) -> None:
             if timed:
                 host(r.engine, fn, f"{what}, {n} tokens", spans)
             else:
-                one(r.engine, fn, f"{what}, {n} tokens")
+                one(r.engine, fn, f"{what}, {n} tokens", queued)
 
 
 if __name__ == "__main__":
     main(
         [int(t) for t in (sys.argv[1] if len(sys.argv) > 1 else "8192,32768").split(",")],
         "host" in sys.argv[2:],
+        "queued" in sys.argv[2:],
     )
