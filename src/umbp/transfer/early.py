@@ -177,7 +177,7 @@ class EarlyCopies:
         self._release(slot, save)
         out = self._host_buffer(sum(len(m.block_ids) for m in batch))
         self._sm_copy(plan.sums(), out[: len(offs)])
-        return Early(slot, len(offs), rows, out, [plan.buf])
+        return Early(slot, len(offs), rows, out, [plan.buf, slot[0]])
 
 
 def _row_step(geom: GroupGeometry) -> int:
