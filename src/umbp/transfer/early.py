@@ -1,40 +1,30 @@
-"""A transfer's first copies, issued before its batch is validated and planned.
+"""A restore's first copies, issued before its batch is validated and planned.
 
-Why: a restore someone waits for (or a save before an eviction) starts with an idle copy engine, and
-every microsecond of host work in front of its first copy adds to its time. Validating the whole batch,
-laying its rounds out in staging and the batch-copy call took ~85 us of the H200 host's time before a
-restore's first byte moved (a save's ~180 us, with its first round's plan and gather in front), against
-0.84 ms for an 8K-token Granite restore's bytes on the link. The first few large objects of the batch's
-first Moves need far less, so they go first:
-
-* a load copies them arena -> staging (one `cudaMemcpyAsync` each) with only their arena offsets checked
-  (integers, 8-byte aligned, inside the arena: the copy reads nothing else); the first round's verify
-  and scatter read them from there, so they are checked against their digests and written like any
-  other object, after the whole batch is validated. A bad batch raises before any KV page is written:
-  the early copies only filled the engine's own staging.
-* a save gathers them (block ids checked against their group's blocks, slots checked as above and
-  against each other) into staging with their checksums and copies them to their slots. A bad batch
-  raises as without them, but those slots, which the caller named for this save, may have been
-  written: the caller drops the slots of a save that raised, as of any failed save.
-
-They go to an area at the end of a ring buffer (kept for them, past the rounds' room), which the first
-round of the rest uses too; the rest of the batch is laid out and copied as usual while they run.
+Why: a restore someone waits for starts with an idle copy engine, and every microsecond of host work in
+front of its first copy adds to the restore's time. Validating the whole batch, laying its rounds out
+in staging and the batch-copy call took ~85 us of the H200 host's time before the first byte moved, 0.1
+of the 0.84 ms that an 8K-token Granite restore's bytes take on the link. Copying the first few large
+objects of the batch's first Moves needs far less: their arena offsets checked (an integer, 8-byte
+aligned, inside the arena: the copy reads nothing else), the copy stream ordered after the caller's
+queued work, a staging buffer, and one `cudaMemcpyAsync` each. So those objects go first, into an area
+at the end of the staging buffer of the batch's first round; the batch is then validated as any other
+(a bad batch raises before anything writes a KV page: the early copies only filled our own staging),
+and the rest is laid out and copied while they run. The first round's verify and scatter read the
+early objects from that area, so they are checked and written like every other object.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from umbp.transfer.api import Handle, Moves, slot_reach
-from umbp.transfer.geometry import GroupGeometry
+from umbp.transfer.api import Handle, Moves
 from umbp.transfer.plans import aligned
 from umbp.transfer.ring import StagingRing
-from umbp.transfer.rounds import LOAD, SAVE
+from umbp.transfer.rounds import LOAD
 
 EARLY_BYTES, EARLY_OBJECTS = 4 << 20, 4  # ~75 us of copy at 55 GB/s: longer than the host work it covers
 ROW_ALIGN = 256  # each early object's staging row
@@ -48,27 +38,24 @@ def early_area(most_bytes: int = EARLY_BYTES, most: int = EARLY_OBJECTS) -> int:
 
 @dataclass
 class Early:
-    """What a transfer's early copies left for the rest of the call: the staging slot they went into
-    (acquired on the direction's first stream), how many of the batch's first objects they moved, each
-    one's staging row, and for a save the call's digest buffer (theirs already on the way) and the
-    tensors the device still reads."""
+    """What a restore's early copies left for its first round: the staging slot they went into (a ring
+    slot whose end area holds them, acquired on the copy stream), how many of the batch's first
+    objects they copied, and each one's staging row address."""
 
     slot: list
     count: int
     rows: np.ndarray
-    out: torch.Tensor | None = None
-    keep: list = field(default_factory=list)
 
 
 class EarlyCopies:
     """The early copies of KernelEngine (see the module docstring)."""
 
     def load(self, batch: Sequence[Moves]) -> Handle:
-        """As TransferEngine.load, with early copies when the load direction is idle."""
-        picks = self._early_picks(batch, LOAD)
-        if picks is None:
+        """As TransferEngine.load; a restore that finds the load direction idle has its first objects'
+        copies issued before the batch is validated and planned."""
+        early = self._early(batch)
+        if early is None:
             return super().load(batch)
-        early = self._early_load(batch, *picks)
         try:
             checked = self._checked(batch, load=True)
         except BaseException:
@@ -76,109 +63,52 @@ class EarlyCopies:
             raise
         return self._load(checked, early)
 
-    def save(self, batch: Sequence[Moves]) -> Handle:
-        """As TransferEngine.save, with early copies when the save direction is idle. The whole call
-        runs on the gather stream (one switch: each costs ~16 us of the H200 host's time)."""
-        picks = self._early_picks(batch, SAVE)
-        if picks is None:
-            return super().save(batch)
-        with self._stream(self._side(SAVE)):
-            early = self._early_save(batch, *picks)
-            try:
-                checked = self._checked(batch, load=False)
-            except BaseException:
-                self.synchronize()
-                raise
-            return self._save(checked, early)
-
-    def _early_picks(self, batch: Sequence[Moves], direction: int) -> tuple | None:
-        """(geometry, block ids, arena offsets) of the first Moves' objects to move early, or None (the
-        call goes the usual way): on the zero-copy path, without the runtime's copy call, for objects
-        under the run bar or over early_bytes, for a first Moves of one object (the rest must be laid
-        out as a round of its own), when the direction is busy (its copy engine has work anyway), or
-        for anything the checks do not accept (the full validation then names the error)."""
-        path = self.load_path if direction == LOAD else self.save_path
-        if self.early_bytes <= 0 or self._copy_one is None or path == "zero-copy":
+    def _early(self, batch: Sequence[Moves]) -> Early | None:
+        """Issue the first objects' copies of a restore that finds the load direction idle, or return
+        None (then the call goes the usual way): on the zero-copy path, without the runtime's copy
+        call, for objects under the run bar or over EARLY_BYTES, for a first Moves of one object (the
+        rest of the batch must be laid out as a round of its own), or for anything the checks below
+        do not accept (the full validation then names the error)."""
+        if self.early_bytes <= 0 or self._copy_one is None or self.load_path == "zero-copy":
             return None
         try:
-            picks = self._early_checked(batch, direction)
+            offsets = self._early_offsets(batch)
         except (AttributeError, TypeError, ValueError, IndexError, KeyError):
             return None
-        return picks if picks is not None and self._idle(direction) else None
-
-    def _early_checked(self, batch: Sequence[Moves], direction: int) -> tuple | None:
-        first = batch[0]
-        geom: GroupGeometry = self.groups[first.group]
-        nbytes = geom.object_bytes
-        if nbytes < self.dma_min_run_bytes or nbytes > self.early_bytes or self.align[first.group] < 8:
+        if not offsets or not self._idle(LOAD):
             return None
-        count = min(len(first.offsets) - 1, len(first.block_ids) - 1, self.early_objects)
-        count = min(count, -(-self.early_bytes // nbytes), self._early_room // _row_step(geom))
-        if count < 1:
-            return None
-        offs = [operator.index(v) for v in list(first.offsets[:count])]
-        reach, cap = slot_reach(nbytes, first), self.arena.capacity_bytes
-        if any(off < 0 or off & 7 or off + nbytes > cap for off in offs):
-            return None
-        if direction == LOAD:
-            return geom, None, offs
-        ids = [operator.index(v) for v in list(first.block_ids[:count])]
-        if any(not 0 <= b < geom.num_blocks for b in ids):
-            return None
-        spans = sorted(offs)
-        if any(b - a < reach for a, b in zip(spans, spans[1:])) or spans[-1] + reach > cap:
-            return None  # a save writes each slot's whole reach: no two may meet
-        return geom, ids, offs
-
-    def _early_slot(self, direction: int, stream) -> tuple[list, int]:
-        """A ring slot for the early objects (the first round's, as the ring hands slots out in turn)
-        and where its early area starts; acquired on `stream`."""
-        if self.ring.pooled:
-            slot = self.ring.take(direction, self._ring_bytes)
-            base = slot[0].data_ptr() + self._early_at
-        else:  # CPU (tests): nothing is pooled; the first round gets a buffer of its own
-            slot = [aligned(self._early_room, self.device), None]
-            base = slot[0].data_ptr()
-        StagingRing.acquire(slot, stream)
-        return slot, base
-
-    def _early_load(self, batch: Sequence[Moves], geom: GroupGeometry, _ids, offs: list[int]) -> Early:
+        nbytes = self.groups[batch[0].group].object_bytes
         copy = self._main(LOAD)
         self._after(self._caller(), copy)
-        slot, base = self._early_slot(LOAD, copy)
-        rows = base + _row_step(geom) * np.arange(len(offs), dtype=np.int64)
+        if self.ring.pooled:  # the first round's ring slot: its end area is kept for these copies
+            slot = self.ring.take(LOAD, self._ring_bytes)
+            base = slot[0].data_ptr() + self._early_at
+        else:  # CPU (tests): nothing is pooled; the first round gets a buffer of its own
+            slot = [aligned(early_area(self.early_bytes), self.device), None]
+            base = slot[0].data_ptr()
+        StagingRing.acquire(slot, copy)
+        step = -(-nbytes // ROW_ALIGN) * ROW_ALIGN
+        rows = base + step * np.arange(len(offsets), dtype=np.int64)
         handle = copy.cuda_stream if copy is not None else 0
-        for row, off in zip(rows.tolist(), offs, strict=True):
-            self._copy_one(row, self.arena_base + off, geom.object_bytes, handle)
-        return Early(slot, len(offs), rows)
+        for row, off in zip(rows.tolist(), offsets, strict=True):
+            self._copy_one(row, self.arena_base + off, nbytes, handle)
+        return Early(slot, len(offsets), rows)
 
-    def _early_save(
-        self, batch: Sequence[Moves], geom: GroupGeometry, ids: list[int], offs: list[int]
-    ) -> Early:
-        """Gather the early objects (checksums included) into staging on the gather stream (the
-        current one), copy each to its slot on the save stream, and send their digests to the start of
-        the call's digest buffer."""
-        gather, save = self._side(SAVE), self._main(SAVE)
-        self._after(self._caller(), gather)
-        slot, base = self._early_slot(SAVE, gather)
-        rows = base + _row_step(geom) * np.arange(len(offs), dtype=np.int64)
+    def _early_offsets(self, batch: Sequence[Moves]) -> list[int]:
+        """Arena offsets of the first Moves' objects to copy early ([]: none), each checked as far as
+        the copy needs: an integer, 8-byte aligned, its object inside the arena."""
         first = batch[0]
-        ids_a, offs_a = np.array(ids, np.int64), np.array(offs, np.int64)
-        part = [(geom, Moves(first.group, ids, offs, None, first.slot_bytes), ids_a, offs_a)]
-        self.remember(part, ids_a, offs_a)
-        plan = self._plan(part, [rows], sums=True, stream=gather)
-        self._copy(plan, None, 0, self._align16(part, [rows]), checksum=True, hbm=True)
-        gathered = self._event(gather)
-        if gathered is not None:
-            save.wait_event(gathered)
-        handle = save.cuda_stream if save is not None else 0
-        for row, off in zip(rows.tolist(), offs, strict=True):
-            self._copy_one(self.arena_base + off, row, geom.object_bytes, handle)
-        self._release(slot, save)
-        out = self._host_buffer(sum(len(m.block_ids) for m in batch))
-        self._sm_copy(plan.sums(), out[: len(offs)])
-        return Early(slot, len(offs), rows, out, [plan.buf, slot[0]])
-
-
-def _row_step(geom: GroupGeometry) -> int:
-    return -(-geom.object_bytes // ROW_ALIGN) * ROW_ALIGN
+        geom = self.groups[first.group]
+        nbytes = geom.object_bytes
+        if nbytes < self.dma_min_run_bytes or nbytes > self.early_bytes or self.align[first.group] < 8:
+            return []
+        count = min(len(first.offsets) - 1, len(first.block_ids) - 1, self.early_objects)
+        count = min(count, -(-self.early_bytes // nbytes))
+        cap = self.arena.capacity_bytes
+        out = []
+        for value in list(first.offsets[:count]):
+            off = operator.index(value)
+            if off < 0 or off & 7 or off + nbytes > cap:
+                return []
+            out.append(off)
+        return out

@@ -146,8 +146,8 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         self.aux = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
         # each ring buffer ends in an area for a restore's early copies (early.py), past the rounds' room
         self.early_bytes, self.early_objects = EARLY_BYTES, EARLY_OBJECTS
-        self._early_at, self._early_room = -(-self._ring_bytes // 256) * 256, early_area()
-        self.ring = StagingRing(self.device, self._early_at + self._early_room, pooled=cuda)
+        self._early_at = -(-self._ring_bytes // 256) * 256
+        self.ring = StagingRing(self.device, self._early_at + early_area(), pooled=cuda)
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = TablePool()
         self._last_layouts: tuple[Batch, tuple[int, ...], list[tuple]] | None = None
@@ -185,20 +185,19 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             torch.cuda.current_stream(self.device).wait_event(event)
 
     # ------------------------------------------------------------------ save
-    def _save(self, batch: Batch, early: Early | None = None) -> Handle:
+    def _save(self, batch: Batch) -> Handle:
         if not self._fast(batch):
             self.synchronize()
             return staged_save(self.arena, self.device, batch)
-        keep: list[torch.Tensor] = [] if early is None else early.keep
+        keep: list[torch.Tensor] = []
         caller = self._caller()
         try:
             shape = self.flat(batch)[0]
-            out = self._host_buffer(shape.nobj) if early is None else early.out
-            if early is not None or self._path(batch, self.save_path, self.dma_min_run_bytes) == "dma":
+            out = self._host_buffer(shape.nobj)
+            if self._path(batch, self.save_path, self.dma_min_run_bytes) == "dma":
                 # streams named explicitly: each `with torch.cuda.stream` costs ~16 us of host time
                 # (H200 host), in front of the first copy
-                cold = early is not None or self._idle(SAVE)
-                self._save_dma(batch, keep, caller, cold, out, early)
+                self._save_dma(batch, keep, caller, self._idle(SAVE), out)
                 return self._track(SAVE, self._finish(batch, out, keep, shape.mix, self._main(SAVE)))
             with self._on(SAVE, caller):
                 self._save_zero_copy(batch, keep, out)
@@ -215,33 +214,21 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         keep.append(plan.buf)
 
     def _save_dma(
-        self,
-        batch: Batch,
-        keep: list[torch.Tensor],
-        caller,
-        cold: bool,
-        out: torch.Tensor,
-        early: Early | None,
+        self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, out: torch.Tensor
     ) -> None:
         """Per round: KV pages -> staging (kernel on the gather stream, HBM speed, checksums), then
         staging -> arena on the save stream (copy engine, one copy per run of adjacent slots), then the
         round's digests to the host (issued after the copy: they are not what the copy waits for). Round
         r's gather runs while round r-1's copy does; two staging buffers take turns. The save stream
-        waits for the last digests, so the handle's event covers them. `early`: its objects are done
-        (early.py); the first round of the rest may share their slot, and the gather stream is current."""
+        waits for the last digests, so the handle's event covers them."""
         gather, save = self._side(SAVE), self._main(SAVE)
-        skip = 0 if early is None else early.count
-        if early is None:
-            self._after(caller, gather)
-        at = skip
-        # one switch per call: each costs ~16 us of host time (H200 host)
-        with self._stream(gather) if early is None else nullcontext():
-            for k, (a, b, layout) in enumerate(self._laid_out(batch, SAVE, cold, skip)):
-                r = self._cut(batch, max(a, skip), b)
-                shared = k == 0 and early is not None and self.ring.pooled and layout[2] <= self._ring_bytes
-                stg, rows, runs, slot = self._staging(layout, SAVE, early.slot if shared else None)
-                if not shared:
-                    StagingRing.acquire(slot, gather)
+        self._after(caller, gather)
+        at = 0
+        with self._stream(gather):  # one switch per call: each costs ~16 us of host time (H200 host)
+            for k, (a, b, layout) in enumerate(self._laid_out(batch, SAVE, cold)):
+                r = self._cut(batch, a, b)
+                stg, rows, runs, slot = self._staging(layout, SAVE)
+                StagingRing.acquire(slot, gather)
                 plan = self._plan(r, [rows], sums=True, stream=gather)
                 self._copy(plan, None, 0, self._align16(r, [rows]), checksum=True, hbm=True)
                 gathered = self._event(gather)
@@ -284,9 +271,10 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             raise
 
     def _drain(self, keep: list[torch.Tensor]) -> None:
-        """A batch failing half-way (no memory for a buffer, a failed copy call) may have rounds queued
-        that still write KV blocks or arena slots; vLLM frees the blocks of a failed load, which the next
-        forward may write: the rounds must be over first, their buffers (`keep`) alive until then."""
+        """A batch that fails half-way (out of memory for a buffer, a failed copy call) may have rounds
+        already queued that still write KV blocks (load) or arena slots (save). The caller reports the
+        failure and vLLM frees the blocks, which the next forward may write: the rounds must be over
+        first, and their buffers (`keep`) alive until then."""
         try:
             self.synchronize()
         finally:
@@ -320,12 +308,14 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, verify: bool, early: Early | None
     ) -> torch.Tensor | None:
         """Per round: arena -> staging on the load stream (copy engine, one copy per run), then on the
-        scatter stream the checksums of the staged bytes (with digests) and staging -> KV pages for the
-        objects that matched. Round r+1's copy is issued before round r's verify and scatter are planned,
-        so the copy engine has a round queued while the host plans (planning in between left it idle
-        ~0.3-0.4 ms per round of an 8K-token restore on the H200); two staging buffers take turns.
-        Returns the verdicts' host buffer (None: no digests). What the first copy does not need comes
-        after it."""
+        scatter stream the checksums of the staged bytes (when digests are given) and staging -> KV pages
+        for the objects that matched. The host stays one round ahead of its planning: round r+1's copy is
+        issued before round r's verify and scatter are planned, so the copy engine always has a round
+        queued while the host plans (planning a round in between left it idle ~0.3-0.4 ms per round of
+        an 8K-token restore on the H200; bench/probes/restore_timeline_gpu.py). With two staging
+        buffers taking turns, round r+2's copy waits for round r's scatter, which is issued by then.
+        Returns the verdicts' host buffer (None: no digests given). Whatever the first copy does not
+        need (that buffer, the scatter stream's order) comes after it."""
         copy, work = self._main(LOAD), self._side(LOAD)
         # both streams after the caller's queued work, as every transfer (early copies: already done)
         queued = self._after(caller, copy) if early is None else self._marker
