@@ -84,7 +84,7 @@ class EarlyCopies:
             slot = self.ring.take(LOAD, self._ring_bytes)
             base = slot[0].data_ptr() + self._early_at
         else:  # CPU (tests): nothing is pooled; the first round gets a buffer of its own
-            slot = [aligned(early_area(self.early_bytes), self.device), None]
+            slot = [aligned(self._early_room, self.device), None]
             base = slot[0].data_ptr()
         StagingRing.acquire(slot, copy)
         step = -(-nbytes // ROW_ALIGN) * ROW_ALIGN
@@ -103,7 +103,8 @@ class EarlyCopies:
         if nbytes < self.dma_min_run_bytes or nbytes > self.early_bytes or self.align[first.group] < 8:
             return []
         count = min(len(first.offsets) - 1, len(first.block_ids) - 1, self.early_objects)
-        count = min(count, -(-self.early_bytes // nbytes))
+        step = -(-nbytes // ROW_ALIGN) * ROW_ALIGN  # never more than the ring's early area holds
+        count = min(count, -(-self.early_bytes // nbytes), self._early_room // step)
         cap = self.arena.capacity_bytes
         out = []
         for value in list(first.offsets[:count]):

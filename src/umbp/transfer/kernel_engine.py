@@ -146,8 +146,9 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         self.aux = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
         # each ring buffer ends in an area for a restore's early copies (early.py), past the rounds' room
         self.early_bytes, self.early_objects = EARLY_BYTES, EARLY_OBJECTS
-        self._early_at = -(-self._ring_bytes // 256) * 256
-        self.ring = StagingRing(self.device, self._early_at + early_area(), pooled=cuda)
+        self._early_at, self._early_room = -(-self._ring_bytes // 256) * 256, early_area()
+        extra = self._early_at - self._ring_bytes + self._early_room
+        self.ring = StagingRing(self.device, self._ring_bytes, pooled=cuda, extra=extra)
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = TablePool()
         self._last_layouts: tuple[Batch, tuple[int, ...], list[tuple]] | None = None

@@ -17,10 +17,12 @@ from umbp.transfer.plans import aligned
 class StagingRing:
     """[buffer, event after which it is free] slots: two per direction when `pooled` (CUDA), taken in
     turn; a one-off buffer for a round bigger than `nbytes` or when not pooled (CPU, where nothing
-    runs asynchronously)."""
+    runs asynchronously). Each pooled buffer has `extra` bytes past its `nbytes` for a restore's early
+    copies (early.py): a round never reaches into them, or a round of the call could overwrite early
+    objects before the first round's scatter has read them."""
 
-    def __init__(self, device: torch.device, nbytes: int, pooled: bool):
-        self.device, self.nbytes, self.pooled = device, nbytes, pooled
+    def __init__(self, device: torch.device, nbytes: int, pooled: bool, extra: int = 0):
+        self.device, self.nbytes, self.pooled, self.extra = device, nbytes, pooled, extra
         self._slots: dict[int, list[list]] = {0: [], 1: []}
         self._turn = {0: 0, 1: 0}
 
@@ -29,7 +31,7 @@ class StagingRing:
             return [aligned(nbytes, self.device), None]
         slots = self._slots[direction]
         if not slots:  # both at once: never an allocation (which can fail) between a batch's rounds
-            slots += [[aligned(self.nbytes, self.device), None] for _ in range(2)]
+            slots += [[aligned(self.nbytes + self.extra, self.device), None] for _ in range(2)]
         self._turn[direction] += 1
         return slots[self._turn[direction] % len(slots)]
 
