@@ -66,9 +66,9 @@ class EarlyCopies:
     def _early(self, batch: Sequence[Moves]) -> Early | None:
         """Issue the first objects' copies of a restore that finds the load direction idle, or return
         None (then the call goes the usual way): on the zero-copy path, without the runtime's copy
-        call, for objects under the run bar or over EARLY_BYTES, for a first Moves of one object (the
-        rest of the batch must be laid out as a round of its own), or for anything the checks below
-        do not accept (the full validation then names the error)."""
+        call, for objects under the run bar or over `early_bytes`, for a first Moves of one object (at
+        least one object is left for the layout), or for anything the checks below do not accept (the
+        full validation then names the error)."""
         if self.early_bytes <= 0 or self._copy_one is None or self.load_path == "zero-copy":
             return None
         try:
@@ -87,8 +87,7 @@ class EarlyCopies:
             slot = [aligned(self._early_room, self.device), None]
             base = slot[0].data_ptr()
         StagingRing.acquire(slot, copy)
-        step = -(-nbytes // ROW_ALIGN) * ROW_ALIGN
-        rows = base + step * np.arange(len(offsets), dtype=np.int64)
+        rows = base + _row_step(nbytes) * np.arange(len(offsets), dtype=np.int64)
         handle = copy.cuda_stream if copy is not None else 0
         for row, off in zip(rows.tolist(), offsets, strict=True):
             self._copy_one(row, self.arena_base + off, nbytes, handle)
@@ -103,8 +102,8 @@ class EarlyCopies:
         if nbytes < self.dma_min_run_bytes or nbytes > self.early_bytes or self.align[first.group] < 8:
             return []
         count = min(len(first.offsets) - 1, len(first.block_ids) - 1, self.early_objects)
-        step = -(-nbytes // ROW_ALIGN) * ROW_ALIGN  # never more than the ring's early area holds
-        count = min(count, -(-self.early_bytes // nbytes), self._early_room // step)
+        # about early_bytes, and never more than the ring's early area holds
+        count = min(count, -(-self.early_bytes // nbytes), self._early_room // _row_step(nbytes))
         cap = self.arena.capacity_bytes
         out = []
         for value in list(first.offsets[:count]):
@@ -113,3 +112,8 @@ class EarlyCopies:
                 return []
             out.append(off)
         return out
+
+
+def _row_step(nbytes: int) -> int:
+    """Staging bytes between two early objects' rows."""
+    return -(-nbytes // ROW_ALIGN) * ROW_ALIGN
