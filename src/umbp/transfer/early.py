@@ -30,10 +30,9 @@ EARLY_BYTES, EARLY_OBJECTS = 4 << 20, 4  # ~75 us of copy at 55 GB/s: longer tha
 ROW_ALIGN = 256  # each early object's staging row
 
 
-def early_area(most_bytes: int = EARLY_BYTES, most: int = EARLY_OBJECTS) -> int:
-    """Staging bytes the early copies may take: objects are added while fewer than most_bytes are
-    queued, each at most most_bytes, so under twice that plus each row's alignment."""
-    return 2 * most_bytes + most * ROW_ALIGN
+# staging bytes kept for the early copies at the end of each ring buffer: objects are added while fewer
+# than EARLY_BYTES are queued, each at most EARLY_BYTES, so under twice that plus each row's alignment
+EARLY_AREA = 2 * EARLY_BYTES + EARLY_OBJECTS * ROW_ALIGN
 
 
 @dataclass
@@ -72,48 +71,46 @@ class EarlyCopies:
         if self.early_bytes <= 0 or self._copy_one is None or self.load_path == "zero-copy":
             return None
         try:
-            offsets = self._early_offsets(batch)
+            nbytes, offsets = self._early_offsets(batch)
         except (AttributeError, TypeError, ValueError, IndexError, KeyError):
             return None
         if not offsets or not self._idle(LOAD):
             return None
-        nbytes = self.groups[batch[0].group].object_bytes
         copy = self._main(LOAD)
         self._after(self._caller(), copy)
         if self.ring.pooled:  # the first round's ring slot: its end area is kept for these copies
             slot = self.ring.take(LOAD, self._ring_bytes)
             base = slot[0].data_ptr() + self._early_at
         else:  # CPU (tests): nothing is pooled; the first round gets a buffer of its own
-            slot = [aligned(self._early_room, self.device), None]
+            slot = [aligned(EARLY_AREA, self.device), None]
             base = slot[0].data_ptr()
         StagingRing.acquire(slot, copy)
-        rows = base + _row_step(nbytes) * np.arange(len(offsets), dtype=np.int64)
+        rows = base + row_step(nbytes) * np.arange(len(offsets), dtype=np.int64)
         handle = copy.cuda_stream if copy is not None else 0
         for row, off in zip(rows.tolist(), offsets, strict=True):
             self._copy_one(row, self.arena_base + off, nbytes, handle)
         return Early(slot, len(offsets), rows)
 
-    def _early_offsets(self, batch: Sequence[Moves]) -> list[int]:
-        """Arena offsets of the first Moves' objects to copy early ([]: none), each checked as far as
-        the copy needs: an integer, 8-byte aligned, its object inside the arena."""
+    def _early_offsets(self, batch: Sequence[Moves]) -> tuple[int, list[int]]:
+        """The first Moves' object size and the arena offsets of its objects to copy early ([]: none),
+        each checked as far as the copy needs: an integer, 8-byte aligned, its object inside the arena."""
         first = batch[0]
-        geom = self.groups[first.group]
-        nbytes = geom.object_bytes
+        nbytes = self.groups[first.group].object_bytes
         if nbytes < self.dma_min_run_bytes or nbytes > self.early_bytes or self.align[first.group] < 8:
-            return []
+            return nbytes, []
         count = min(len(first.offsets) - 1, len(first.block_ids) - 1, self.early_objects)
         # about early_bytes, and never more than the ring's early area holds
-        count = min(count, -(-self.early_bytes // nbytes), self._early_room // _row_step(nbytes))
+        count = min(count, -(-self.early_bytes // nbytes), EARLY_AREA // row_step(nbytes))
         cap = self.arena.capacity_bytes
         out = []
         for value in list(first.offsets[:count]):
             off = operator.index(value)
             if off < 0 or off & 7 or off + nbytes > cap:
-                return []
+                return nbytes, []
             out.append(off)
-        return out
+        return nbytes, out
 
 
-def _row_step(nbytes: int) -> int:
-    """Staging bytes between two early objects' rows."""
+def row_step(nbytes: int) -> int:
+    """nbytes rounded up to ROW_ALIGN: the staging bytes between two early objects' rows."""
     return -(-nbytes // ROW_ALIGN) * ROW_ALIGN

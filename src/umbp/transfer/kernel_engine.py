@@ -34,7 +34,7 @@ from umbp.pool.checksum import LANES, ROW_BYTES, lane_table
 from umbp.transfer import batchcopy
 from umbp.transfer.api import Handle, Moves, TransferEngine
 from umbp.transfer.completion import DeviceHandle
-from umbp.transfer.early import EARLY_BYTES, EARLY_OBJECTS, Early, EarlyCopies, early_area
+from umbp.transfer.early import EARLY_AREA, EARLY_BYTES, EARLY_OBJECTS, Early, EarlyCopies, row_step
 from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.plans import (
     Plan,
@@ -146,12 +146,13 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         self.aux = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
         # each ring buffer ends in an area for a restore's early copies (early.py), past the rounds' room
         self.early_bytes, self.early_objects = EARLY_BYTES, EARLY_OBJECTS
-        self._early_at, self._early_room = -(-self._ring_bytes // 256) * 256, early_area()
-        extra = self._early_at - self._ring_bytes + self._early_room
+        self._early_at = row_step(self._ring_bytes)
+        extra = self._early_at - self._ring_bytes + EARLY_AREA
         self.ring = StagingRing(self.device, self._ring_bytes, pooled=cuda, extra=extra)
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = TablePool()
-        self._last_layouts: tuple[Batch, tuple[int, ...], list[tuple]] | None = None
+        # the batch, (budgets, objects skipped) and its layout: see BatchRounds._lay_out
+        self._last_layouts: tuple[Batch, tuple[tuple[int, ...], int], tuple] | None = None
         self._last_order: tuple[Batch, np.ndarray] | None = None  # _run_count's sort, for _layouts
         self._last: dict[int, torch.cuda.Event | None] = {SAVE: None, LOAD: None}  # each direction's newest
         self._marker = torch.cuda.Event() if cuda else None  # see _after
