@@ -219,6 +219,16 @@ def test_matches_the_definition(path, n):
     assert checksum(data) == _definition(data.tobytes())
 
 
+@pytest.mark.parametrize("nrows", [1, 4, 5, 8, 257, 300])
+def test_numpy_row_value_paths_agree(nrows):
+    """The numpy path's two ways to a row's value (a lookup per byte; a Horner chain per lane, then a
+    lookup per lane byte), on either side of where row_values switches and across its passes."""
+    from umbp.pool.checksum import digest
+
+    rows = as_rows(_data(nrows * ROW_BYTES, nrows))
+    assert np.array_equal(digest._byte_values(rows), digest._lane_values(rows))
+
+
 def test_values_are_pinned():
     """Stored values carry this digest (SSD records, remote values): no path may change it silently."""
     assert checksum(_data(64 * 1024, seed=11)) == 0xE5409CEE035271CC

@@ -31,7 +31,9 @@ once per 8 words); the row's *value* rho_r is the XOR of its lanes times K[l], a
 rho_r * K[64*r] (the row weight) over rows, plus the length term. Rows, and pieces of an object cut at
 row boundaries, combine by XOR, so threads, pieces and GPU programs add their parts with xor. With a
 carry-less multiply instruction (x86-64 PCLMULQDQ) the C extension instead multiplies every word by its
-power of x directly; the numpy path looks each byte's term up in a table (8 MiB, built on first use).
+power of x directly; the numpy path runs the lanes' Horner chains on arrays of rows and looks each
+result's bytes up in a table (1 MiB), or for a few rows looks every byte's term up (8 MiB), built on
+first use.
 
 Modules: `gf64` (the field arithmetic and weight tables), `digest` (psum64 of objects and rows),
 `fused_copy` (copy + checksum in one pass, split across threads). The C extension (umbp.pool._native)

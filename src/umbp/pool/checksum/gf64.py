@@ -99,6 +99,21 @@ def _row_weights(nrows: int) -> np.ndarray:
 _byte_table: np.ndarray | None = None
 
 
+def _byte_lookup(gamma: np.ndarray) -> np.ndarray:
+    """T[8*i + j, v] = (v * x**(8*j)) * gamma[i] mod P: the product of word i's byte j by gamma[i] is one
+    lookup (products by a constant are linear over GF(2), so a byte's table is built from its 8 bits)."""
+    basis = np.zeros((gamma.size, 64), _U)
+    a = np.asarray(gamma, _U).copy()
+    for b in range(64):  # basis[i, b] = gamma[i] * x**b
+        basis[:, b] = a
+        a = (a << _U(1)) ^ ((a >> _U(63)) * _U(POLY_LOW))
+    per_byte = basis.reshape(gamma.size * 8, 8)  # [8*i + j, t] = gamma[i] * x**(8*j + t)
+    table = np.zeros((gamma.size * 8, 256), _U)
+    for t in range(8):
+        table[:, 1 << t : 2 << t] = table[:, : 1 << t] ^ per_byte[:, t : t + 1]
+    return table
+
+
 def _make_byte_table() -> np.ndarray:
     """T[8*i + j, v] = (v * x**(8*j)) * x**(64*e(i)) mod P for word i of a row and byte value v: a row's
     value is the xor of 4096 lookups, one per byte (8 MiB, built on first use by the numpy path)."""
@@ -108,16 +123,7 @@ def _make_byte_table() -> np.ndarray:
         for m in range(STEPS - 1, -1, -1):  # word 64*m + lane has exponent 8*lane + 7 - m
             gamma[LANES * m + lane] = g
             g = int(mulx64(_U(g)))
-    basis = np.zeros((ROW_WORDS, 64), _U)
-    a = gamma.copy()
-    for b in range(64):  # basis[i, b] = gamma[i] * x**b
-        basis[:, b] = a
-        a = (a << _U(1)) ^ ((a >> _U(63)) * _U(POLY_LOW))
-    per_byte = basis.reshape(ROW_WORDS * 8, 8)  # [8*i + j, t] = gamma[i] * x**(8*j + t)
-    table = np.zeros((ROW_WORDS * 8, 256), _U)
-    for t in range(8):
-        table[:, 1 << t : 2 << t] = table[:, : 1 << t] ^ per_byte[:, t : t + 1]
-    return table
+    return _byte_lookup(gamma)
 
 
 def _table() -> np.ndarray:
@@ -125,3 +131,19 @@ def _table() -> np.ndarray:
     if _byte_table is None:
         _byte_table = _make_byte_table()
     return _byte_table
+
+
+_lane_byte_table: np.ndarray | None = None
+
+
+def _make_lane_byte_table() -> np.ndarray:
+    """L[8*l + j, v] = (v * x**(8*j)) * K[l] mod P for lane l and byte value v: a lane's Horner result
+    times its lane weight is the xor of 8 lookups, one per byte (1 MiB, built on first use)."""
+    return _byte_lookup(lane_table(LANES)[:LANES])
+
+
+def _lane_lookup() -> np.ndarray:
+    global _lane_byte_table
+    if _lane_byte_table is None:
+        _lane_byte_table = _make_lane_byte_table()
+    return _lane_byte_table
