@@ -93,7 +93,9 @@ def _wall(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
 def _queued(issue: Callable[[], list], reps: int, warmup: int = 1) -> tuple[float, float]:
     """Median seconds from the end of a sleep kernel queued on the current stream to the completion of
     the transfers issue() submitted behind it, and the fraction of repetitions in which the host had
-    issued everything before the sleep ended (1.0: the figure holds no host time)."""
+    issued everything before the sleep ended (1.0: the figure holds no host time). A handle already done
+    while the sleep still runs means the engine did not order its work after the caller's stream (the
+    figure would read above the link): that is an error, not a result."""
     import torch
 
     for _ in range(warmup):
@@ -107,6 +109,8 @@ def _queued(issue: Callable[[], list], reps: int, warmup: int = 1) -> tuple[floa
         start.record()
         handles = issue()
         ahead += not start.query()
+        if any(h.done() for h in handles) and not start.query():  # done, and the sleep still runs
+            raise RuntimeError("umbp: a transfer completed while the caller's stream was still busy")
         for h in handles:
             h.wait()
         end.record()
