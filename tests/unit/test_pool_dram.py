@@ -184,3 +184,30 @@ def test_copy_threads_split_large_batches_exactly():
     assert pool.get_into(keys, outs) == [True] * 8
     assert [bytes(o) for o in outs] == blobs
     pool.close()
+
+
+def test_empty_objects_take_a_page_and_are_evicted_like_any_other():
+    """An empty object charged no page would never be evicted: empty puts could grow the index without
+    bound in a pool of any size. Each takes a page, so the pool holds at most capacity / alignment."""
+    pool = DramPool(capacity_bytes=64 * 1024, pinned=False)
+    try:
+        most = 64 * 1024 // pool.index.alignment
+        empty = np.empty(0, np.uint8)
+        for i in range(0, 4 * most, 8):
+            assert pool.put([f"e{j}" for j in range(i, i + 8)], [empty] * 8) == [True] * 8
+        s = pool.stats()
+        assert s["objects"] <= most and s["evictions"] >= 3 * most
+        assert pool.get_into([f"e{4 * most - 1}"], [np.empty(0, np.uint8)]) == [True]
+        assert pool.get_into(["e0"], [np.empty(0, np.uint8)]) == [False]  # the oldest went first
+    finally:
+        pool.close()
+
+
+def test_the_reference_index_charges_empty_objects_a_page_too():
+    from umbp.pool.dram.dict_index import DictIndex
+
+    index = DictIndex(2 * 64, high_watermark=1.0, low_watermark=1.0, alignment=64)
+    for key in ("a", "b", "c"):
+        assert index.reserve(key, 0) is not None
+        index.commit(key)
+    assert index.lookup(["a", "b", "c"]) == [False, True, True]  # two pages: the third evicts the first

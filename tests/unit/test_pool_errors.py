@@ -102,6 +102,20 @@ def test_unusable_buffers(pool):
     assert _intact(pool)
 
 
+def test_buffers_whose_bytes_cannot_be_viewed(pool):
+    """Arrays of Python objects hold pointers, not data; a conjugate tensor view has no bytes of its own
+    to view: each is one BufferTypeError before anything is reserved, not numpy's or torch's own error."""
+    with pytest.raises(BufferTypeError, match="source buffer for key 'o' is a numpy array of Python objects"):
+        pool.put(["o"], [np.array([1, 2], dtype=object)])
+    with pytest.raises(BufferTypeError, match="destination buffer for key 'kept' is a numpy array of Python"):
+        pool.get_into(["kept"], [np.empty(8, dtype=object)])
+    torch = pytest.importorskip("torch")
+    with pytest.raises(BufferTypeError, match="source buffer for key 'c' is a tensor whose bytes cannot be"):
+        pool.put(["c"], [torch.randn(4, dtype=torch.complex64).conj()])
+    assert pool.exists(["o", "c"]) == [False, False]
+    assert _intact(pool)
+
+
 def test_unknown_option_is_named_with_the_valid_ones():
     with pytest.raises(UnknownOptionError) as err:
         DramPool.from_options({"dram_gbs": 1, "colour": "blue"})

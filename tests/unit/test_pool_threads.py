@@ -65,3 +65,57 @@ def test_concurrent_put_get_remove_is_byte_exact(copy_threads):
         if pool.get_into([f"k{k}"], [out])[0]:
             assert np.array_equal(out, CONTENT[k])
     pool.close()
+
+
+def test_close_under_a_threaded_copy_reports_the_pool_closed(monkeypatch):
+    """close() shuts the copy threads down; a put or get that reaches its copy after that raises the
+    pool's own 'closed' error, not the executor's RuntimeError, and leaves no reservation behind."""
+    import umbp.pool.dram.tier as tier_module
+    from umbp.pool.errors import UmbpError
+
+    pool = DramPool(capacity_bytes=64 << 20, pinned=False, copy_threads=3)
+    real = tier_module.copy_many
+
+    def close_first(*args):
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        closer.join()
+        return real(*args)
+
+    monkeypatch.setattr(tier_module, "copy_many", close_first)
+    blobs = [np.full(4 << 20, i, np.uint8) for i in range(4)]
+    with pytest.raises(UmbpError, match="this DramPool is closed"):
+        pool.put([f"k{i}" for i in range(4)], blobs)
+    assert pool.stats()["reserved"] == 0
+
+
+def test_a_failed_submit_still_waits_for_the_shares_already_running():
+    """run_split: when the executor refuses a share (shut down mid-call), the shares it already took
+    finish before the error reaches the caller, who may then free the memory they write."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from umbp.pool.checksum import run_split
+
+    finished = []
+
+    class RefusesSecond(ThreadPoolExecutor):
+        taken = 0
+
+        def submit(self, fn, *args):
+            self.taken += 1
+            if self.taken > 1:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            return super().submit(fn, *args)
+
+    def work(share):
+        if share == 1:
+            threading.Event().wait(0.2)
+        finished.append(share)
+
+    executor = RefusesSecond(2)
+    try:
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            run_split(executor, work, [0, 1, 2])
+        assert finished == [1]  # the taken share had ended; the caller's own share never started
+    finally:
+        executor.shutdown()

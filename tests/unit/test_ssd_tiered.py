@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from umbp.pool import DramIndex, DramPool, ObjectTooLargeError, Pool
+from umbp.pool import DramIndex, DramPool, InvalidKeyError, ObjectTooLargeError, Pool
 from umbp.pool.ssd.tier import SsdTier
 from umbp.pool.tiered import TieredPool, install_evict_hook
 
@@ -151,6 +151,22 @@ def test_a_victim_too_large_for_the_lower_tier_does_not_stop_the_others(tmp_path
         assert s["demotion_errors"] == 1 and s["demotions"] == 3  # big cannot go down; the rest did
         assert not pool.exists(["big"])[0]
         assert all(np.array_equal(_get(pool.tiers[1], f"s{i}", 8 * KiB), b) for i, b in enumerate(small))
+
+
+def test_a_key_the_ssd_tier_cannot_store_is_refused_at_put_not_dropped_with_a_burst(tmp_path):
+    """DRAM alone takes any key; a stack with the SSD tier refuses keys over its limit at put. And were
+    one to reach an eviction burst anyway, the SSD tier's refusal of it stops no other victim."""
+    with _pool(tmp_path, dram_kib=64) as pool:
+        with pytest.raises(InvalidKeyError, match="1100 bytes"):
+            pool.put(["s", "L" * 1100], [_blob(8 * KiB, 1), _blob(8 * KiB, 2)])
+        assert pool.exists(["s"]) == [False]  # refused before anything was stored
+        dram = pool.tiers[0]
+        small = [_blob(8 * KiB, 2 + i) for i in range(7)]
+        assert dram.put(["L" * 1100] + [f"s{i}" for i in range(7)], [_blob(8 * KiB, 1), *small]) == [True] * 8
+        assert pool.put([f"n{i}" for i in range(6)], [_blob(8 * KiB, 10 + i) for i in range(6)]) == [True] * 6
+        s = pool.stats()
+        assert s["demotion_errors"] == 1 and s["demotions"] == 5  # the long key alone stays behind
+        assert all(np.array_equal(_get(pool, f"s{i}", 8 * KiB), b) for i, b in enumerate(small))
 
 
 @pytest.mark.parametrize("capped", [True, False])

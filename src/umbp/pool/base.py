@@ -33,6 +33,12 @@ class Pool(ABC):
         return None
 
     @property
+    def max_key_bytes(self) -> int | None:
+        """The longest key (UTF-8 bytes) it can store (None: no fixed bound). A stack refuses longer keys
+        at put, so that no key is taken by one tier and refused by the next during an eviction."""
+        return None
+
+    @property
     def intake_bytes(self) -> int | None:
         """What it takes in one call before its writer drains any (None: not bounded that way). A stack
         sizes the bursts it hands down below this, so a burst is not dropped for want of queue room."""

@@ -33,7 +33,13 @@ def _torch_as_u8(buf: Any, key: str, what: str) -> np.ndarray:
         )
     import torch  # already imported by whoever made the tensor
 
-    return buf.detach().reshape(-1).view(torch.uint8).numpy()
+    try:
+        return buf.detach().reshape(-1).view(torch.uint8).numpy()
+    except (TypeError, RuntimeError) as exc:  # a conjugate or negative view, a quantized or sparse dtype
+        raise BufferTypeError(
+            f"umbp: {what} for key '{key}' is a tensor whose bytes cannot be viewed ({exc}); "
+            "pass a plain contiguous tensor (e.g. tensor.resolve_conj().contiguous())"
+        ) from None
 
 
 def as_u8(buf: Any, *, key: str, what: str, writable: bool) -> np.ndarray:
@@ -41,6 +47,11 @@ def as_u8(buf: Any, *, key: str, what: str, writable: bool) -> np.ndarray:
     if type(buf) is np.ndarray and buf.dtype is _U8 and buf.ndim == 1 and buf.flags.c_contiguous:
         out = buf  # the common case (slices of one big uint8 buffer): skip the reshape/view calls
     elif isinstance(buf, np.ndarray):
+        if buf.dtype.hasobject:
+            raise BufferTypeError(
+                f"umbp: {what} for key '{key}' is a numpy array of Python objects ({buf.dtype}); "
+                "only arrays of plain numbers hold their bytes in the buffer"
+            )
         if not buf.flags.c_contiguous:
             raise BufferTypeError(
                 f"umbp: {what} for key '{key}' is a non-contiguous numpy array; "

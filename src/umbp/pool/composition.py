@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from umbp.pool.base import Pool
-from umbp.pool.errors import ObjectTooLargeError, UmbpError
+from umbp.pool.errors import UmbpError, UmbpValueError
 
 
 class TierStack:
@@ -49,11 +49,11 @@ class TierStack:
     ) -> tuple[list[bool], int]:
         """Hand objects to `tier` without waiting for its I/O; never raises for a tier that is closed or
         an object it can never hold. Returns (stored per key, how many of them failed with an error
-        rather than being dropped for want of room). An object too large for the tier is retried alone
-        so the others in the batch still go down."""
+        rather than being dropped for want of room). A batch the tier refuses for one object (too large,
+        a key it cannot store) is retried object by object, so the others in the batch still go down."""
         try:
             return tier.write_behind(keys, buffers, checksums=checksums), 0
-        except ObjectTooLargeError:
+        except UmbpValueError:
             if len(keys) == 1:
                 return [False], 1
             out, errors = [], 0

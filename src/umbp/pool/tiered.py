@@ -31,6 +31,7 @@ from umbp.pool.buffers import as_u8
 from umbp.pool.composition import TierStack
 from umbp.pool.dram.index import Slot
 from umbp.pool.errors import BufferSizeError, ObjectTooLargeError, UmbpError, human_bytes
+from umbp.pool.keycheck import key_utf8
 
 if TYPE_CHECKING:
     from umbp.pool.dram.tier import DramPool
@@ -110,6 +111,7 @@ class TieredPool(Pool):
             )
         sizes = [as_u8(b, key=k, what="source buffer", writable=False).size for k, b in zip(keys, buffers)]
         self._check_fits_somewhere(keys, sizes)
+        self._check_key_lengths(keys)
         out = self.exists(keys)
         todo = [i for i, present in enumerate(out) if not present]
         for tier in self.tiers:
@@ -122,6 +124,19 @@ class TieredPool(Pool):
                     out[i] = ok
             todo = [i for i in todo if not out[i]]
         return out
+
+    @property
+    def max_key_bytes(self) -> int | None:
+        limits = [t.max_key_bytes for t in self.tiers if t.max_key_bytes is not None]
+        return min(limits) if limits else None
+
+    def _check_key_lengths(self, keys: Sequence[str]) -> None:
+        """A key some tier cannot store is refused here, not dropped by that tier when an eviction hands
+        it down (with the rest of its burst)."""
+        limit = self.max_key_bytes
+        if limit is not None:
+            for key in keys:
+                key_utf8("put", key, limit)
 
     def _check_fits_somewhere(self, keys: Sequence[str], sizes: list[int]) -> None:
         limits = [t.max_object_bytes for t in self.tiers]

@@ -9,7 +9,7 @@ release the GIL; with the C extension a batch is one call that holds no GIL at a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor, Future, wait
 from typing import Any
 
 import numpy as np
@@ -106,8 +106,10 @@ def run_split(executor: Executor | None, work: Callable[[Any], Any], shares: Seq
     """work(share) for every share, the first on the calling thread and the rest on `executor` (which may
     be None when there is one share); their results in order. Returns, or raises the first error, only
     once every share has finished, so no worker still writes into memory the caller is about to reuse."""
-    futures = [executor.submit(work, share) for share in shares[1:]] if len(shares) > 1 else []
-    try:
+    futures: list[Future] = []
+    try:  # a submit that fails (the executor was shut down) still waits for the shares already running
+        for share in shares[1:]:
+            futures.append(executor.submit(work, share))  # type: ignore[union-attr]
         first = work(shares[0])
     finally:
         wait(futures)

@@ -135,7 +135,9 @@ class DictIndex:
                 f"umbp: reserve('{key}') but the key is already {state}; lookup()/state() first "
                 "(a duplicate put is a no-op)"
             )
-        npages = -(-nbytes // self.alignment)
+        # an empty object takes a page too: with none, nothing would ever evict it, and empty objects
+        # could grow the index past any capacity
+        npages = max(1, -(-nbytes // self.alignment))
         if state == BUSY or npages > self._alloc.free_pages + self._lru_pages:
             self.reserve_failures += 1
             return None

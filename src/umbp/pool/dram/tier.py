@@ -134,6 +134,7 @@ class DramPool(Pool):
         self._index = DramIndex(capacity_bytes, high_watermark, low_watermark, alignment, track_evicted=False)
         self._arena: Arena | None = Arena(self._index.capacity_bytes, pinned, prefault=prefault)
         self._lock = threading.Lock()
+        self._closing = False
         self._copy_threads = copy_threads
         self._executor = (
             ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="umbp-copy") if copy_threads > 1 else None
@@ -213,7 +214,7 @@ class DramPool(Pool):
             if slot is not None
         ]
         try:
-            digests = copy_many(pairs, True, self._executor, self._copy_threads)
+            digests = self._copy_many(pairs, True)
         except BaseException:
             with self._lock:
                 for key, slot in zip(keys, slots, strict=True):
@@ -271,7 +272,7 @@ class DramPool(Pool):
             self._check_sizes(keys, slots, dsts)
             hits = [(s, d) for s, d in zip(slots, dsts, strict=True) if s is not None]
             pairs = [(arena_u8[s.offset : s.offset + s.nbytes], d) for s, d in hits]
-            digests = iter(copy_many(pairs, False, self._executor, self._copy_threads))
+            digests = iter(self._copy_many(pairs, False))
             results = [s is not None and next(digests) == s.checksum for s in slots]
         except BaseException:
             with self._lock:
@@ -281,6 +282,14 @@ class DramPool(Pool):
             self._index.unpin(pinned)
             self._account_get(keys, slots, results)
         return results
+
+    def _copy_many(self, pairs: list[tuple[np.ndarray, np.ndarray]], to_region: bool) -> list[int]:
+        try:
+            return copy_many(pairs, to_region, self._executor, self._copy_threads)
+        except RuntimeError:  # close() shut the copy threads down under this call
+            if self._closing:
+                raise UmbpError("umbp: this DramPool is closed") from None
+            raise
 
     def _account_get(self, keys: Sequence[str], slots: list[Slot | None], results: list[bool]) -> None:
         """Counters, and drop objects that failed their checksum so they never serve bad data."""
@@ -324,6 +333,7 @@ class DramPool(Pool):
         return out
 
     def close(self) -> None:
+        self._closing = True  # a copy that then finds its threads shut down reports the pool closed
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         with self._lock:

@@ -250,6 +250,10 @@ class SsdTier(IndexMixin, DirectoryMixin, StagingMixin, ReaderMixin, WriterMixin
         return self._queue_bytes
 
     @property
+    def max_key_bytes(self) -> int:
+        return MAX_KEY_BYTES
+
+    @property
     def max_object_bytes(self) -> int:
         """The largest payload put() accepts (for any key up to MAX_KEY_BYTES)."""
         room = min(
