@@ -192,3 +192,41 @@ def test_a_watermark_burst_is_capped_to_what_the_ssd_staging_takes(tmp_path, blo
     finally:
         gate.set()
         pool.close()
+
+
+def test_a_remove_during_a_lower_tier_read_is_not_undone_by_its_promotion(tmp_path):
+    """A get that hits the SSD tier promotes those bytes into DRAM after its read. A remove() of the key
+    that completes in between must stay done: else the removed version is back in DRAM, the next put of
+    the key is a no-op ("already present") and every get serves the removed bytes."""
+    import threading
+
+    with _pool(tmp_path) as pool:
+        dram, ssd = pool.tiers
+        v1, v2 = _blob(8 * KiB, 1), _blob(8 * KiB, 2)
+        assert pool.put(["K"], [v1]) == [True]
+        for i in range(12):  # K goes down to the SSD tier
+            pool.put([f"f{i}"], [_blob(8 * KiB, 100 + i)])
+        assert ssd.exists(["K"]) == [True] and dram.exists(["K"]) == [False]
+        read, removed = threading.Event(), threading.Event()
+        real_get = ssd.get_into
+
+        def get_then_wait(keys, buffers):
+            out = real_get(keys, buffers)
+            if threading.current_thread().name == "reader":
+                read.set()
+                removed.wait(10)  # the remove below runs here
+            return out
+
+        ssd.get_into = get_then_wait
+        got = {}
+        reader = threading.Thread(target=lambda: got.update(hit=_get(pool, "K", 8 * KiB)), name="reader")
+        reader.start()
+        assert read.wait(10)
+        assert pool.remove(["K"]) == 1
+        removed.set()
+        reader.join()
+        assert np.array_equal(got["hit"], v1)  # the overlapping get may still see the old version
+        assert pool.exists(["K"]) == [False]  # ... but the remove stays done
+        assert pool.put(["K"], [v2]) == [True]
+        assert np.array_equal(_get(pool, "K", 8 * KiB), v2)
+        assert pool.stats()["promotions_failed"] == 1

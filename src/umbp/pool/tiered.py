@@ -54,6 +54,11 @@ class TieredPool(Pool):
         self.tiers = list(tiers)
         self._promote = promote
         self._lock = threading.Lock()  # guards the counters only
+        # removals and promotions: a promotion copies bytes read before it into the first tier, so one
+        # that ran after a remove() of its key would bring the removed object back (and make the next
+        # put of that key a no-op); removals count up `_removals` and promotions skip when it moved
+        self._removal = threading.Lock()
+        self._removals = 0
         self._counters = dict.fromkeys(
             ("demotions", "demotions_dropped", "demotion_errors", "promotions", "promotions_failed"), 0
         )
@@ -151,6 +156,7 @@ class TieredPool(Pool):
                 )
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        removals = self._removals  # before any tier is read (see _removal)
         out = [False] * len(keys)
         todo = list(range(len(keys)))
         promote: list[int] = []
@@ -169,28 +175,36 @@ class TieredPool(Pool):
         with self._lock:
             self._misses += len(todo)
         if promote and self._promote:
-            self._promote_hits([keys[i] for i in promote], [buffers[i] for i in promote])
+            self._promote_hits([keys[i] for i in promote], [buffers[i] for i in promote], removals)
         return out
 
-    def _promote_hits(self, keys: list[str], buffers: list[Any]) -> None:
-        """Copy lower-tier hits (now verified in the caller's buffers) into the first tier."""
+    def _promote_hits(self, keys: list[str], buffers: list[Any], removals: int) -> None:
+        """Copy lower-tier hits (now verified in the caller's buffers) into the first tier, unless a
+        removal ran since they were read (then they are not promoted: counted as failed)."""
         first = self.tiers[0]
         limit = first.max_object_bytes
         sizes = [as_u8(b, key=k, what="buffer", writable=False).size for k, b in zip(keys, buffers)]
         fit = [i for i, n in enumerate(sizes) if limit is None or n <= limit]
-        ok = first.put([keys[i] for i in fit], [buffers[i] for i in fit]) if fit else []
+        ok: list[bool] = []
+        with self._removal:
+            if fit and removals == self._removals:
+                ok = first.put([keys[i] for i in fit], [buffers[i] for i in fit])
         self._count("promotions", sum(ok))
         self._count("promotions_failed", len(keys) - sum(ok))
 
     def remove(self, keys: Sequence[str]) -> int:
-        present = self.exists(keys)
-        for tier in self.tiers:
-            tier.remove(keys)
+        with self._removal:  # no promotion lands while the tiers are emptied (see _removal)
+            present = self.exists(keys)
+            for tier in self.tiers:
+                tier.remove(keys)
+            self._removals += 1
         return sum(present)
 
     def clear(self) -> None:
-        for tier in self.tiers:
-            tier.clear()
+        with self._removal:
+            for tier in self.tiers:
+                tier.clear()
+            self._removals += 1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every tier with a write queue (SsdTier, RedisTier) to drain."""
