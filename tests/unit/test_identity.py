@@ -31,6 +31,12 @@ def test_namespace_is_stable_and_hex():
     assert len(ns) == 32 and int(ns, 16) >= 0
 
 
+def test_namespace_is_pinned():
+    """Stored objects are found by it: an identity with no model option set keeps the namespace it had
+    before model options existed (a new field must not move every deployment's objects out of reach)."""
+    assert BASE.namespace() == "22d0c73ac761880523cd9ec021ff1c0e"
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -43,6 +49,8 @@ def test_namespace_is_stable_and_hex():
         {"draft_model": "tiny/draft"},
         {"prefix_hash_algo": "xxhash"},
         {"tenant": "team-b"},
+        {"model_options": (("quantization", '"fp8"'),)},
+        {"model_options": (("hf_overrides", '{"rope_theta":1234.0}'),)},
         {"groups": (BASE.groups[0],)},
         {"groups": (dataclasses.replace(BASE.groups[0], block_size=640), BASE.groups[1])},
         {"groups": (dataclasses.replace(BASE.groups[0], layer_names=("l2.attn",)), BASE.groups[1])},

@@ -345,19 +345,22 @@ def build(
     eagle_groups: frozenset[int] = frozenset(),
     lookahead: bool = True,
     stage_layers: list[list[int]] | None = None,
+    model_options: dict | None = None,
 ) -> Harness:
     """``stage_layers``: pipeline parallelism, one entry per stage with its number of layers of each group
     (0: none); vLLM's scheduler gets stage 0's KV-cache config, each stage's workers their own.
     ``dcp > 1``: vLLM's decode context parallelism over the ``tp`` ranks (tp >= dcp); block sizes in
     ``groups`` are per rank, as in vLLM's specs. ``eagle_groups``: groups annotated ``is_eagle_group``
     (DSpark confines the drop to its MLA group this way; none annotated: vLLM drops on every group).
-    ``lookahead=False``: EAGLE with vLLM's plain block hashes where it has lookahead ones (0.34)."""
+    ``lookahead=False``: EAGLE with vLLM's plain block hashes where it has lookahead ones (0.34).
+    ``model_options``: more ModelConfig arguments (e.g. ``hf_overrides``)."""
     heads = {"heads": 8, "kv_heads": 1} if dcp > 1 else {}
     model = ModelConfig(
         model=str(fake_model_dir(tmp_path, **heads)),
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=max_model_len,
+        **(model_options or {}),
     )
     sched_cfg = SchedulerConfig(
         max_num_seqs=16,

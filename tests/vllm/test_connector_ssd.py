@@ -40,6 +40,22 @@ def test_restart_restores_from_ssd(tmp_path):
     shut(h2)
 
 
+def test_a_differently_configured_model_never_restores_anothers_objects(tmp_path):
+    """One checkpoint served with a config override (or quantized) computes other KV and state for the
+    same tokens: an engine without it, on the same SSD directory, must not find those objects."""
+    extra = {"dram_bytes": 64 << 20, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}
+    h1 = build(tmp_path, GROUPS, unit=16, extra=extra, model_options={"hf_overrides": {"rope_theta": 1234.0}})
+    assert compute_then_drop(h1, "A", PROMPT) == 832
+    shut(h1)
+    h2 = build(tmp_path, GROUPS, unit=16, extra=extra)
+    assert h2.umbp.layout.namespace != h1.umbp.layout.namespace
+    assert restore(h2, "B", PROMPT) == (0, [])
+    shut(h2)
+    h3 = build(tmp_path, GROUPS, unit=16, extra=extra, model_options={"hf_overrides": {"rope_theta": 1234.0}})
+    assert restore(h3, "C", PROMPT) == (832, [])  # the same configuration finds its own objects
+    shut(h3)
+
+
 def test_dram_eviction_falls_back_to_ssd(tmp_path):
     # a DRAM arena too small for two prompts: the first one's objects are evicted, SSD still has them
     extra = {"dram_bytes": 256 << 10, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_gb": 0.25}

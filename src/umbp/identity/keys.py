@@ -9,7 +9,8 @@ Key string format (documented in docs/keys.md)::
     umbp:v<FORMAT>:<namespace>:tp<r>:pcp<r>:dcp<r>:pp<r>:g<group>:<prefix-hash hex>
 
 * ``namespace`` -- 32 hex chars, SHA-256 over the canonical JSON of a :class:`ModelIdentity`
-  (model, revision, dtypes, per-group layout, parallel sizes, speculative config, format version).
+  (model, revision, dtypes, per-group layout, parallel sizes, speculative config, the engine options
+  that change what the model computes, format version).
 * ``tp/pcp/dcp/pp`` -- the rank that wrote the object (each rank stores its own shard).
 * ``g<group>`` -- the KV-cache group index.
 * ``prefix-hash`` -- the engine's chained hash of the tokens ``[0, t)`` where ``t`` is the object's
@@ -65,9 +66,14 @@ class ModelIdentity:
     draft_revision: str | None = None
     prefix_hash_algo: str = ""
     tenant: str = ""  # optional user-chosen isolation label (e.g. per deployment)
+    # engine options beyond the above that change what the model computes, as sorted (name, canonical
+    # text) pairs, only those set away from their defaults: quantization, config overrides, other weights
+    model_options: tuple[tuple[str, str], ...] = ()
 
     def canonical_json(self) -> str:
         doc = asdict(self)
+        if not self.model_options:  # absent when none is set: such deployments keep their namespace
+            del doc["model_options"]
         doc["umbp_format_version"] = FORMAT_VERSION
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 

@@ -20,6 +20,7 @@ from umbp.hybrid import FullAttention, RecurrentState, SlidingWindow, check_cont
 from umbp.identity import GroupLayout, ModelIdentity, ParallelSizes, RankCoord, all_ranks
 from umbp.vllm.compat import eagle_block_drop, group_tag
 from umbp.vllm.config import ARENA_PAGE
+from umbp.vllm.model_options import model_options
 
 
 class UnsupportedLayout(ValueError):
@@ -272,6 +273,7 @@ def describe(vllm_config, kv_cache_config: KVCacheConfig, tenant: str = "") -> L
         draft_revision=getattr(spec_cfg, "revision", None) if spec_cfg else None,
         prefix_hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
         tenant=tenant,
+        model_options=model_options(model_cfg),
     )
     object_bytes = tuple(stored_page_bytes(g.kv_cache_spec) * len(g.layer_names) for g in kv_groups)
     return Layout(
