@@ -149,6 +149,8 @@ def test_abort_while_loading_leaks_nothing(tmp_path):
     h.sched.update_from_output(so, h.execute(so))
     h.run()
     assert h.leaks() == {"index_pinned": 0, "pending_saves": 0, "pending_loads": 0, "gpu_blocks_held": 0}
+    # the load completes after the abort: nothing is kept for B, and its tokens count as restored nowhere
+    assert "B" not in h.umbp.restored and h.umbp.totals["restored_tokens"] == 0
     assert restore(h, "C", PROMPT) == (832, [])
 
 

@@ -313,8 +313,9 @@ class SchedulerSide(LookupMixin, SaveMixin):
                 self.count("load_failures")
                 logger.warning("umbp: load for request %s failed; vLLM recomputes it", req_id)
             else:
-                self.restored[req_id] = load.tokens
-                self.count("restored_tokens", load.new_tokens)
+                if req_id in self.requests:  # else aborted while loading: on_finished already forgot it
+                    self.restored[req_id] = load.tokens
+                    self.count("restored_tokens", load.new_tokens)
                 self.count("loaded_objects", len(load.all_keys))
                 for tier, n in load.tiers.items():
                     self.count(f"{tier}_loaded_objects", n)
