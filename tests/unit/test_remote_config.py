@@ -281,6 +281,6 @@ def test_header_fields_around_the_checksum_rebuild_the_header(key, n, digest):
 )
 def test_marker_names_give_their_namespace(rest, namespace):
     """How `umbp stats` tells the namespaces under key_prefix apart (RedisTier.scan_namespaces)."""
-    from umbp.pool.remote.tier import _marker_namespace
+    from umbp.pool.remote.admin import _marker_namespace
 
     assert _marker_namespace(rest) == namespace

@@ -198,8 +198,8 @@ def test_garbage_replies_never_raise_out_of_the_tier():
 
 @pytest.mark.parametrize("when", [b"CLIENT", b"EVAL"])
 def test_hostile_replies_to_redis_py_paths_never_raise(when):
-    """Replies that redis-py parses (connection set-up; the repair after a miss) nested 100,000 deep:
-    redis-py's parser recurses, but the tier's call still returns misses."""
+    """Replies nested 100,000 deep to the connection set-up (redis-py's parser recurses on them) and to
+    the repair after a miss (refused by umbp's codec): the tier's call still returns misses."""
     nested = b"*1\r\n" * 100_000 + b":1\r\n"
 
     def respond(cmd):
@@ -239,3 +239,218 @@ def test_a_dripping_server_over_tls_is_held_to_the_whole_call_deadline(tmp_path)
         assert bounded(lambda: put_one(t), 1.8) == [False]
         assert t.stats()["timeouts"] == 2
         t.close()
+
+
+# ---- the rounds after a call's replies: repair, previous secrets, redirects; remove and clear ------------
+
+
+def miss_then(reply: Any, on_eval: Any = b":0\r\n") -> Callable[[list[bytes]], Any]:
+    """GET answers nil the first time (a miss, so the repair runs), `reply` after that; EVAL (the repair)
+    answers `on_eval`."""
+    gets = []
+
+    def respond(cmd: list[bytes]) -> Any:
+        name = cmd[0].upper()
+        if name == b"GET":
+            gets.append(cmd)
+            return b"$-1\r\n" if len(gets) == 1 else reply
+        return on_eval if name == b"EVAL" else b"+OK\r\n"
+
+    return respond
+
+
+@pytest.mark.parametrize("reply", [b"+OK\r\n", b"$3\r\nabc\r\n", b"*1\r\n:1\r\n"])
+def test_a_repair_answered_with_anything_but_a_count_removes_nothing(reply):
+    """The clean-up after a miss (a script per key) answers a count; a status, a bulk or an array there
+    counted as nothing removed, never an exception out of get_into."""
+    with FakeResp(miss_then(b"$-1\r\n", on_eval=reply)) as server:
+        t = tier_for(server)
+        assert bounded(lambda: get_one(t), 3.0) == [False]
+        s = t.stats()
+        assert s["misses_absent"] == 1 and s["stale_markers_removed"] == 0
+        t.close()
+
+
+def test_a_dripping_repair_is_held_to_the_call_deadline():
+    """The clean-up after a miss is a round of the same call: a server dripping its reply (a byte every
+    0.2 s, inside the 0.5 s per-receive timeout) holds get_into no longer than the call's deadline."""
+    with FakeResp(lambda cmd: None) as server:
+        server.respond = miss_then(b"$-1\r\n", on_eval=drip(b":" + b"0" * 12 + b"\r\n", 0.2, server))
+        t = tier_for(server)
+        assert bounded(lambda: get_one(t), 1.8) == [False]
+        assert t.stats()["timeouts"] == 1
+        t.close()
+
+
+def test_a_repair_answered_with_a_huge_bulk_is_refused_unread():
+    """A 128 MiB bulk where a count belongs: refused at its length line, nothing of it buffered."""
+    with FakeResp(lambda cmd: None) as server:
+        server.respond = miss_then(
+            b"$-1\r\n", on_eval=endless(b"$%d\r\n" % (128 * MiB), b"x" * MiB, 128 * MiB, server)
+        )
+        t = tier_for(server, timeout_s=2)
+        assert bounded(lambda: get_one(t), 3.0) == [False]
+        assert t.stats()["protocol_errors"] == 1
+        t.close()
+
+
+@pytest.fixture
+def rotated(monkeypatch):
+    """Options of a tier in a key rotation: a current secret and a previous one."""
+    monkeypatch.setenv("UMBP_TEST_HOSTILE_NEW", "new-secret-0123456789abcdef0123")
+    monkeypatch.setenv("UMBP_TEST_HOSTILE_OLD", "old-secret-0123456789abcdef0123")
+    return {"auth_key_env": "UMBP_TEST_HOSTILE_NEW", "auth_old_key_envs": ["UMBP_TEST_HOSTILE_OLD"]}
+
+
+@pytest.mark.parametrize("reply", ["int", "huge"])
+def test_a_read_under_a_previous_secret_is_bounded_like_any_load(rotated, reply):
+    """A miss under the current secret is read again under the previous one: an integer there, or a bulk
+    longer than the object, is a miss like on the first read (never an exception, nothing allocated on
+    the claim's word)."""
+    with FakeResp(lambda cmd: None) as server:
+        huge = endless(b"$%d\r\n" % (128 * MiB), b"x" * MiB, 128 * MiB, server)
+        server.respond = miss_then(b":5\r\n" if reply == "int" else huge)
+        t = tier_for(server, timeout_s=2, **rotated)
+        assert bounded(lambda: get_one(t), 3.0) == [False]
+        assert t.stats()["old_key_hits"] == 0
+        t.close()
+
+
+@pytest.mark.parametrize("call", ["exists", "get_into"])
+def test_reads_under_a_previous_secret_are_held_to_the_call_deadline(rotated, call):
+    """The current namespace answers at once (absent); the previous secret's round drips."""
+    with FakeResp(lambda cmd: None) as server:
+        seen = []
+
+        def respond(cmd):
+            name = cmd[0].upper()
+            if name not in (b"GET", b"MGET", b"EXISTS"):
+                return b":0\r\n" if name == b"EVAL" else b"+OK\r\n"
+            seen.append(name)
+            if len(seen) == 1:
+                return b"*1\r\n$-1\r\n" if name == b"MGET" else b"$-1\r\n"
+            return drip(b":1\r\n" * 4, 0.2, server)
+
+        server.respond = respond
+        t = tier_for(server, **rotated)
+        do = (lambda: t.exists([KEY])) if call == "exists" else (lambda: get_one(t))
+        assert bounded(do, 1.8) == [False]
+        assert t.stats()["timeouts"] == 1
+        t.close()
+
+
+def _bulk(b: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
+def cluster_of_one(server: FakeResp, get: Callable[[int], Any]) -> Callable[[list[bytes]], Any]:
+    """A one-node cluster on the fake server (every slot its own): `get(n)` answers the n-th GET (from 1)."""
+    gets = []
+
+    def respond(cmd: list[bytes]) -> Any:
+        name = cmd[0].upper()
+        if name == b"CLUSTER":
+            node = b"*3\r\n" + _bulk(b"127.0.0.1") + b":%d\r\n" % server.port + _bulk(b"a" * 40)
+            return b"*1\r\n*3\r\n:0\r\n:16383\r\n" + node
+        if name == b"COMMAND":
+            specs = [(b"get", 2, 1, 1, 1), (b"set", -3, 1, 1, 1), (b"mget", -2, 1, -1, 1)]
+            return b"*%d\r\n" % len(specs) + b"".join(
+                b"*6\r\n" + _bulk(n) + b":%d\r\n*0\r\n:%d\r\n:%d\r\n:%d\r\n" % (a, f, last, step)
+                for n, a, f, last, step in specs
+            )
+        if name == b"GET":
+            gets.append(cmd)
+            return get(len(gets))
+        return b":0\r\n" if name == b"EVAL" else b"+OK\r\n"
+
+    return respond
+
+
+@pytest.mark.parametrize("reply", ["int", "huge", "drip"])
+def test_a_followed_redirect_is_bounded_like_the_first_read(reply):
+    """A cluster's MOVED is followed with the tier's own codec: an integer where a value belongs, a bulk
+    longer than the object or a dripping reply on the second read are a miss within the call's deadline
+    and without allocating the claim, like on the first read."""
+    with FakeResp(lambda cmd: None) as server:
+        second = {
+            "int": b":5\r\n",
+            "huge": endless(b"$%d\r\n" % (128 * MiB), b"x" * MiB, 128 * MiB, server),
+            "drip": drip(b"$-1\r\n" * 4, 0.2, server),
+        }[reply]
+        moved = b"-MOVED 1234 127.0.0.1:%d\r\n" % server.port
+        server.respond = cluster_of_one(server, lambda n: moved if n == 1 else second)
+        t = tier_for(server, cluster=True)
+        assert bounded(lambda: get_one(t), 1.8) == [False]
+        assert t.stats()["redirects"] == 1
+        t.close()
+
+
+def test_a_redirect_to_a_node_outside_the_cluster_is_not_followed():
+    """MOVED naming an address the cluster's own topology does not list: a miss, and nothing connects
+    there (a hostile node must not steer the client to a host of its choosing)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as elsewhere:
+        elsewhere.setblocking(False)
+        with FakeResp(lambda cmd: None) as server:
+            moved = b"-MOVED 1234 127.0.0.1:%d\r\n" % elsewhere.getsockname()[1]
+            server.respond = cluster_of_one(server, lambda n: moved)
+            t = tier_for(server, cluster=True)
+            assert bounded(lambda: get_one(t), 1.8) == [False]
+            with pytest.raises(BlockingIOError):
+                elsewhere.accept()
+            t.close()
+
+
+def test_a_marker_reply_of_bare_digits_is_refused():
+    """'1' bytes where '$1\\r\\n1\\r\\n' elements belong are not markers: a protocol error, not three
+    hits (and never a read position past what was received)."""
+    with FakeResp(on((b"MGET",), b"*3\r\n111")) as server:
+        t = tier_for(server)
+        keys = [KEY[:-1] + c for c in "abc"]
+        assert bounded(lambda: t.exists(keys), 3.0) == [False] * 3
+        assert t.stats()["protocol_errors"] == 1
+        t.close()
+
+
+@pytest.mark.parametrize(
+    "command, reply, counted",
+    [
+        (b"UNLINK", b"+OK\r\n", "unexpected_replies"),
+        (b"UNLINK", b"$1\r\n1\r\n", "unexpected_replies"),
+        (b"UNLINK", b"*1\r\n" * 100_000 + b":1\r\n", "reply_errors"),
+        (b"SCAN", b":5\r\n", "reply_errors"),
+        (b"SCAN", b"*1\r\n" * 100_000 + b":1\r\n", "reply_errors"),
+    ],
+)
+def test_remove_and_clear_never_raise_on_an_odd_reply(command, reply, counted):
+    """remove and clear go through redis-py: a reply of another type, or one its parser recurses on, is
+    counted (and nothing counted as removed), never an exception."""
+    with FakeResp(on((command,), reply)) as server:
+        t = tier_for(server)
+        if command == b"UNLINK":
+            assert bounded(lambda: t.remove([KEY]), 3.0) == 0
+        else:
+            assert bounded(lambda: t.clear(), 3.0) is None
+        assert t.stats()[counted] == 1
+        t.close()
+
+
+def test_reserved_header_bytes_must_be_zero(rotated):
+    """The header's reserved bytes are covered by neither the checksum nor, as stored, the tag (a sealed
+    value's tag takes them as zero): a value with anything else there is a miss, not a hit."""
+    payload = np.ones(SIZE, np.uint8)
+    plain = bytearray(pack_header(KEY, SIZE, checksum(payload)))
+    plain[28] = 1
+    with FakeResp(lambda cmd: None) as server:
+        sealed_tier = tier_for(server, **rotated)
+        header, stored = sealed_tier._codec.seal(KEY, payload, None)
+        sealed = bytearray(header)
+        sealed[18] = 1
+        for t, head in ((tier_for(server), plain), (sealed_tier, sealed)):
+            value = bytes(head) + stored.tobytes()
+            server.respond = on((b"GET",), b"$%d\r\n%s\r\n" % (len(value), value))
+            out = np.zeros(SIZE, np.uint8)
+            assert bounded(lambda t=t, out=out: t.get_into([KEY], [out]), 3.0) == [False]
+            assert t.stats()["header_failures"] == 1
+            t.close()

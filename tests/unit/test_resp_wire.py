@@ -281,6 +281,20 @@ def test_wire_is_kept_per_connection_only_while_drained_and_on_the_same_socket()
         conn._sock.close()
 
 
+def test_markers_refuse_bare_digits_and_the_buffer_never_shifts_past_its_end():
+    """An MGET reply of bare '1' bytes (not '$1\\r\\n1\\r\\n' elements) is a ProtocolError, not eight hits
+    that move the read position past what was received; and should any step do that, the next fill
+    refuses instead of resizing a buffer that numpy views may still hold (a BufferError)."""
+    w = wire(b"*8\r\n11111111*1\r\n$1\r\n1\r\n", bufsize=16)
+    with pytest.raises(ProtocolError):
+        w.markers(8)
+    w = wire(b"*1\r\n$1\r\n1\r\n*1\r\n$1\r\n1\r\n", bufsize=16)
+    assert w.markers(1).tolist() == [True] and w.end == 16
+    w.start = w.end + 4
+    with pytest.raises(ProtocolError):
+        w.markers(1)
+
+
 def test_descriptor_shortcut_only_on_a_socket_with_a_timeout():
     """Without a timeout the descriptor blocks: the shortcut would wait forever, so it is not used
     (also not by a kept Wire whose socket lost its timeout)."""

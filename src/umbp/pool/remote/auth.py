@@ -166,7 +166,7 @@ class SealedCodec:
         6      2    header size (64)
         8      8    payload length (stored bytes: ciphertext has the plaintext's length)
         16     2    scheme: 1 hmac-sha256, 2 aes-gmac, 3 aes-gcm (encrypted)
-        18     2    reserved, zero
+        18     2    reserved, zero (not covered by the tag: a value with anything else there is refused)
         20     4    key id of the tenant key that sealed it
         24     8    psum64 of the stored bytes (cheap first check; the tag is what authenticates)
         32     12   nonce (random per value; zero for hmac-sha256)
@@ -220,8 +220,8 @@ class SealedCodec:
         (the counter naming why not, the psum64 field)."""
         if len(header) < SEALED_HEADER_SIZE:
             return "header_failures", 0
-        magic, version, size, length, scheme, _, key_id, psum, _, _, crc = SEALED_HEADER.unpack(header)
-        if magic != MAGIC or size != SEALED_HEADER_SIZE:
+        magic, version, size, length, scheme, reserved, key_id, psum, _, _, crc = SEALED_HEADER.unpack(header)
+        if magic != MAGIC or size != SEALED_HEADER_SIZE or reserved:  # the tag does not cover `reserved`
             return "header_failures", psum
         if version != SEALED_VERSION:
             return ("unauthenticated_values" if version == FORMAT_VERSION else "version_mismatches"), psum

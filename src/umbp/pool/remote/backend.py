@@ -96,6 +96,9 @@ class Standalone:
     def pool(self, node: str) -> redis.ConnectionPool:
         return self._pool
 
+    def knows(self, node: str) -> bool:
+        return node == self.name
+
     def client(self) -> redis.Redis:
         return self._client
 
@@ -144,7 +147,7 @@ class Cluster:
             kw["ssl"] = True
         try:
             return RedisCluster(startup_nodes=nodes, require_full_coverage=False, **kw)
-        except redis.RedisError as exc:
+        except Exception as exc:  # redis-py parses the nodes' replies: whatever it raises, no cluster
             raise redis.ConnectionError(f"umbp: cannot reach the cluster: {exc}") from None
 
     def groups(self, keys: list[str]) -> dict[str, list[Group]]:
@@ -171,6 +174,10 @@ class Cluster:
             slot = self._slots[prefix] = key_slot(prefix.encode())
         return slot
 
+    def knows(self, node: str) -> bool:
+        """Whether `node` ('host:port') is in the topology the client last read (never connects)."""
+        return self._rc is not None and self._rc.get_node(node_name=node) is not None
+
     def pool(self, node: str) -> redis.ConnectionPool:
         cn = self.client().get_node(node_name=node)
         if cn is None or cn.redis_connection is None:
@@ -196,7 +203,7 @@ class Cluster:
         self._last_refresh = now
         try:
             self._rc.nodes_manager.initialize()
-        except redis.RedisError:
+        except Exception:  # redis-py parses the nodes' replies: whatever it raises, the table is not updated
             pass  # the next failure tries again; until then keys routed to dead nodes are misses
 
     def close(self) -> None:

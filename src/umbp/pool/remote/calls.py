@@ -12,21 +12,30 @@ import redis
 
 from umbp.pool.remote.resp import (
     Wire,
+    command,
 )
 
 _NET_ERRORS = (OSError, redis.RedisError, ValueError)  # ValueError: a reply that does not parse
-# What redis-py's own reply parser (connection set-up, the slow paths) can raise on a hostile reply: it is
-# not bounded like umbp.pool.remote.resp (deeply nested arrays recurse, huge counts allocate), and a cache call
-# must still not raise on what a server sends.
+# What redis-py can raise on a hostile reply where it still parses them (connection set-up, the cluster's
+# topology, remove and clear): its parser is not bounded like umbp.pool.remote.resp (deeply nested arrays
+# recurse, huge counts allocate) and its reply callbacks unpack and convert what they are given (SCAN's
+# on ':5' is a TypeError); a cache call must still not raise on what a server sends.
 _REDIS_PY_FAULTS = (
     *_NET_ERRORS,
     redis.exceptions.RedisClusterException,
     RecursionError,
     MemoryError,
     OverflowError,
+    TypeError,
 )
-_REDIRECT = "redirect"  # a result slot whose key must go through redis-py's cluster client
 _HIT, _ABSENT, _UNANSWERED, _MOVED = 1, 0, -1, -2  # exists() result codes
+_ASKING = command("ASKING")  # before a command sent to the node an ASK redirect names
+
+
+def _asked(wire: Wire) -> None:
+    """Consume ASKING's reply. Whatever it is, the reply of the command after it decides: without the
+    flag, that command is redirected again, which ends the key's attempt."""
+    wire.reply(max_bulk=0, max_items=0, depth=1)
 
 
 @dataclass

@@ -7,7 +7,7 @@
     8      8    payload length in bytes
     16     8    psum64 checksum of the payload (umbp.pool.checksum, its format 2)
     24     4    crc32 of the object key (utf-8): a value copied or renamed under another key is a miss
-    28     4    reserved, zero
+    28     4    reserved, zero (a value with anything else there is a miss)
 
 Why a header in the value: the shared tier is written by other processes and other machines, may be
 restarted, filled by another umbp version or hit by a bug. A reader must be able to tell, from the value
@@ -29,6 +29,7 @@ HEADER_SIZE = HEADER.size  # 32
 CHECKSUM_AT, CHECKSUM_SIZE = 16, 8  # the one field a reader cannot know in advance
 _BEFORE_CHECKSUM = struct.Struct("<4sHHQ")
 _AFTER_CHECKSUM = struct.Struct("<I4x")
+_RESERVED = b"\0" * 4
 
 
 def key_crc(key: str) -> int:
@@ -55,7 +56,7 @@ def inspect_header(header: bytes | memoryview, key: str, nbytes: int) -> tuple[s
     """(None, stored checksum) when the header fits `key` and an object of `nbytes`; else (why not, for
     the counters, and the checksum field)."""
     magic, version, size, length, checksum, crc = HEADER.unpack(header)
-    if magic != MAGIC or size != HEADER_SIZE:
+    if magic != MAGIC or size != HEADER_SIZE or bytes(header[28:32]) != _RESERVED:
         return "header_failures", checksum
     if version != FORMAT_VERSION:
         return "version_mismatches", checksum

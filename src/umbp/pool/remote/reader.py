@@ -1,10 +1,12 @@
 """How RedisTier reads: `exists` and `get_into` pipelined per server through a bounded window,
 values verified (header, checksum, tag) as they arrive, reads under previous secrets, repair of
-what failed to load."""
+what failed to load. Every round of a call (redirects followed, previous secrets, the repair) goes
+through the same bounded codec and ends by the call's one deadline."""
 
 from __future__ import annotations
 
 import logging
+import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from itertools import accumulate
@@ -27,9 +29,11 @@ from umbp.pool.remote.auth import PlainCodec, SealedCodec
 from umbp.pool.remote.backend import Group
 from umbp.pool.remote.calls import (
     _ABSENT,
+    _ASKING,
     _HIT,
-    _REDIRECT,
     _REDIS_PY_FAULTS,
+    _UNANSWERED,
+    _asked,
     _Job,
 )
 from umbp.pool.remote.resp import (
@@ -37,6 +41,7 @@ from umbp.pool.remote.resp import (
     ReplyError,
     Wire,
     bulk,
+    command,
     parse_length,
 )
 
@@ -86,6 +91,7 @@ class ReaderMixin:
         keys = list(keys)
         check_keys("get_into", keys)
         dsts = prepare_buffers("get_into", keys, buffers, writable=True)
+        deadline = time.monotonic() + self.config.deadline_s(sum(d.size for d in dsts))
         res: list[Any] = [None] * len(keys)
         held = set(self._quarantine.held(keys)) if len(self._quarantine) else set()
         live = [i for i in range(len(keys)) if i not in held]
@@ -95,11 +101,11 @@ class ReaderMixin:
         groups = self._groups([keys[i] for i in live]) if live else {}
         jobs = [self._get_job(node, gs, keys, dsts, live, res) for node, gs in (groups or {}).items()]
         self._run(jobs)
-        if _REDIRECT in res:
-            self._get_slow(keys, dsts, res)
+        if res.count(True) != len(res) and any(isinstance(r, ReplyError) for r in res):
+            self._get_slow(keys, dsts, res, deadline)
         if self._old and "misses_absent" in res:
-            self._get_old(keys, dsts, res)
-        return self._finish_get(keys, dsts, res)
+            self._get_old(keys, dsts, res, deadline)
+        return self._finish_get(keys, dsts, res, deadline)
 
     def _from_queue(
         self, keys: list[str], dsts: list[np.ndarray], live: list[int], res: list[Any]
@@ -131,16 +137,19 @@ class ReaderMixin:
         groups: list[Group],
         keys: list[str],
         dsts: list[np.ndarray],
-        live: list[int],
+        live: Sequence[int],
         res: list[Any],
+        codec: PlainCodec | SealedCodec | None = None,
+        ask: bool = False,
     ) -> _Job:
+        """GET of the groups' values on `node` into their buffers (`live` maps a group's indices to the
+        batch's), verified with `codec` (a previous secret's during a rotation; default the tier's own);
+        after ASKING each, when following an ASK."""
+        codec = codec or self._codec
         order = [live[j] for g in groups for j in g.indices]
+        get = (_ASKING if ask else b"") + b"*2\r\n$3\r\nGET\r\n"
         window = _GetWindow(
-            [
-                b"*2\r\n$3\r\nGET\r\n" + bulk(g.prefix + "d:" + keys[live[j]])
-                for g in groups
-                for j in g.indices
-            ],
+            [get + bulk(g.prefix + "d:" + keys[live[j]]) for g in groups for j in g.indices],
             [dsts[i].size for i in order],
         )
 
@@ -148,15 +157,17 @@ class ReaderMixin:
         size = sizes.pop() if len(sizes) == 1 else 0
 
         def read(wire: Wire) -> None:
-            if 0 < size <= CHUNK_BYTES and size % ROW_BYTES == 0:
+            if 0 < size <= CHUNK_BYTES and size % ROW_BYTES == 0 and not ask:
                 self._read_same_size(
-                    wire, window, [keys[i] for i in order], [dsts[i] for i in order], order, res
+                    wire, window, [keys[i] for i in order], [dsts[i] for i in order], order, res, codec
                 )
                 return
             for r, i in enumerate(order):
                 if r >= window.due:
                     window.top_up(wire, r)
-                res[i] = self._read_value(wire, keys[i], dsts[i])
+                if ask:
+                    _asked(wire)
+                res[i] = self._read_value(wire, keys[i], dsts[i], codec)
 
         return _Job(
             node, lambda wire: window.top_up(wire, 0), read, len(order), sum(dsts[i].size for i in order)
@@ -170,6 +181,7 @@ class ReaderMixin:
         dsts: list[np.ndarray],
         order: list[int],
         res: list[Any],
+        codec: PlainCodec | SealedCodec,
     ) -> None:
         """The common batch: values of one size in whole 4 KiB rows, each small enough to stay in cache
         (one model's pages). Up to each window refill, one Wire.framed_payloads call reads the replies
@@ -177,7 +189,7 @@ class ReaderMixin:
         cache; in C when built); checksums are combined and compared for the whole batch at the end. What can be prepared per value is prepared first,
         while the server is still working on the first reply. Anything unexpected takes the
         reply-by-reply path (_read_other), which names the problem."""
-        size, n, codec = dsts[0].size, len(keys), self._codec
+        size, n = dsts[0].size, len(keys)
         lead = b"$%d\r\n" % (codec.header_size + size) + codec.lead(size)
         tails = [codec.tail(k) for k in keys]
         rows = np.zeros((n, size // ROW_BYTES), np.uint64)
@@ -198,7 +210,7 @@ class ReaderMixin:
             )
             framed[r:stop] = True
             if stop < end:  # not the expected frame: read it reply by reply
-                res[order[stop]] = self._read_other(wire, keys[stop], dsts[stop])
+                res[order[stop]] = self._read_other(wire, keys[stop], dsts[stop], codec)
                 stop += 1
             r = stop
         stored = np.frombuffer(fields, np.uint8).reshape(n, field)[:, :8].copy().view("<u8").ravel()
@@ -213,18 +225,19 @@ class ReaderMixin:
             else:
                 res[order[r]] = True
 
-    def _read_value(self, wire: Wire, key: str, dst: np.ndarray) -> Any:
+    def _read_value(self, wire: Wire, key: str, dst: np.ndarray, codec: PlainCodec | SealedCodec) -> Any:
         """One GET reply into dst: True, or the counter that explains the miss. The reply of a stored
         object of the expected size is matched whole; anything else goes through _read_other."""
-        hsize = self._codec.header_size
+        hsize = codec.header_size
         header = wire.value_head(b"$%d\r\n" % (hsize + dst.size), hsize)
         if header is None:
-            return self._read_other(wire, key, dst)
-        return _take_payload(self._codec, wire, header, key, dst)
+            return self._read_other(wire, key, dst, codec)
+        return _take_payload(codec, wire, header, key, dst)
 
-    def _read_other(self, wire: Wire, key: str, dst: np.ndarray) -> Any:
-        """A reply that is not the expected value: an error, nil, another length, or a header that
-        differs from what value_head matched (then it is read again here, to name the problem)."""
+    def _read_other(self, wire: Wire, key: str, dst: np.ndarray, codec: PlainCodec | SealedCodec) -> Any:
+        """A reply that is not the expected value: an error (a MOVED/ASK is returned, to be followed),
+        nil, another length, or a header that differs from what value_head matched (then it is read
+        again here, to name the problem)."""
         head = wire.line()
         if head[:1] == b"-":
             return self._reply_error(ReplyError(head[1:].decode(errors="replace"))) or "load_errors"
@@ -232,7 +245,7 @@ class ReaderMixin:
             raise ProtocolError(f"umbp: GET replied {head[:40]!r}")
         # never more than the object plus a header can legitimately be: a larger claim is a broken or
         # hostile server, and the connection is dropped rather than read (or allocated) on trust
-        hsize = self._codec.header_size
+        hsize = codec.header_size
         n = parse_length(head[1:], hsize + dst.size + _VALUE_SLACK)
         if n < 0:
             return "misses_absent"
@@ -240,77 +253,57 @@ class ReaderMixin:
             wire.discard(n)
             wire.expect_crlf()
             return "size_mismatches"
-        return _take_payload(self._codec, wire, wire.take(hsize), key, dst)
+        return _take_payload(codec, wire, wire.take(hsize), key, dst)
 
-    def _get_slow(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> None:
-        """Keys that met MOVED/ASK: fetched through redis-py's cluster client, which follows redirects."""
-        rc = self._backend.client()
-        for i, r in enumerate(res):
-            if r is not _REDIRECT:
-                continue
-            prefix = self._prefix_of(keys[i])
-            try:
-                value = rc.get(prefix + "d:" + keys[i])
-            except _REDIS_PY_FAULTS as exc:
-                self._last_error = f"{type(exc).__name__}: {exc}"[:200]
-                res[i] = "load_errors"
-                continue
-            res[i] = _check_value(self._codec, keys[i], value, dsts[i])
-        self._refresh()
+    def _get_slow(self, keys: list[str], dsts: list[np.ndarray], res: list[Any], deadline: float) -> None:
+        """Keys that met MOVED/ASK: read again from the node the redirect names (`_follow`)."""
+        idx = [i for i, r in enumerate(res) if isinstance(r, ReplyError)]
+        prefixes = self._prefixes([keys[i] for i in idx])
+        redirected = [(Group(p, [i]), res[i]) for i, p in zip(idx, prefixes, strict=True) if p is not None]
+        everyone = range(len(keys))
+        self._follow(
+            redirected, lambda n, gs, ask: self._get_job(n, gs, keys, dsts, everyone, res, ask=ask), deadline
+        )
 
     # ---- key rotation: reads under previous secrets -------------------------------------------------
 
-    def _old_names(self, keys: list[str], kind: str) -> list[list[str]]:
-        """For each previous secret, the Redis names ('d:' value or 'm:' marker) of keys in its namespace
-        (the current group prefix with the current namespace swapped for the old one)."""
-        cur, base = self.config.redis_prefix, self.config.key_prefix
-        prefixes = [""] * len(keys)
-        for gs in (self._backend.groups(keys) or {}).values():
-            for g in gs:
-                for j in g.indices:
-                    prefixes[j] = g.prefix[len(cur) :]
-        return [
-            [f"{base}{ns}:{p}{kind}:{k}" for p, k in zip(prefixes, keys, strict=True)] for ns, _ in self._old
-        ]
+    def _old_groups(self, keys: list[str], namespace: str) -> dict[str, list[Group]]:
+        """The keys' groups with the current namespace in their prefix swapped for a previous one (a
+        cluster's hash tags, hence slots and nodes, stay the same)."""
+        cur, old = self.config.redis_prefix, f"{self.config.key_prefix}{namespace}:"
+        groups = self._groups(keys) or {}
+        return {n: [Group(old + g.prefix[len(cur) :], g.indices) for g in gs] for n, gs in groups.items()}
 
-    def _exists_old(self, keys: list[str], res: np.ndarray) -> None:
+    def _exists_old(self, keys: list[str], res: np.ndarray, deadline: float) -> None:
         """Keys absent in the current namespace but stored under a previous secret (during a rotation)
-        are present: their loads verify with that secret. One pipelined round per previous secret."""
-        idx = np.flatnonzero(res == _ABSENT).tolist()
-        try:
-            for names in self._old_names([keys[i] for i in idx], "m"):
-                pipe = self._backend.client().pipeline(transaction=False)
-                for name in names:
-                    pipe.exists(name)
-                for i, found in zip(idx, pipe.execute(), strict=True):
-                    if found:
-                        res[i] = _HIT
-        except _REDIS_PY_FAULTS as exc:
-            self._last_error = f"exists (old keys): {type(exc).__name__}: {exc}"[:200]
+        are present: their loads verify with that secret. One pipelined round per previous secret, like
+        the lookup itself."""
+        for namespace, _ in self._old:
+            idx = np.flatnonzero(res == _ABSENT)
+            if not idx.size:
+                return
+            sub = [keys[i] for i in idx.tolist()]
+            found = np.full(len(sub), _UNANSWERED, np.int8)
+            groups = self._old_groups(sub, namespace)
+            self._run([self._exists_job(n, gs, sub, found, []) for n, gs in groups.items()], deadline)
+            res[idx[found == _HIT]] = _HIT
 
-    def _get_old(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> None:
+    def _get_old(self, keys: list[str], dsts: list[np.ndarray], res: list[Any], deadline: float) -> None:
         """Loads that found nothing under the current secret, tried under each previous one (verified
-        with that secret's keys). Rotation-only, so through redis-py: one pipelined round per secret."""
-        idx = [i for i, r in enumerate(res) if r == "misses_absent"]
-        try:
-            for (_, codec), names in zip(
-                self._old, self._old_names([keys[i] for i in idx], "d"), strict=True
-            ):
-                pipe = self._backend.client().pipeline(transaction=False)
-                for name in names:
-                    pipe.get(name)
-                for i, value in zip(idx, pipe.execute(), strict=True):
-                    if value is not None and res[i] == "misses_absent":
-                        res[i] = _check_value(codec, keys[i], value, dsts[i])
-                        self._count(old_key_hits=int(res[i] is True))
-        except _REDIS_PY_FAULTS as exc:
-            self._last_error = f"get (old keys): {type(exc).__name__}: {exc}"[:200]
+        with that secret's keys): one pipelined round per secret, read like the load itself."""
+        for namespace, codec in self._old:
+            idx = [i for i, r in enumerate(res) if r == "misses_absent"]
+            if not idx:
+                return
+            groups = self._old_groups([keys[i] for i in idx], namespace)
+            self._run(
+                [self._get_job(n, gs, keys, dsts, idx, res, codec) for n, gs in groups.items()], deadline
+            )
+            self._count(old_key_hits=sum(res[i] is True for i in idx))
 
-    def _prefix_of(self, key: str) -> str:
-        groups = self._backend.groups([key])
-        return next(iter(groups.values()))[0].prefix
-
-    def _finish_get(self, keys: list[str], dsts: list[np.ndarray], res: list[Any]) -> list[bool]:
+    def _finish_get(
+        self, keys: list[str], dsts: list[np.ndarray], res: list[Any], deadline: float
+    ) -> list[bool]:
         if res.count(True) == len(res):  # every key a hit (the usual batch): one counter update
             self._count(hits=len(res), bytes_read=sum(d.size for d in dsts))
             return [True] * len(res)
@@ -323,45 +316,53 @@ class ReaderMixin:
                 tally["bytes_read"] = tally.get("bytes_read", 0) + dst.size
                 continue
             out.append(False)
-            reason = "load_errors" if r is None or r is _REDIRECT else r
+            reason = "load_errors" if r is None or isinstance(r, ReplyError) else r
             tally[reason] = tally.get(reason, 0) + 1
             if reason != "quarantine_skips":
                 failed.append(key)
         hits = sum(out)
         tally["quarantined"] = self._quarantine.add(failed)
         self._count(hits=hits, misses=len(out) - hits, **tally)
-        self._repair(keys, res)
+        self._repair(keys, res, deadline)
         return out
 
-    def _repair(self, keys: list[str], res: list[Any]) -> None:
+    def _repair(self, keys: list[str], res: list[Any], deadline: float) -> None:
         """Best effort: delete values that failed their checksum, and markers whose value is gone (evicted
-        or expired apart), so no other instance keeps trying them. One pipelined round trip for the
-        batch: a command per key, each awaited, made a get of 1,024 absent 16 KiB keys take 132-146 ms
-        on loopback against 8-15 ms for 1,024 hits (16-20 ms with the pipeline)."""
+        or expired apart), so no other instance keeps trying them. One pipelined round trip for the batch
+        (a command per key, each awaited, made a get of 1,024 absent 16 KiB keys take 132-146 ms on
+        loopback against 8-15 ms for 1,024 hits; 16-20 ms with the pipeline), within what is left of the
+        call's deadline (none left: no repair). A script answers a count; any other reply counts as
+        nothing removed (a bulk or an array drops the connection unread, like any reply longer than its
+        request can receive)."""
         # a value failing its tag is deleted like a damaged one: saves are SET NX, so a planted value left
         # in place would turn every later save of the key into a no-op and every load into a miss
         corrupt = [k for k, r in zip(keys, res, strict=True) if r in _REMOVABLE]
         absent = [k for k, r in zip(keys, res, strict=True) if r == "misses_absent"]
-        if not corrupt and not absent:
+        if not (corrupt or absent) or time.monotonic() >= deadline:
             return
         affected = corrupt + absent
         try:
-            prefixes = [""] * len(affected)
-            for groups in self._backend.groups(affected).values():
-                for g in groups:
-                    for i in g.indices:
-                        prefixes[i] = g.prefix
-            pipe = self._backend.client().pipeline(transaction=False)  # EVAL via execute_command: a
-            # cluster pipeline's eval() is blocked, its execute_command routes EVAL by its keys' slot
-            for i, (k, p) in enumerate(zip(affected, prefixes, strict=True)):
-                pipe.execute_command(
-                    "EVAL", _DROP if i < len(corrupt) else _HEAL, 2, p + "d:" + k, p + "m:" + k
-                )
-            replies = pipe.execute(raise_on_error=False)
+            groups = self._backend.groups(affected)
         except _REDIS_PY_FAULTS as exc:  # best effort: never fails a get
             self._last_error = f"repair: {type(exc).__name__}: {exc}"[:200]
             return
-        done = [not isinstance(r, Exception) and int(r or 0) > 0 for r in replies]
+        done = [False] * len(affected)
+
+        def job(node: str, gs: list[Group]) -> _Job:
+            idx = [j for g in gs for j in g.indices]
+            names = [
+                (g.prefix + "d:" + affected[j], g.prefix + "m:" + affected[j]) for g in gs for j in g.indices
+            ]
+            evals = [command("EVAL", _DROP if j < len(corrupt) else _HEAL, 2, *n) for j, n in zip(idx, names)]
+
+            def read(wire: Wire) -> None:
+                for j in idx:
+                    r = wire.reply(max_bulk=0, max_items=0, depth=1)
+                    done[j] = type(r) is int and r > 0
+
+            return _Job(node, lambda wire: wire.send(evals), read, 0)
+
+        self._run([job(node, gs) for node, gs in groups.items()], deadline)
         self._count(
             corrupt_removed=sum(done[: len(corrupt)]), stale_markers_removed=sum(done[len(corrupt) :])
         )
@@ -417,14 +418,3 @@ def _recv_with_checksum(
         if r1 > r0:
             row_sums_into(words[r0:r1], rows[r0:r1])
     return combine(rows, dst, full)
-
-
-def _check_value(codec: PlainCodec | SealedCodec, key: str, value: bytes | None, dst: np.ndarray) -> Any:
-    """The slow path's version of RedisTier._read_value, for a value redis-py already read."""
-    if value is None:
-        return "misses_absent"
-    hsize = codec.header_size
-    if len(value) != hsize + dst.size:
-        return "size_mismatches"
-    np.copyto(dst, np.frombuffer(value, np.uint8, offset=hsize))
-    return _verified(codec, value[:hsize], key, dst, checksum_u8(dst))

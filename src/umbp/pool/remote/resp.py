@@ -4,9 +4,9 @@ connections.
 Why not redis-py's command API for these: it builds a Python object per reply element and a bytes
 object per value. An 8,192-key lookup then costs ~30 ms of client CPU instead of ~1 ms, and a 4 MiB load
 is copied twice before it reaches the caller's buffer. Here a lookup is one MGET whose reply is decoded
-with numpy, and a load streams the value straight into the destination (`recv_into`). Everything else —
-connecting, AUTH/ACL, TLS, timeouts, the connection pool, cluster topology, MOVED/ASK on the slow path —
-stays redis-py's.
+with numpy, and a load streams the value straight into the destination (`recv_into`). The rounds that
+follow up on a call (MOVED/ASK followed, reads under a previous secret, the clean-up after misses) use it
+too. Connecting, AUTH/ACL, TLS, timeouts, the connection pool and the cluster's topology stay redis-py's.
 
 The client is bounded like a server: what it reads is limited by what it asked for (a reply longer than
 the request can receive, an endless line, deep nesting is a ProtocolError before anything is allocated
@@ -65,6 +65,18 @@ class ReplyError:
     @property
     def redirect(self) -> bool:
         return self.message.startswith(("MOVED ", "ASK "))
+
+    @property
+    def ask(self) -> bool:
+        return self.message.startswith("ASK ")
+
+    @property
+    def target(self) -> str | None:
+        """The node a MOVED/ASK names ('host:port'), or None when the message is not one of them."""
+        parts = self.message.split(" ")
+        if len(parts) != 3 or not self.redirect or not parts[1].isdigit() or ":" not in parts[2]:
+            return None
+        return parts[2]
 
 
 def command(*args: bytes | str | int) -> bytes:
@@ -237,6 +249,8 @@ class Wire:
         return self.start == self.end
 
     def _fill(self) -> None:
+        if self.start > self.end:  # a parse step consumed more than was read: never grow or shift on it
+            raise ProtocolError("umbp: the reply stream is out of step")
         if self.start == self.end:
             self.start = self.end = 0
         elif self.end == len(self.buf):
@@ -463,6 +477,8 @@ class Wire:
         while True:
             flags, used = scan_markers(bytes(self.mv[self.start : min(self.end, self.start + longest)]), n)
             if flags is not None:
+                if used > self.end - self.start:  # scan_markers never claims more than it was given
+                    raise ProtocolError("umbp: the reply stream is out of step")
                 self.start += used
                 return flags
             self._fill()
@@ -531,13 +547,17 @@ _HIT, _MISS = b"$1\r\n1\r\n", b"$-1\r\n"
 def scan_markers(data: bytes, n: int) -> tuple[np.ndarray | None, int]:
     """(present flags, bytes used) once `data` starts with all n elements, else (None, 0). Each element
     is '$1\r\n1\r\n' (present) or '$-1\r\n' (absent): two C-level replaces turn them into '1'/'0',
-    so an 8,192-key reply decodes without a Python step per key."""
+    so an 8,192-key reply decodes without a Python step per key. A '0' or '1' the server sent as such
+    would read as an element too: the elements found are turned back into bytes and must be exactly
+    what the reply starts with, or it is a ProtocolError."""
     t = data.replace(_HIT, b"1").replace(_MISS, b"0")
     done = len(t) - len(t.lstrip(b"01"))  # complete elements at the front
+    lead = t[: min(done, n)]
+    used = lead.replace(b"1", _HIT).replace(b"0", _MISS)  # '1' first: _MISS holds a '1', _HIT no '0'
+    if not data.startswith(used):
+        raise ProtocolError("umbp: a marker reply holds something other than marker elements")
     if done < n:
         if len(t) - done >= len(_HIT):  # not a partial element at the end: something else is there
             raise ProtocolError("umbp: a marker key holds something other than umbp's marker")
         return None, 0
-    lead = t[:n]
-    hits = lead.count(b"1")
-    return np.frombuffer(lead, np.uint8) == ord("1"), hits * len(_HIT) + (n - hits) * len(_MISS)
+    return np.frombuffer(lead, np.uint8) == ord("1"), len(used)

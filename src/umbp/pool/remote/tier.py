@@ -18,21 +18,22 @@ value carries a tag keyed by it (umbp.pool.remote.auth), so no one without the s
 that loads; without one the tier warns at start-up that it is unauthenticated.
 
 The hot paths use redis-py's connections with a minimal RESP codec (`umbp.pool.remote.resp`); connecting, auth,
-TLS, pooling, and the cluster's slot table and MOVED/ASK handling are redis-py's. See docs/remote.md.
+TLS, pooling and the cluster's slot table are redis-py's. MOVED/ASK are followed one hop by the tier itself
+(`_follow`), with the same codec and deadline. See docs/remote.md.
 
-Code: this module holds construction, bookkeeping, the quarantine, `exists`, removal and lifecycle;
-the read path (`reader`: get_into, the get window, value checks, old secrets, repair) and the write path
-(`writer`: put, put_async and its background writer) live beside it as mixins on the same state;
-`calls` holds the per-server job and the fault classes they share.
+Code: this module holds construction, bookkeeping, the quarantine, `exists`, redirects and lifecycle;
+the read path (`reader`: get_into, the get window, value checks, old secrets, repair), the write path
+(`writer`: put, put_async and its background writer) and removal (`admin`: remove, clear, the operators'
+scans) live beside it as mixins on the same state; `calls` holds the per-server job and the fault classes
+they share.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,16 +41,18 @@ import redis
 
 from umbp.pool.base import Pool
 from umbp.pool.keycheck import check_keys
+from umbp.pool.remote.admin import AdminMixin
 from umbp.pool.remote.auth import codec_for, old_codecs
 from umbp.pool.remote.backend import Cluster, Group, Standalone
 from umbp.pool.remote.calls import (
     _ABSENT,
+    _ASKING,
     _HIT,
     _MOVED,
     _NET_ERRORS,
-    _REDIRECT,
     _REDIS_PY_FAULTS,
     _UNANSWERED,
+    _asked,
     _Job,
 )
 from umbp.pool.remote.config import RemoteConfig, redact_url
@@ -187,7 +190,7 @@ class _Quarantine:
         return out
 
 
-class RedisTier(ReaderMixin, WriterMixin, Pool):
+class RedisTier(ReaderMixin, WriterMixin, AdminMixin, Pool):
     """The shared tier. Thread-safe; one instance per process (scheduler or worker)."""
 
     shared = True
@@ -273,16 +276,55 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
             return None
         try:
             return self._backend.groups(keys)
-        except _NET_ERRORS as exc:
+        except _REDIS_PY_FAULTS as exc:  # redis-py connects the cluster client and looks slots up
             self._node_failed(self._backend.name, exc)
             return None
 
-    def _run(self, jobs: list[_Job]) -> None:
+    def _prefixes(self, keys: list[str]) -> list[str | None]:
+        """Each key's Redis key prefix (None where the backend could not place it)."""
+        out: list[str | None] = [None] * len(keys)
+        try:
+            groups = self._backend.groups(keys)
+        except _REDIS_PY_FAULTS as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"[:200]
+            return out
+        for gs in groups.values():
+            for g in gs:
+                for j in g.indices:
+                    out[j] = g.prefix
+        return out
+
+    def _follow(
+        self,
+        redirected: list[tuple[Group, ReplyError]],
+        job: Callable[[str, list[Group], bool], _Job],
+        deadline: float,
+    ) -> None:
+        """Follow MOVED/ASK one hop, through the same bounded codec and within the call's deadline: each
+        group goes to the node its redirect names (after ASKING for an ASK), `job(node, groups, ask)`
+        building that node's commands. Only a node of the cluster's own topology is contacted (the slot
+        table is re-read, rate-limited, when a redirect names another); groups whose redirect names none,
+        or that are redirected again, keep their redirect as their result (a miss, a dropped save)."""
+        by_target: dict[tuple[str, bool], list[Group]] = {}
+        for g, err in redirected:
+            if err.target is not None:
+                by_target.setdefault((err.target, err.ask), []).append(g)
+        if any(not self._backend.knows(node) for node, _ in by_target):
+            self._refresh()
+        jobs = [job(node, gs, ask) for (node, ask), gs in by_target.items() if self._backend.knows(node)]
+        self._run(jobs, deadline)
+        self._refresh()  # a MOVED means the slot table changed
+
+    def _run(self, jobs: list[_Job], deadline: float | None = None) -> None:
         """Send every server's commands first, then read every server's replies: servers work in parallel
-        and each costs one round trip. A server that fails leaves its results unset (None)."""
+        and each costs one round trip. A server that fails leaves its results unset (None). A round that
+        follows up on a call (redirects, previous secrets, repair) gets the call's `deadline`; once it has
+        passed, no further job starts (its keys keep the results they have)."""
         open_: list[tuple[_Job, _Session]] = []
         began = time.monotonic()
         for job in jobs:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
             if self._is_down(job.node):
                 self._count(unavailable_skips=job.n)
                 continue
@@ -294,7 +336,7 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
             except _REDIS_PY_FAULTS as exc:  # connecting: redis-py's set-up commands and their replies
                 self._node_failed(job.node, exc)
                 continue
-            sess.wire.deadline = began + self.config.deadline_s(job.nbytes)
+            sess.wire.deadline = began + self.config.deadline_s(job.nbytes) if deadline is None else deadline
             try:
                 job.send(sess.wire)
                 open_.append((job, sess))
@@ -317,11 +359,12 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
                     s.fail()
                 raise
 
-    def _reply_error(self, err: ReplyError) -> str | None:
-        """_REDIRECT for MOVED/ASK (redis-py's cluster client will follow it), else None (a counted miss)."""
+    def _reply_error(self, err: ReplyError) -> ReplyError | None:
+        """`err` itself for MOVED/ASK in a cluster (the caller follows it: `_follow`), else None (a counted
+        miss)."""
         if err.redirect and isinstance(self._backend, Cluster):
             self._count(redirects=1)
-            return _REDIRECT
+            return err
         with self._lock:
             self._counters["reply_errors"] += 1
             self._last_error = err.message[:200]
@@ -335,49 +378,54 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
         keys = list(keys)
         check_keys("exists", keys)
         res = np.full(len(keys), _UNANSWERED, np.int8)
+        deadline = time.monotonic() + self.config.deadline_s(0)
         queued = self._writer.holding(keys)  # before the server: see _Writer.holding
         groups = self._groups(keys) if keys else {}
         if groups is None:
             groups = {}
-        self._run([self._exists_job(node, gs, keys, res) for node, gs in groups.items()])
-        if (res == _MOVED).any():
-            self._exists_slow(keys, res)
+        moved: list[tuple[Group, ReplyError]] = []
+        self._run([self._exists_job(node, gs, keys, res, moved) for node, gs in groups.items()])
+        if moved:
+            again: list[tuple[Group, ReplyError]] = []
+            self._follow(moved, lambda n, gs, ask: self._exists_job(n, gs, keys, res, again, ask), deadline)
+        res[res == _MOVED] = _UNANSWERED  # redirects not followed, or redirected again
         if self._old and (res == _ABSENT).any():
-            self._exists_old(keys, res)
+            self._exists_old(keys, res, deadline)
         res[queued] = _HIT  # saved by put_async and not yet written: present (its load is served locally)
         return self._finish_exists(keys, res)
 
-    def _exists_job(self, node: str, groups: list[Group], keys: list[str], res: np.ndarray) -> _Job:
+    def _exists_job(
+        self,
+        node: str,
+        groups: list[Group],
+        keys: list[str],
+        res: np.ndarray,
+        moved: list[tuple[Group, ReplyError]],
+        ask: bool = False,
+    ) -> _Job:
+        """MGET of the groups' markers on `node` (after ASKING each, when following an ASK); groups
+        answered MOVED/ASK are set to _MOVED and listed in `moved` with their redirect."""
+
         def send(wire: Wire) -> None:  # chunk by chunk: the server parses one while we pack the next
             for g in groups:
-                wire.send(multi_key_command(b"MGET", g.prefix + "m:", g.keys(keys)))
+                mget = multi_key_command(b"MGET", g.prefix + "m:", g.keys(keys))
+                wire.send([_ASKING, *mget] if ask else mget)
 
         def read(wire: Wire) -> None:
             for g in groups:
+                if ask:
+                    _asked(wire)
                 flags = wire.markers(len(g.indices))
                 idx = slice(g.indices.start, g.indices.stop) if isinstance(g.indices, range) else g.indices
-                if isinstance(flags, ReplyError):
-                    res[idx] = _MOVED if self._reply_error(flags) is _REDIRECT else _UNANSWERED
-                else:
+                if not isinstance(flags, ReplyError):
                     res[idx] = flags
+                elif (redirect := self._reply_error(flags)) is not None:
+                    res[idx] = _MOVED
+                    moved.append((g, redirect))
+                else:
+                    res[idx] = _UNANSWERED
 
         return _Job(node, send, read, sum(len(g.indices) for g in groups))
-
-    def _exists_slow(self, keys: list[str], res: np.ndarray) -> None:
-        idx = np.flatnonzero(res == _MOVED).tolist()
-        groups = self._groups([keys[i] for i in idx]) or {}
-        names = [g.prefix + "m:" + keys[idx[j]] for gs in groups.values() for g in gs for j in g.indices]
-        order = [idx[j] for gs in groups.values() for g in gs for j in g.indices]
-        try:
-            values = self._backend.client().mget_nonatomic(names)
-        except _REDIS_PY_FAULTS as exc:
-            self._count(reply_errors=1)
-            self._last_error = f"{type(exc).__name__}: {exc}"[:200]
-            values, order = [], []  # unanswered: counted as lookup errors
-        res[idx] = _UNANSWERED
-        for i, v in zip(order, values, strict=True):
-            res[i] = v == b"1"
-        self._refresh()
 
     def _finish_exists(self, keys: list[str], res: np.ndarray) -> list[bool]:
         errors = int((res < 0).sum())
@@ -392,114 +440,10 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
         )
         return hit.tolist()
 
-    # ---- remove / clear ------------------------------------------------------------------------------
-
-    def remove(self, keys: Sequence[str]) -> int:
-        """UNLINK value and marker of each key; returns how many keys had either. Errors count as absent."""
-        keys = list(keys)
-        check_keys("remove", keys)
-        self._quarantine.discard(keys)
-        groups = self._groups(keys) or {}
-        removed = 0
-        try:
-            client = self._backend.client()
-            for gs in groups.values():
-                for g in gs:
-                    for k in g.keys(keys):
-                        removed += int(client.unlink(g.prefix + "d:" + k, g.prefix + "m:" + k) > 0)
-        except _NET_ERRORS as exc:
-            self._last_error = f"remove: {type(exc).__name__}: {exc}"[:200]
-            self._count(reply_errors=1)
-        return removed
-
-    def clear(self, startswith: str = "") -> None:
-        """Drop this tier's objects: the Redis keys under `key_prefix` only (never FLUSHDB; other data on
-        the server is untouched). With `startswith`, only objects whose umbp key starts with it, e.g.
-        "umbp:v1:<namespace>:" for one model. Best effort: an unreachable server keeps its keys."""
-        self._quarantine.clear()
-        pattern = self._clear_pattern(startswith)
-        try:
-            for client in self._backend.primaries():
-                _unlink_matching(client, pattern)
-        except _NET_ERRORS as exc:
-            self._last_error = f"clear: {type(exc).__name__}: {exc}"[:200]
-            self._count(reply_errors=1)
-
-    def _clear_pattern(self, startswith: str) -> str:
-        esc = _glob_escape
-        tag = "{*}" if isinstance(self._backend, Cluster) else ""
-        if not startswith:
-            return esc(self.config.redis_prefix) + "*"
-        return f"{esc(self.config.redis_prefix)}{tag}[dm]:{esc(startswith)}*"
-
-    def scan_objects(
-        self, startswith: str = "", sizes: bool = True, limit: int | None = None, batch: int = 1000
-    ) -> Iterator[tuple[str, int | None]]:
-        """(umbp key, stored value bytes or None) of every visible object (marker key present) on every
-        master, for operators (`umbp stats`); SCAN, so the server keeps serving. With sizes, one pipelined
-        STRLEN per `batch` keys; a value of 0 bytes means its marker has no value (healed on next put).
-        Stops after `limit` objects. Network errors raise: this is a tool, not the serving path."""
-        marker = _glob_escape(self.config.redis_prefix) + (
-            "{*}" if isinstance(self._backend, Cluster) else ""
-        )
-        pattern = f"{marker}m:{_glob_escape(startswith)}*"
-        seen = 0
-        for client in self._backend.primaries():
-            names: list[bytes] = []
-            for name in client.scan_iter(match=pattern, count=batch):
-                names.append(name)
-                if len(names) == batch:
-                    yield from self._sized(client, names, sizes)
-                    seen += len(names)
-                    names = []
-                    if limit is not None and seen >= limit:
-                        return
-            yield from self._sized(client, names, sizes)
-            seen += len(names)
-            if limit is not None and seen >= limit:
-                return
-
-    def _sized(
-        self, client: redis.Redis, names: list[bytes], sizes: bool
-    ) -> Iterator[tuple[str, int | None]]:
-        split = [self._split_marker(n) for n in names]  # (everything before "m:", the umbp key)
-        lengths: list[int | None] = [None] * len(names)
-        if sizes and names:
-            pipe = client.pipeline(transaction=False)
-            for head, key in split:
-                pipe.strlen(head + b"d:" + key)
-            lengths = pipe.execute()
-        for (_, key), n in zip(split, lengths, strict=True):
-            yield key.decode(errors="replace"), n
-
     @property
     def value_header_bytes(self) -> int:
         """Bytes each stored value carries before its payload (larger for sealed values)."""
         return self._codec.header_size
-
-    def scan_namespaces(self, limit: int | None = None, batch: int = 1000) -> dict[str, int]:
-        """Objects (markers) per value namespace under key_prefix, this tier's own included: "" for
-        unauthenticated values, "t<16 hex>" for each tenant key's namespace. One SCAN pass; for operators
-        (`umbp stats`): a namespace sealed with a key this tier was not given can be counted, never read."""
-        prefix = self.config.key_prefix.encode()
-        counts: dict[str, int] = {}
-        seen = 0
-        for client in self._backend.primaries():
-            for name in client.scan_iter(match=_glob_escape(self.config.key_prefix) + "*", count=batch):
-                seen += 1
-                ns = _marker_namespace(name[len(prefix) :])
-                if ns is not None:
-                    counts[ns] = counts.get(ns, 0) + 1
-                if limit is not None and seen >= limit:
-                    return counts
-        return counts
-
-    def _split_marker(self, name: bytes) -> tuple[bytes, bytes]:
-        """`<prefix>[{tag}]m:<key>` -> (`<prefix>[{tag}]`, `<key>`)."""
-        at = len(self.config.redis_prefix.encode())
-        if name[at : at + 1] == b"{":
-            at = name.index(b"}", at) + 1
-        return name[:at], name[at + 2 :]
 
     # ---- stats / lifecycle ---------------------------------------------------------------------------
 
@@ -512,7 +456,7 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
         """Whether every server answers now (ignores and resets the retry interval)."""
         try:
             ok = all(c.ping() for c in self._backend.primaries())
-        except _NET_ERRORS:
+        except _REDIS_PY_FAULTS:
             return False
         if ok:
             with self._lock:
@@ -543,34 +487,3 @@ class RedisTier(ReaderMixin, WriterMixin, Pool):
         self._writer.close(5.0 if timeout is None else timeout)
         self._conns.close()
         self._backend.close()
-
-
-_TENANT_NS = re.compile(rb"(t[0-9a-f]{16}):")
-
-
-def _marker_namespace(rest: bytes) -> str | None:
-    """The namespace of a key name after key_prefix if it is a marker (`[t<16 hex>:][{tag}]m:<key>`)."""
-    ns = ""
-    m = _TENANT_NS.match(rest)
-    if m:
-        ns, rest = m.group(1).decode(), rest[m.end() :]
-    if rest[:1] == b"{":
-        end = rest.find(b"}")
-        rest = rest[end + 1 :] if end > 0 else b""
-    return ns if rest[:2] == b"m:" else None
-
-
-def _glob_escape(s: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
-
-
-def _unlink_matching(client: redis.Redis, pattern: str, batch: int = 512) -> None:
-    """SCAN + UNLINK one key per command (keys of one server may sit in different cluster slots)."""
-    pipe = client.pipeline(transaction=False)
-    n = 0
-    for name in client.scan_iter(match=pattern, count=1000):
-        pipe.unlink(name)
-        n += 1
-        if n % batch == 0:
-            pipe.execute()
-    pipe.execute()

@@ -21,8 +21,8 @@ from umbp.pool.keycheck import check_keys
 from umbp.pool.remote.auth import PlainCodec, SealedCodec
 from umbp.pool.remote.backend import Group, Standalone
 from umbp.pool.remote.calls import (
-    _REDIRECT,
-    _REDIS_PY_FAULTS,
+    _ASKING,
+    _asked,
     _Job,
 )
 from umbp.pool.remote.resp import (
@@ -272,13 +272,16 @@ class WriterMixin:
         duplicates are rare, since an engine saves what a lookup did not find)."""
         keys = [it.key for it in items]
         res: list[Any] = [None] * len(items)
+        deadline = time.monotonic() + self.config.deadline_s(sum(it.payload.size for it in items))
         groups = (self._groups(keys) if items else {}) or {}
         self._run([self._store_job(node, gs, items, res) for node, gs in groups.items()])
-        if _REDIRECT in res:
-            self._write_slow(items, res)
+        if res.count(True) != len(res) and any(isinstance(r, ReplyError) for r in res):
+            self._write_slow(items, res, deadline)
         return self._finish_put(items, res)
 
-    def _store_job(self, node: str, groups: list[Group], items: list[_Item], res: list[Any]) -> _Job:
+    def _store_job(
+        self, node: str, groups: list[Group], items: list[_Item], res: list[Any], ask: bool = False
+    ) -> _Job:
         order = [(g.prefix, j) for g in groups for j in g.indices]
 
         def send(wire: Wire) -> None:
@@ -288,7 +291,7 @@ class WriterMixin:
             parts: list[bytes | memoryview] = []
             ready = 0
             for r, (prefix, j) in enumerate(order):
-                parts.extend(self._store_parts(prefix, items[j]))
+                parts.extend(self._store_parts(prefix, items[j], ask))
                 ready += items[j].payload.size
                 if r == 0 or ready >= PUT_SEND_BYTES:
                     wire.send(parts)
@@ -297,6 +300,10 @@ class WriterMixin:
                 wire.send(parts)
 
         def read(wire: Wire) -> None:
+            if ask:
+                for _, j in order:
+                    res[j] = self._asked_stored(wire)
+                return
             for c0 in range(0, len(order), _STORED_RUN):  # matched a run at a time: a bounded buffer
                 run = order[c0 : c0 + _STORED_RUN]
                 if wire.try_consume(_STORED * len(run)):
@@ -309,9 +316,10 @@ class WriterMixin:
         return _Job(node, send, read, len(order), sum(items[j].payload.size for _, j in order))
 
     def _stored(self, replies: list[Any]) -> Any:
-        """True (written), 'dup' (the value was there already), _REDIRECT, or None (dropped: an error
-        reply, counted in reply_errors, or a reply that is not what MULTI/SET/SET/EXEC answer, counted
-        in unexpected_replies: only a server that said OK to the value counts it as stored)."""
+        """True (written), 'dup' (the value was there already), a MOVED/ASK (to follow), or None
+        (dropped: an error reply, counted in reply_errors, or a reply that is not what MULTI/SET/SET/EXEC
+        answer, counted in unexpected_replies: only a server that said OK to the value counts it as
+        stored)."""
         multi, queued_value, queued_marker, done = replies
         errors = [r for r in replies if isinstance(r, ReplyError)]
         if errors:
@@ -333,42 +341,53 @@ class WriterMixin:
         self._count(unexpected_replies=1)
         return None
 
-    def _store_parts(self, prefix: str, item: _Item) -> list[bytes | memoryview]:
+    def _store_parts(self, prefix: str, item: _Item, ask: bool = False) -> list[bytes | memoryview]:
         """MULTI, SET value NX [PX], SET marker NX [PX], EXEC. In a transaction because ordering alone
         is not enough: with maxmemory + noeviction Redis refuses the value's SET (OOM: its bytes are in
         the query buffer) yet accepts the 1-byte marker's once they are freed, leaving a marker that
         promises a value that was never stored. A refused command inside MULTI aborts the EXEC, so the
-        marker is written exactly when the value is. Two small commands more per object; no Lua."""
+        marker is written exactly when the value is. Two small commands more per object; no Lua.
+
+        Following an ASK (`ask`): ASKING before each SET and no transaction, which a node importing the
+        slot answers with TRYAGAIN while it holds neither key; a marker left without its value there is
+        removed by the next load of the key (ReaderMixin._repair)."""
         tail, set_ = self._set_tail, self._set_head
         header = item.framed_header()
+        first, between, last = (_ASKING, _ASKING, b"") if ask else (_MULTI, b"", _EXEC)
         return [
-            _MULTI
+            first
             + set_
             + bulk(prefix + "d:" + item.key)
             + b"$%d\r\n" % (len(header) + item.payload.size)
             + header,
             memoryview(item.payload),
-            b"\r\n" + tail + set_ + bulk(prefix + "m:" + item.key) + b"$1\r\n1\r\n" + tail + _EXEC,
+            b"\r\n" + tail + between + set_ + bulk(prefix + "m:" + item.key) + b"$1\r\n1\r\n" + tail + last,
         ]
 
-    def _write_slow(self, items: list[_Item], res: list[Any]) -> None:
-        """Objects that met MOVED/ASK: written through redis-py's cluster client (value, then marker)."""
-        rc = self._backend.client()
-        px = self._ttl_ms
-        for j, r in enumerate(res):
-            if r is not _REDIRECT:
-                continue
-            it = items[j]
-            p = self._prefix_of(it.key)
-            try:
-                header = it.framed_header()
-                fresh = rc.set(p + "d:" + it.key, header + it.payload.tobytes(), nx=True, px=px)
-                rc.set(p + "m:" + it.key, b"1", nx=True, px=px)  # only after the value's SET succeeded
-                res[j] = True if fresh else "dup"
-            except _REDIS_PY_FAULTS as exc:
-                self._last_error = f"{type(exc).__name__}: {exc}"[:200]
+    def _asked_stored(self, wire: Wire) -> Any:
+        """The replies of _store_parts(ask=True), judged as _stored judges MULTI/SET/SET/EXEC's."""
+        _asked(wire)
+        value = wire.reply(max_bulk=0, max_items=0, depth=1)
+        _asked(wire)
+        marker = wire.reply(max_bulk=0, max_items=0, depth=1)
+        errors = [r for r in (value, marker) if isinstance(r, ReplyError)]
+        if errors:
+            return self._reply_error(errors[0])
+        if value in (b"OK", None) and marker in (b"OK", None):
+            return True if value == b"OK" else "dup"
+        self._count(unexpected_replies=1)
+        return None
+
+    def _write_slow(self, items: list[_Item], res: list[Any], deadline: float) -> None:
+        """Objects that met MOVED/ASK: written again on the node the redirect names (`_follow`); one
+        redirected again is dropped."""
+        idx = [j for j, r in enumerate(res) if isinstance(r, ReplyError)]
+        prefixes = self._prefixes([items[j].key for j in idx])
+        redirected = [(Group(p, [j]), res[j]) for j, p in zip(idx, prefixes, strict=True) if p is not None]
+        self._follow(redirected, lambda n, gs, ask: self._store_job(n, gs, items, res, ask), deadline)
+        for j in idx:
+            if isinstance(res[j], ReplyError):
                 res[j] = None
-        self._refresh()
 
     def _finish_put(self, items: list[_Item], res: list[Any]) -> list[bool]:
         stored = [it for it, r in zip(items, res, strict=True) if r is True]
