@@ -40,6 +40,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from umbp.replay.engine import make_scheduler  # noqa: E402
 from umbp.tools.pd import TO_DECODE  # noqa: E402
 from umbp.tools.vllm_harness import umbp_transfer  # noqa: E402
+from umbp.vllm.config import ConfigError  # noqa: E402
 from umbp.vllm.connector import UMBPConnector  # noqa: E402
 
 PROMPT = [3 + (i * 37) % 500 for i in range(840)]
@@ -107,7 +108,7 @@ class MultiHarness(Harness):
         return so
 
 
-def build_multi(tmp_path, umbp_extra: dict | None = None) -> MultiHarness:
+def build_multi(tmp_path, umbp_extra: dict | None = None, umbp_role: str = "kv_both") -> MultiHarness:
     model = ModelConfig(
         model=str(fake_model_dir(tmp_path)), skip_tokenizer_init=True, dtype="float32", max_model_len=4096
     )
@@ -127,7 +128,7 @@ def build_multi(tmp_path, umbp_extra: dict | None = None) -> MultiHarness:
     )
     children = [
         {"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
-        umbp_transfer(umbp_extra or {"dram_bytes": 64 << 20}),
+        umbp_transfer(umbp_extra or {"dram_bytes": 64 << 20}, umbp_role),
     ]
     transfer = KVTransferConfig(
         kv_connector="MultiConnector",
@@ -250,3 +251,11 @@ def test_inside_a_multi_connector_umbp_leaves_the_start_up_handshake_to_the_p_d_
     assert child._nested
     plain = build(tmp_path / "plain", GROUPS, unit=16)
     assert not plain.sched.connector._nested
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_store_mediated_roles_are_refused_inside_a_multi_connector(tmp_path, role):
+    """Beside a P/D connector both would answer a P/D request's kv_transfer_params, and MultiConnector
+    raises on that clash in the middle of the engine's step: refused at start-up, naming kv_role."""
+    with pytest.raises(ConfigError, match=f"kv_role '{role}' inside a MultiConnector"):
+        build_multi(tmp_path, {"dram_bytes": 64 << 20, "remote": "redis://127.0.0.1:1/0"}, umbp_role=role)

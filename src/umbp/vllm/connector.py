@@ -22,7 +22,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from umbp.pool import native
 from umbp.vllm.compose import apply_load_failure_policy, enclosing_transfer_configs, register_with_vllm
-from umbp.vllm.config import UMBPConfig
+from umbp.vllm.config import ConfigError, UMBPConfig
 from umbp.vllm.kv_layout import describe
 from umbp.vllm.logs import attach_to_vllm_logging
 from umbp.vllm.metadata import UMBPConnectorMetadata, UMBPLayoutReport
@@ -49,6 +49,14 @@ class UMBPConnector(KVConnectorBase_V1, SupportsHMA):
         # inside a MultiConnector the start-up handshake carries only one child's metadata (vLLM 0.32 takes
         # the first that is not None): umbp then leaves it to the other connector (NIXL needs it)
         self._nested = bool(enclosing_transfer_configs(transfer))
+        if self._nested and transfer.kv_role in ("kv_producer", "kv_consumer"):
+            # store-mediated P/D beside another connector: both would answer the P/D kv_transfer_params,
+            # and MultiConnector raises on the clash in the middle of the first P/D request's step
+            raise ConfigError(
+                f"umbp: kv_role {transfer.kv_role!r} inside a MultiConnector: beside another connector "
+                "umbp's kv_role must be 'kv_both' (the P/D connector beside it hands off; 'kv_producer' / "
+                "'kv_consumer' select umbp's own store-mediated P/D, used without a MultiConnector)"
+            )
         self.layout = describe(vllm_config, kv_cache_config, tenant=self.cfg.tenant)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
