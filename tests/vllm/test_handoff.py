@@ -144,6 +144,40 @@ def test_producer_gives_up_after_its_timeout(tmp_path, server):
     assert h.leaks() == LEAK_FREE
 
 
+def test_producer_does_not_wait_for_objects_the_tier_lost(tmp_path, server):
+    """Objects P has held for a while but the shared tier lost (expired, evicted there, flushed) are never
+    saved again while P has them: the hand-off is not started (tokens 0: D computes the prompt) instead
+    of holding P's blocks and D for the whole timeouts."""
+    h = producer(tmp_path, server.url, 1, timeout_s=0.5)
+    add(h, "A", TO_DECODE)
+    assert finished_params(h, "A")["umbp_handoff"] == {"tokens": 832}
+    h.run()
+    assert h.umbp.totals["handoffs_delivered"] == 1
+    h.workers[0]._worker.remote.clear()  # the shared tier loses them; P's DRAM still has them
+    time.sleep(0.6)  # older than the timeout: no write of them can still be queued
+    assert h.sched.reset_prefix_cache()
+    add(h, "B", TO_DECODE)
+    t0 = time.monotonic()
+    assert finished_params(h, "B")["umbp_handoff"] == {"tokens": 0}
+    h.run()
+    assert time.monotonic() - t0 < 0.5
+    assert h.umbp.totals["handoffs_unavailable"] == 1 and h.umbp.totals["handoff_timeouts"] == 0
+    assert h.leaks() == LEAK_FREE
+
+
+def test_producer_does_not_hand_off_what_it_could_not_save(tmp_path, server):
+    """A save dropped for want of a DRAM slot never reaches the shared tier: no hand-off is announced."""
+    h = build(tmp_path, GROUPS, unit=16, extra=extra(server.url) | {"dram_bytes": 64 << 10})
+    h.umbp.producer = Producer(h.umbp, 5.0)
+    add(h, "A", TO_DECODE)
+    t0 = time.monotonic()
+    assert finished_params(h, "A")["umbp_handoff"] == {"tokens": 0}
+    h.run()
+    assert time.monotonic() - t0 < 4.0
+    assert h.umbp.totals["saves_dropped_no_space"] >= 1 and h.umbp.totals["handoff_timeouts"] == 0
+    assert h.leaks() == LEAK_FREE
+
+
 def test_aborted_request_is_not_handed_off(tmp_path, server):
     from vllm.v1.request import RequestStatus
 

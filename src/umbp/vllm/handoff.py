@@ -87,6 +87,18 @@ class Producer:
     timeout_s: float
     pending: dict[str, Delivery] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)  # delivered (or given up), not yet sent to the workers
+    # logical key -> when its save completed, for the last timeout_s: the shared tier's writer may still
+    # hold such a write in its queue, so its absence there is no sign that it will never come (_coming)
+    recent: dict[str, float] = field(default_factory=dict)
+
+    def saved(self, keys: list[str]) -> None:
+        now = time.monotonic()
+        self.recent.update(dict.fromkeys(keys, now))
+        if len(self.recent) > 1024:  # prune now and then: dicts keep insertion order, oldest first
+            cutoff = now - self.timeout_s
+            old = next((i for i, t in enumerate(self.recent.values()) if t >= cutoff), len(self.recent))
+            for key in list(self.recent)[:old]:
+                del self.recent[key]
 
     def begin(self, request, hexes: list[str], complete: bool = True) -> tuple[bool, dict[str, Any] | None]:
         """At request_finished: the params D needs, and whether the workers will report it later.
@@ -98,19 +110,45 @@ class Producer:
         tokens = hit.tokens if request.num_computed_tokens >= hit.tokens else 0
         if not complete or not self.side.stages.ready:
             tokens = 0
+        unit = self.side.layout.unit
+        cut = [(g, hexes[end // unit - 1]) for g, ends in enumerate(hit.loads) for end in ends]
+        if tokens and not self._coming(request, hit, cut):
+            tokens = 0
         params = {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: {"tokens": tokens}}
         if tokens == 0:
             return False, params  # nothing to hand off: D computes the prompt
-        unit = self.side.layout.unit
-        keys, _ = self.side.rank_keys(
-            [(g, hexes[end // unit - 1]) for g, ends in enumerate(hit.loads) for end in ends]
-        )
+        keys, _ = self.side.rank_keys(cut)
         now = time.monotonic()
         self.pending[request.request_id] = Delivery(
             request.request_id, hit.tokens, keys, now, now + self.timeout_s
         )
         self.side.count("handoffs_started")
         return True, params
+
+    def _coming(self, request, hit, cut: list[tuple[int, str]]) -> bool:
+        """Whether every object of the hit is on the shared tier already, being saved now or saved within
+        the last timeout_s (its write may still be queued). One that P has held longer and the shared tier
+        lacks (it expired, was evicted there or failed to write; the save that would write it again is
+        skipped because P has it) would never appear: waiting for it held P's blocks and D for the whole
+        timeouts, for nothing."""
+        flying, cutoff = self.side.in_flight_keys, time.monotonic() - self.timeout_s
+        ends = [(g, end) for g, group_ends in enumerate(hit.loads) for end in group_ends]
+        keys = [self.side.key(g, request, end) for g, end in ends]
+        ask = [
+            c
+            for c, key in zip(cut, keys, strict=True)
+            if key not in flying and self.recent.get(key, cutoff - 1) < cutoff
+        ]
+        if not ask or all(self.side._held_by_every_rank(ask)):
+            return True
+        self.side.count("handoffs_unavailable")
+        logger.warning(
+            "umbp: hand-off of request %s not started: objects of its prefix are neither on the shared tier "
+            "nor being saved (expired or dropped there while this instance holds them); the decode "
+            "instance computes the prompt",
+            request.request_id,
+        )
+        return False
 
     def poll(self) -> None:
         """One pipelined EXISTS for every pending delivery's unseen keys; finish the complete ones and the

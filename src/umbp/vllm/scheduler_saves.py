@@ -116,6 +116,9 @@ class SaveMixin:
             for (key, plan), slot in zip(plan_of.items(), slots):
                 if slot is None:
                     self.count("saves_dropped_no_space")
+                    tracked = self.requests.get(request.request_id)
+                    if tracked is not None:
+                        tracked.unsaved = True  # a store-mediated hand-off of it would never complete
                     continue
                 self.in_flight_keys.add(key)
                 moves, keys = by_job.setdefault((group, mutable), ([], []))
@@ -181,6 +184,8 @@ class SaveMixin:
         if save.failed:
             self.count("save_failures", len(save.keys))
             return
+        if self.producer is not None:  # their shared-tier writes may still be queued (handoff.Producer)
+            self.producer.saved(save.keys)
         if save.job.ssd and save.ssd_confirmed >= self.rank_tags:
             self.ssd_keys.update(save.keys)
         group, objects = save.job.group, len(save.job.moves)

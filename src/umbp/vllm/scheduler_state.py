@@ -40,7 +40,7 @@ class TrackedRequest:
     hashes: list = field(default_factory=list)  # the block hashes everything above was derived from
     remote: dict = field(default_factory=dict)  # (group, token end) -> (time asked, every rank holds it)
     tail_hashes: dict = field(default_factory=dict)  # key end inside a unit -> its prefix hash (tail_hashes)
-    unsaved: bool = False  # some of its saves were dropped before every pipeline stage reported its layout
+    unsaved: bool = False  # some of its saves were dropped (no DRAM slot, or pipeline stages not yet known)
 
     def forget_hashes(self) -> None:
         """A resumed request may carry different hashes: nothing derived from the old ones stays."""
