@@ -144,19 +144,44 @@ def test_producer_gives_up_after_its_timeout(tmp_path, server):
     assert h.leaks() == LEAK_FREE
 
 
-def test_producer_does_not_wait_for_objects_the_tier_lost(tmp_path, server):
-    """Objects P has held for a while but the shared tier lost (expired, evicted there, flushed) are never
-    saved again while P has them: the hand-off is not started (tokens 0: D computes the prompt) instead
-    of holding P's blocks and D for the whole timeouts."""
-    h = producer(tmp_path, server.url, 1, timeout_s=0.5)
+def _lost_on_the_tier(tmp_path, url, tp=1):
+    """P hands A off, then the shared tier loses A's objects (expired, evicted or flushed there) while P's
+    DRAM keeps them, and B with the same prompt finishes on P: P never saves those objects again."""
+    h = producer(tmp_path, url, tp, timeout_s=0.5)
     add(h, "A", TO_DECODE)
     assert finished_params(h, "A")["umbp_handoff"] == {"tokens": 832}
     h.run()
     assert h.umbp.totals["handoffs_delivered"] == 1
-    h.workers[0]._worker.remote.clear()  # the shared tier loses them; P's DRAM still has them
+    h.workers[0]._worker.remote.clear()  # one shared tier: every rank's objects are gone
     time.sleep(0.6)  # older than the timeout: no write of them can still be queued
     assert h.sched.reset_prefix_cache()
     add(h, "B", TO_DECODE)
+    return h
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_producer_writes_objects_the_tier_lost_again_from_dram(tmp_path, server, tp):
+    h = _lost_on_the_tier(tmp_path, server.url, tp)
+    assert finished_params(h, "B")["umbp_handoff"] == {"tokens": 832}
+    h.run()
+    totals = h.umbp.totals
+    assert totals["republished_objects"] == 4 and totals["handoffs_delivered"] == 2
+    assert totals["handoff_timeouts"] == 0 and h.leaks() == LEAK_FREE
+    for w in h.workers:
+        w.shutdown()
+    d = build(tmp_path, GROUPS, unit=16, tp=tp, extra=extra(server.url))
+    d.umbp.consumer = Consumer(d.umbp, 0.5)
+    add(d, "C", {"do_remote_prefill": True, "umbp_handoff": {"tokens": 832}}, max_tokens=2)
+    d.admit("C")
+    assert d.umbp.restored["C"] == 832  # every rank's shard, each the bytes P's prefill wrote
+    assert [d.held_values("C", 832, rank=r) for r in range(tp)] == [[]] * tp
+
+
+def test_producer_does_not_start_a_hand_off_it_cannot_complete(tmp_path, server):
+    """Lost on the tier and not in P's DRAM either (on its SSD only, say): not started (tokens 0, D
+    computes the prompt) instead of holding P's blocks and D for the whole timeouts."""
+    h = _lost_on_the_tier(tmp_path, server.url)
+    h.umbp.publish = lambda keys, group, hashes: False
     t0 = time.monotonic()
     assert finished_params(h, "B")["umbp_handoff"] == {"tokens": 0}
     h.run()

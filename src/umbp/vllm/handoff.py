@@ -126,26 +126,33 @@ class Producer:
         return True, params
 
     def _coming(self, request, hit, cut: list[tuple[int, str]]) -> bool:
-        """Whether every object of the hit is on the shared tier already, being saved now or saved within
-        the last timeout_s (its write may still be queued). One that P has held longer and the shared tier
-        lacks (it expired, was evicted there or failed to write; the save that would write it again is
-        skipped because P has it) would never appear: waiting for it held P's blocks and D for the whole
-        timeouts, for nothing."""
+        """Whether every object of the hit will be on the shared tier: there already, being saved now,
+        saved within the last timeout_s (its write may still be queued), or written again now from P's
+        DRAM. The last is for objects the shared tier lost (expired, evicted or flushed there, a failed
+        write) while P holds them: P never saves those again, and waiting for them held P's blocks and D
+        for the whole timeouts. False when one is in none of these places (the hand-off is not started)."""
         flying, cutoff = self.side.in_flight_keys, time.monotonic() - self.timeout_s
         ends = [(g, end) for g, group_ends in enumerate(hit.loads) for end in group_ends]
         keys = [self.side.key(g, request, end) for g, end in ends]
         ask = [
-            c
-            for c, key in zip(cut, keys, strict=True)
+            (c, key, g, end)
+            for c, key, (g, end) in zip(cut, keys, ends, strict=True)
             if key not in flying and self.recent.get(key, cutoff - 1) < cutoff
         ]
-        if not ask or all(self.side._held_by_every_rank(ask)):
+        held = self.side._held_by_every_rank([a[0] for a in ask]) if ask else []
+        lost: dict[int, tuple[list[str], list[bytes]]] = {}
+        for (_, key, g, end), ok in zip(ask, held, strict=True):
+            if not ok:
+                lost.setdefault(g, ([], []))[0].append(key)
+                lost[g][1].append(self.side.prefix_hash(request, end))
+        if all(self.side.publish(keys, g, hashes) for g, (keys, hashes) in lost.items()):
+            self.saved([k for keys, _ in lost.values() for k in keys])  # one write again is enough
             return True
         self.side.count("handoffs_unavailable")
         logger.warning(
             "umbp: hand-off of request %s not started: objects of its prefix are neither on the shared tier "
-            "nor being saved (expired or dropped there while this instance holds them); the decode "
-            "instance computes the prompt",
+            "nor in this instance's DRAM (lost there, and held here on SSD only or not at all); the "
+            "decode instance computes the prompt",
             request.request_id,
         )
         return False

@@ -35,6 +35,9 @@ class SaveJob:
     fence: bool = (
         True  # the next forward may rewrite these pages (boundary page, state): it waits for the copy
     )
+    # store-mediated P/D: the objects are in the arena already (moves name their slots, no block): write
+    # them to the shared tier again, which lost them (umbp.vllm.handoff.Producer)
+    publish: bool = False
 
 
 @dataclass

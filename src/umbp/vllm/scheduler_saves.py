@@ -172,7 +172,26 @@ class SaveMixin:
             )
             self._finish_save(save)
 
+    def publish(self, keys: list[str], group: int, hashes: list[bytes]) -> bool:
+        """Write objects this side holds in DRAM to the shared tier again (store-mediated P/D: it lost
+        them, and no save writes them while DRAM has them): a job of their slots, pinned until every rank
+        confirmed. False (nothing queued) when one of them is not in DRAM."""
+        slots = self.index.pin(keys)
+        if any(s is None for s in slots):
+            self.index.unpin([k for k, s in zip(keys, slots, strict=True) if s is not None])
+            return False
+        nbytes = self.slot_bytes[group]
+        moves = [PageMove(-1, s.offset, nbytes, h) for s, h in zip(slots, hashes, strict=True)]
+        job = SaveJob(next(self.job_ids), group, moves, fence=False, publish=True)
+        self.saves[job.job_id] = PendingSave(job, keys, [])
+        self.unsent_saves.append(job.job_id)
+        self.count("republished_objects", len(keys))
+        return True
+
     def _finish_save(self, save: PendingSave) -> None:
+        if save.job.publish:  # the slots were only read: they stay committed
+            self.index.unpin(save.keys)
+            return
         for key in save.keys:
             self.in_flight_keys.discard(key)
             if save.failed:

@@ -52,6 +52,7 @@ COUNTERS: dict[str, str] = {
     "handoffs_delivered": "store-mediated P/D, P: hand-offs whose objects were all visible on the shared tier",
     "handoff_timeouts": "store-mediated P/D, P: hand-offs released after handoff_timeout_s, not all visible",
     "handoffs_unavailable": "store-mediated P/D, P: hand-offs not started, objects neither shared nor being saved",
+    "republished_objects": "store-mediated P/D, P: objects written to the shared tier again from DRAM (it lost them)",
     "handoff_delivery_us": "store-mediated P/D, P: microseconds from finish to visible, summed over hand-offs",
     "handoffs_received": "store-mediated P/D, D: hand-offs whose named boundary the lookup reached",
     "handoff_misses": "store-mediated P/D, D: hand-offs incomplete after handoff_wait_s (rest recomputed)",

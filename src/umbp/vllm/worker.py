@@ -193,6 +193,9 @@ class WorkerSide(LoadPath):
         time on CUDA whatever its size (docs/vllm.md), and a step can carry a dozen jobs."""
         ready: dict[bool, list[tuple[SaveJob, Moves]]] = {True: [], False: []}
         for job in meta.saves:
+            if job.publish:  # no pages involved: the arena's slots go to the shared tier again
+                self._publish(job)
+                continue
             if self.suspended:  # the pages are not there: never store what the released memory holds
                 self._refuse_save(job)
                 continue
@@ -322,6 +325,29 @@ class WorkerSide(LoadPath):
             self.count("remote_saves_queued", remote_sent.count(True))
             self.count("remote_saves_dropped", remote_sent.count(False))
         pending.finished = True
+        self._confirm(job)
+
+    def _publish(self, job: SaveJob) -> None:
+        """A store-mediated hand-off needs objects the shared tier lost while the arena still holds them
+        (the scheduler pinned their slots): queue them to the shared tier again, verified against the
+        digests their saves recorded. A slot that does not hold its object fails the job (never written)."""
+        pages = self.groups.get(job.group)
+        if pages is None or self.remote is None:  # a pipeline stage without a layer of the group
+            self._confirm(job)
+            return
+        keys = [self.rank_key(job.group, m.prefix_hash) for m in job.moves]
+        digests = [self._slot_digest(m.offset, k) for m, k in zip(job.moves, keys, strict=True)]
+        if any(d is None for d in digests):
+            self.failed.setdefault(job.job_id, set()).add(self.rank.tag())
+            return
+        views = [self.arena.view(m.offset, pages.object_bytes) for m in job.moves]
+        try:
+            sent = self.remote.write_behind(keys, views, checksums=digests)
+        except Exception:  # noqa: BLE001 - a hand-off that cannot be published times out, never a crash
+            logger.exception("umbp: publishing job %d to the shared tier failed", job.job_id)
+            sent = [False] * len(keys)
+        self.count("remote_saves_queued", sent.count(True))
+        self.count("remote_saves_dropped", sent.count(False))
         self._confirm(job)
 
     def _confirm(self, job: SaveJob) -> None:
