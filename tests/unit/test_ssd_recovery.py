@@ -5,20 +5,48 @@ Each round runs a real writer process (puts, removes, re-puts, flushes) and kill
 its directory (a flipped byte, a zeroed 4 KiB block, a truncation; anywhere, or aimed at one payload),
 then reopens it twice (the first restart seals what it walked: its decisions must survive the second)."""
 
+import errno
 import os
 import random
 import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
+import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
 
+from umbp.pool.checksum import checksum, finish
 from umbp.pool.errors import BufferSizeError
-from umbp.pool.ssd.format import BLOCK, DATA, TOMBSTONE, segment_name, segment_number
-from umbp.pool.ssd.recovery import FLUSH_MARK_NAME, read_flush_mark, scan, scan_directory, write_flush_mark
+from umbp.pool.ssd import recovery, scanio
+from umbp.pool.ssd.format import (
+    BLOCK,
+    DATA,
+    MAX_GROUP_ENTRIES,
+    MAX_KEY_BYTES,
+    TOMBSTONE,
+    VERSION,
+    entry_span,
+    pack_group,
+    pack_trailer,
+    parse_group_head,
+    psum_piece,
+    segment_name,
+    segment_number,
+)
+from umbp.pool.ssd.recovery import (
+    FLUSH_MARK_NAME,
+    DirectoryScan,
+    read_flush_mark,
+    scan,
+    scan_directory,
+    write_flush_mark,
+)
+from umbp.pool.ssd.shard import _MAX_BATCH_ITEMS
 from umbp.pool.ssd.tier import SsdTier
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -484,3 +512,302 @@ def test_segment_numbers_at_the_end_of_their_range_fail_the_directory_clearly(tm
         tier.flush()
         assert "segment numbers are exhausted" in tier.stats()["failed_dirs"][str(tmp_path)]
         assert _hits(tier, {"k": 1}) == {"k": True}
+
+
+# ---- hostile, unreadable or odd files at start-up: never a crash, a hang, or a cost set by a claimed size
+
+
+def _two_segments(path) -> tuple[str, str]:
+    """'a' (v1) in a sealed segment 1; 'b' (v2) and 'c' (v3) in segment 2, each put flushed (mark 3)."""
+    with _tier(path) as tier:
+        _fill(tier, ["a"], 1)
+    with _tier(path) as tier:
+        _fill(tier, ["b", "c"], 2)
+        assert tier.remove(["c"]) == 1 and tier.put(["c"], [value(3)]) == [True] and tier.flush()
+    first, second = _segments(str(path))
+    return first, second
+
+
+def _fail_reads(monkeypatch, path: str, at: int) -> None:
+    """os.pread of `path` fails with EIO for any read that covers byte `at`: a bad sector."""
+    real, target = os.pread, os.path.realpath(path)
+
+    def pread(fd, n, off):
+        if off <= at < off + n:
+            try:
+                hit = os.readlink(f"/proc/self/fd/{fd}") == target
+            except OSError:
+                hit = False
+            if hit:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", pread)
+
+
+@pytest.mark.parametrize("where", ["payload", "head", "resync", "trailer", "open"])
+def test_an_io_error_at_startup_costs_only_what_it_hides(tmp_path, monkeypatch, where):
+    """EIO under one payload of a walked segment, its group head, a block a resync reads, a sealed
+    segment's trailer, or opening a segment: start-up used to raise out of SsdTier() and scan_directory.
+    Now an unreadable payload is a shadow (a miss), an unreadable head a loss stepped over (flushed, so
+    what is older is withheld), a trailer the reason to walk the segment, a segment that cannot be
+    opened a loss; the decision holds at the next restart, without the error."""
+    first, second = _two_segments(tmp_path)
+    found = scan_directory(str(tmp_path))
+    b = found["b"]
+    if where in ("payload", "head", "resync"):
+        _unseal_last(str(tmp_path))
+    if where == "payload":
+        _fail_reads(monkeypatch, second, b.offset + 100)
+    elif where == "head":
+        _fail_reads(monkeypatch, second, b.offset - BLOCK)  # b's group has one entry: one head block
+    elif where == "resync":  # b's head zeroed: the walk resyncs, and its first read covers a bad block
+        with open(second, "r+b") as f:
+            f.seek(b.offset - BLOCK)
+            f.write(bytes(BLOCK))
+        _fail_reads(monkeypatch, second, b.offset + BLOCK)
+    elif where == "trailer":
+        _fail_reads(monkeypatch, second, os.path.getsize(second) - 1)
+    else:
+        real_open, target = os.open, first
+
+        def failing_open(path, flags, *args, **kwargs):
+            if path == target:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", failing_open)
+    expect = {
+        "payload": {"a": True, "b": False, "c": True},
+        "head": {"a": False, "b": False, "c": True},  # a flushed loss: 'a' (older) withheld
+        "resync": {"a": False, "b": False, "c": True},
+        "trailer": {"a": True, "b": True, "c": True},
+        "open": {"a": False, "b": True, "c": True},  # segment 1 lost, nothing older than it
+    }[where]
+    assert sorted(scan_directory(str(tmp_path))) == sorted(k for k, hit in expect.items() if hit)
+    with _tier(tmp_path) as tier:
+        assert _hits(tier, {"a": 1, "b": 2, "c": 3}) == expect
+        assert tier.stats()["restart_damaged_records"] == (1 if where == "payload" else 0)
+    monkeypatch.undo()
+    with _tier(tmp_path) as tier:
+        assert _hits(tier, {"a": 1, "b": 2, "c": 3}) == expect
+
+
+def _unblock_fifo(path: str) -> None:
+    """Wake a reader stuck opening the FIFO at `path` (a test that failed must still end)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def _returns(fn, fifo: str | None = None, timeout: float = 10.0):
+    """fn()'s result, asserting it returns within `timeout` (a blocked open of `fifo` is woken first)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test below
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    blocked = thread.is_alive()
+    if blocked and fifo:
+        _unblock_fifo(fifo)
+        thread.join(timeout)
+    assert not blocked, f"blocked for {timeout} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.mark.parametrize(
+    "kind", ["directory", "symlink loop", "symlink to a directory", "symlink to a segment", "fifo"]
+)
+def test_entries_named_like_segments_that_are_not_regular_files_are_skipped(tmp_path, kind):
+    """A directory, a symlink or a FIFO named like a segment used to raise out of SsdTier() and
+    scan_directory (IsADirectoryError, ELOOP) or block them for ever (opening a FIFO). Now it is skipped
+    (listed in `skipped`, logged), left where it is, and never opened: the owner would write through a
+    symlink, so even one to a real segment elsewhere is not read."""
+    d = tmp_path / "d"
+    with _tier(d) as tier:
+        _fill(tier, ["a"], 1)
+    odd = str(d / segment_name(7))
+    if kind == "directory":
+        os.mkdir(odd)
+    elif kind == "symlink loop":
+        os.symlink(odd, odd)
+    elif kind == "symlink to a directory":
+        os.symlink(str(tmp_path), odd)
+    elif kind == "symlink to a segment":
+        with _tier(tmp_path / "other") as tier:
+            _fill(tier, ["x"], 2)
+        target = _segments(str(tmp_path / "other"))[0]
+        before = open(target, "rb").read()
+        os.symlink(target, odd)
+    else:
+        os.mkfifo(odd)
+    fifo = odd if kind == "fifo" else None
+    result = _returns(lambda: scan(str(d)), fifo)
+    assert sorted(result.records) == ["a"] and result.skipped == [segment_name(7)]
+    assert result.next_segment == 8
+    with _returns(lambda: _tier(d), fifo) as tier:
+        assert _hits(tier, {"a": 1}) == {"a": True}
+        assert tier.put(["n"], [value(3)]) == [True] and tier.flush()
+    assert os.path.lexists(odd)
+    if kind == "symlink to a segment":
+        assert open(target, "rb").read() == before  # not cut, not sealed, not deleted through the link
+
+
+def test_a_flush_mark_that_is_not_a_regular_file_never_blocks(tmp_path):
+    """FLUSHED replaced by a FIFO used to block read_flush_mark's open(), so every SsdTier() and
+    scan_directory() of the directory hung. Now it reads as no mark (0), and writing the mark fails,
+    logged, without blocking either."""
+    with _tier(tmp_path) as tier:
+        _fill(tier, ["a"], 1)
+    mark = str(tmp_path / FLUSH_MARK_NAME)
+    os.unlink(mark)
+    os.mkfifo(mark)
+    assert _returns(lambda: read_flush_mark(str(tmp_path)), mark) == 0
+    assert sorted(_returns(lambda: scan_directory(str(tmp_path)), mark)) == ["a"]
+    with _returns(lambda: _tier(tmp_path), mark) as tier:
+        assert _hits(tier, {"a": 1}) == {"a": True}
+        assert tier.put(["b"], [value(2)]) == [True]
+        assert _returns(lambda: write_flush_mark(str(tmp_path), 99), mark) is False
+
+
+def _sparse_segment(path, size: int, head: bytes = b"", tail: bytes = b"") -> None:
+    """A segment file of `size` apparent bytes: `head` at 0, `tail` at the end, a hole between."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.write(head)
+        if tail:
+            f.seek(size - len(tail))
+            f.write(tail)
+
+
+def _bounded_scan(monkeypatch, directory: str) -> tuple[DirectoryScan, int, int]:
+    """scan(directory), the bytes it asked os.pread for, and its peak of Python memory (tracemalloc)."""
+    real, asked = os.pread, [0]
+
+    def pread(fd, n, off):
+        asked[0] += n
+        return real(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", pread)
+    tracemalloc.start()
+    try:
+        result = scan(directory)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        monkeypatch.setattr(os, "pread", real)
+    return result, asked[0], peak
+
+
+@pytest.mark.parametrize("claim", ["summary", "group head", "payload"])
+def test_a_sparse_file_costs_what_it_holds_not_what_it_claims(tmp_path, monkeypatch, impl, claim):
+    """A sparse segment (one 4 KiB block of data) whose trailer claims a summary as long as the file (1
+    GiB), whose group head claims a head as long as the file (64 MiB), or whose one entry claims a payload
+    as long as the file (1 GiB): the scan used to read the whole claim into memory (MemoryError under a
+    ulimit; the head then stepped through 8 bytes at a time in Python, seconds). Now it reads a few
+    blocks, whatever the apparent size."""
+    with _tier(tmp_path) as tier:
+        _fill(tier, ["a"], 1)
+    size = 64 * MiB if claim == "group head" else 1 << 30  # the old head walk: 8 bytes a Python step
+    path = tmp_path / segment_name(9)
+    if claim == "summary":
+        _sparse_segment(path, size, tail=pack_trailer(0, size - BLOCK))
+    elif claim == "group head":
+        nbytes = size - BLOCK
+        count = nbytes // entry_span(MAX_KEY_BYTES) + 1  # within the old bound for nbytes
+        raw = struct.pack("<8sHHIII", b"UMBP-GRP", VERSION, 0, count, nbytes, 0)[:20]
+        _sparse_segment(path, size, head=raw + struct.pack("<I", zlib.crc32(raw)))
+    else:
+        head = np.zeros(BLOCK, np.uint8)
+        pack_group(memoryview(head), [b"forged"], [DATA], [10**6], [size - BLOCK], [12345])
+        _sparse_segment(path, size, head=head.tobytes())
+    result, asked, peak = _bounded_scan(monkeypatch, str(tmp_path))
+    assert sorted(result.records) == ["a"]
+    assert asked < 4 * MiB, f"read {asked} bytes of a file holding 4 KiB"
+    assert peak < 32 * MiB, f"peak {peak >> 20} MiB"
+    with _tier(tmp_path) as tier:
+        assert _hits(tier, {"a": 1}) == {"a": True}
+        # the forged entry's key and seq are intact: a shadow (kept, it hides older versions); else the
+        # segment holds nothing and is deleted
+        assert tier.stats()["restart_damaged_records"] == (claim == "payload")
+    assert path.exists() == (claim == "payload")
+
+
+def test_a_group_head_claiming_more_entries_than_any_writer_puts_in_one_is_no_head():
+    """The writer's groups hold at most its batch (512 items): a head claiming more is rejected before
+    its bytes are read, so no head read is larger than 512 entries with the longest keys (540 KiB)."""
+    assert _MAX_BATCH_ITEMS <= MAX_GROUP_ENTRIES
+    raw = struct.pack("<8sHHIII", b"UMBP-GRP", VERSION, 0, MAX_GROUP_ENTRIES + 1, 135 * BLOCK, 0)[:20]
+    assert parse_group_head(raw + struct.pack("<I", zlib.crc32(raw))) is None
+    raw = struct.pack("<8sHHIII", b"UMBP-GRP", VERSION, 0, MAX_GROUP_ENTRIES, 135 * BLOCK, 0)[:20]
+    assert parse_group_head(raw + struct.pack("<I", zlib.crc32(raw))) == (MAX_GROUP_ENTRIES, 135 * BLOCK)
+
+
+def test_psum_pieces_combine_to_the_psum64_of_the_whole(impl):
+    """Payloads and summaries are checksummed a chunk at a time: the pieces, at any row offset and with a
+    partial last row, must give psum64 exactly."""
+    rng = np.random.default_rng(5)
+    for n in (0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, MiB + 123, 3 * MiB):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        for chunk in (BLOCK, 3 * BLOCK, MiB):
+            h = 0
+            for at in range(0, n, chunk):
+                h ^= psum_piece(data[at : at + chunk], at // BLOCK)
+            assert finish(h, n) == checksum(data), (n, chunk)
+
+
+def _sparse_copy(path: str) -> None:
+    """Rewrite `path` with a hole wherever a 4 KiB block is zeros (as `cp --sparse=always` would)."""
+    raw = open(path, "rb").read()
+    tmp = path + ".sparse"
+    with open(tmp, "wb") as f:
+        for at in range(0, len(raw), BLOCK):
+            block = raw[at : at + BLOCK]
+            if block.strip(b"\0"):
+                f.seek(at)
+                f.write(block)
+        f.truncate(len(raw))
+    os.replace(tmp, path)
+
+
+def test_chunked_and_hole_skipping_reads_find_what_whole_reads_find(tmp_path, monkeypatch, impl):
+    """The scan reads summaries and payloads a chunk at a time and skips holes in long payloads: with
+    chunks of one block, and with the directory's zero blocks made holes, it must find exactly what it
+    finds otherwise (every record, intact payloads verified, summaries parsed across chunk boundaries)."""
+    big = np.zeros(3 * MiB + 777, np.uint8)  # mostly zeros: holes once made sparse
+    big[:5000] = 7
+    big[2 * MiB : 2 * MiB + 100] = 9
+    big[-10:] = 3
+    keys = [f"key-{i:03d}-" + "k" * 200 for i in range(40)]  # a summary of several blocks
+    with _tier(tmp_path) as tier:
+        for i, k in enumerate(keys):
+            assert tier.put([k], [value(i)]) == [True]
+        assert tier.flush() and tier.put(["big"], [big]) == [True] and tier.flush()
+    with _tier(tmp_path) as tier:
+        assert tier.put(["big2"], [big]) == [True] and tier.flush()
+    _unseal_last(str(tmp_path))  # big2 walked: its payload checked chunk by chunk
+    whole = scan(str(tmp_path))
+    assert len(whole.records) == 42 and whole.damaged == 0 and whole.segments[0].sealed
+    for seg in _segments(str(tmp_path)):
+        _sparse_copy(seg)
+    holes = os.path.getsize(seg) - os.stat(seg).st_blocks * 512
+    assert holes > 2 * MiB, "the filesystem kept no holes: the hole-skipping path would go untested"
+    monkeypatch.setattr(recovery, "READ_CHUNK", BLOCK)
+    monkeypatch.setattr(scanio, "READ_CHUNK", BLOCK)
+    chunked = scan(str(tmp_path))
+    assert chunked.records == whole.records and chunked.damaged == 0
+    assert [s.sealed for s in chunked.segments] == [s.sealed for s in whole.segments]
+    monkeypatch.undo()
+    with _tier(tmp_path) as tier:
+        for k in ("big", "big2"):
+            out = np.empty(big.size, np.uint8)
+            assert tier.get_into([k], [out]) == [True] and np.array_equal(out, big), k

@@ -8,7 +8,8 @@ with O_DIRECT::
 
     group   = head blocks + payloads, each payload zero-padded to a multiple of 4 KiB
     head    = group head (magic "UMBP-GRP", version u16, 0 u16, count u32, head bytes u32, crc32 of those 20
-              bytes), then `count` entries back to back, each padded to 8 bytes, then zeros to 4 KiB
+              bytes), then `count` (<= MAX_GROUP_ENTRIES) entries back to back, each padded to 8 bytes,
+              then zeros to 4 KiB
     entry   = magic "UMBP-REC", version u16 (2), flags u16, key_len u16, 0 u16, seq u64, length u64,
               checksum u64 (psum64 of the payload), header_crc u32, 0 u32, key (utf-8)
               (little-endian; header_crc = crc32 of the other 44 header bytes and the key)
@@ -33,6 +34,7 @@ summary entries of format 2) are payload offsets, whatever the format.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import zlib
@@ -42,7 +44,8 @@ from typing import NamedTuple
 import numpy as np
 
 from umbp.pool import native
-from umbp.pool.checksum import as_rows, combine_padded_rows, row_values
+from umbp.pool.checksum import as_rows, checksum_u8, combine_padded_rows, finish, row_values
+from umbp.pool.checksum.gf64 import gf_mul_int
 
 BLOCK = 4096
 MAGIC = b"UMBP-REC"
@@ -55,6 +58,11 @@ VERSION = 3
 VERSION_1 = 1
 DATA, TOMBSTONE, SUMMARY = 0, 1, 2
 MAX_KEY_BYTES = 1024
+# The most entries a group head holds: a group is part of one writer batch, at most 512 items
+# (umbp.pool.ssd.shard._MAX_BATCH_ITEMS, below IOV_MAX, since the first version); a seal's and a
+# copy-forward's hold one. A head claiming more is no head any version wrote, so a scan never reads more
+# than head_bytes(MAX_GROUP_ENTRIES * entry_span(MAX_KEY_BYTES)) (540 KiB) for one head.
+MAX_GROUP_ENTRIES = 512
 LOCK_NAME = "LOCK"
 
 _HEADER = struct.Struct("<8sHHHHQQQI4x")  # 48 bytes; the crc covers the first 44 and the key
@@ -239,6 +247,8 @@ def parse_group_head(block: bytes) -> tuple[int, int] | None:
     _, version, _, count, nbytes, crc = _GROUP.unpack_from(block)
     if version != VERSION or zlib.crc32(block[: _GROUP.size - 4]) != crc or nbytes % BLOCK:
         return None
+    if count > MAX_GROUP_ENTRIES:
+        return None
     if not head_bytes(count * entry_span(0)) <= nbytes <= head_bytes(count * entry_span(MAX_KEY_BYTES)):
         return None
     return count, nbytes
@@ -272,6 +282,40 @@ def psum_of_rows(rows: np.ndarray, length: int) -> int:
     row zero-padded, with the next row's weight, which is exactly a zero-padded block's row value; records
     are zero-padded on disk. (tests/unit/test_ssd_format.py checks the equality.)"""
     return int(combine_padded_rows(rows[None, :], length)[0])
+
+
+_WEIGHT_POWERS: list[int] = []  # x**(32768 * 2**i) mod P: the weights of rows 2**i, built on first use
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_weight(row: int) -> int:
+    """The weight psum64 gives row `row` of an object: x**(32768 * row) mod P (umbp.pool.checksum)."""
+    if not _WEIGHT_POWERS:
+        w = 2  # x
+        for _ in range(15):  # x**32768: one 4 KiB row's bits
+            w = gf_mul_int(w, w)
+        powers = []
+        for _ in range(64):
+            powers.append(w)
+            w = gf_mul_int(w, w)
+        _WEIGHT_POWERS[:] = powers
+    out = 1
+    for i in range(row.bit_length()):
+        if row >> i & 1:
+            out = gf_mul_int(out, _WEIGHT_POWERS[i])
+    return out
+
+
+def psum_piece(chunk: np.ndarray, row0: int) -> int:
+    """What a piece of an object (a flat uint8 array) adds to the object's psum64 when it starts `row0`
+    4 KiB rows in, a partial last row counted zero-padded: the pieces of an object xor up, and
+    umbp.pool.checksum.finish(xor, length) is its psum64. Rows weigh x**(32768 * row), so a piece is its
+    own rows' sum from row 0 times row0's weight: a payload is checked a chunk at a time, in bounded
+    memory, and a chunk of zeros (a hole in a sparse file) adds nothing."""
+    if native.lib is not None:
+        return native.lib.psum_copy((chunk,), None, (row0,))[0]
+    h = checksum_u8(chunk) ^ finish(0, chunk.size)  # the chunk's psum64 less its length term
+    return gf_mul_int(h, _row_weight(row0)) if row0 else h
 
 
 def psums_of_records(rows: np.ndarray, count: int, length: int) -> list[int]:
@@ -310,21 +354,30 @@ def pack_summary(entries: list[tuple[str, RecordInfo]]) -> bytes:
 
 
 def unpack_summary(payload: bytes, segment: int) -> list[tuple[str, RecordInfo]] | None:
-    out, pos = [], 0
-    while pos < len(payload):
-        if pos + _ENTRY.size > len(payload):
+    out: list[tuple[str, RecordInfo]] = []
+    return out if unpack_summary_into(payload, segment, out) == len(payload) else None
+
+
+def unpack_summary_into(buf: bytes, segment: int, out: list[tuple[str, RecordInfo]]) -> int | None:
+    """The whole summary entries at the start of `buf`, appended to `out`; returns the bytes they take (a
+    partial entry at the end is left for the caller's next chunk), or None at an entry no writer makes:
+    seq 0 (seqs start at 1), flags other than data or tombstone, a key over MAX_KEY_BYTES or not utf-8.
+    So a run of zeros (a hole of a sparse file) is never read as thousands of records."""
+    pos = 0
+    while pos + _ENTRY.size <= len(buf):
+        off, length, csum, seq, flags, key_len = _ENTRY.unpack_from(buf, pos)
+        if seq == 0 or flags not in (DATA, TOMBSTONE) or key_len > MAX_KEY_BYTES:
             return None
-        off, length, csum, seq, flags, key_len = _ENTRY.unpack_from(payload, pos)
-        pos += _ENTRY.size
-        if pos + key_len > len(payload):
-            return None
+        end = pos + _ENTRY.size + key_len
+        if end > len(buf):
+            break
         try:
-            key = payload[pos : pos + key_len].decode()
+            key = bytes(buf[pos + _ENTRY.size : end]).decode()
         except UnicodeDecodeError:
             return None
-        pos += key_len
         out.append((key, RecordInfo(segment, off, length, csum, seq, flags)))
-    return out
+        pos = end
+    return pos
 
 
 def pack_trailer(summary_offset: int, summary_record_bytes: int, version: int = VERSION) -> bytes:

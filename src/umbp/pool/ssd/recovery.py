@@ -18,13 +18,23 @@ above it they are writes a crash cut short, which nobody was promised.
 
 `seq` increases with every record a directory receives, in file order (segments oldest first, each in
 offset order), which is what lets a loss be placed among seqs although its own were not read.
+
+A file is data, never an instruction: whatever a directory holds, the scan neither raises nor blocks, and
+its memory and time follow the bytes the files really hold, not the sizes they claim. Entries that are not
+regular files (directories, symlinks, FIFOs, devices) are skipped unopened; an I/O error costs what it
+hides (an unreadable payload is a shadow, an unreadable head a loss the walk resyncs past, a segment that
+cannot be opened a loss); a head holds at most MAX_GROUP_ENTRIES entries; payloads and summaries are read a
+chunk at a time, and only where the file holds data (a hole reads as zeros, which add nothing to psum64 and
+hold no head).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import zlib
@@ -32,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from umbp.pool.checksum import checksum_u8
+from umbp.pool.checksum import finish
 from umbp.pool.ssd.format import (
     _GROUP,
     _HEADER,
@@ -51,10 +61,19 @@ from umbp.pool.ssd.format import (
     parse_group_head,
     parse_header,
     parse_trailer,
+    psum_piece,
     record_bytes,
     segment_name,
     segment_number,
-    unpack_summary,
+    unpack_summary_into,
+)
+from umbp.pool.ssd.scanio import (
+    NOT_THE_FILES,
+    OPEN_FLAGS,
+    READ_CHUNK,
+    data_runs,
+    payload_problem,
+    pread_blocks,
 )
 
 log = logging.getLogger("umbp.ssd")
@@ -90,10 +109,14 @@ def _mark_slots(raw: bytes) -> list[int | None]:
 
 
 def read_flush_mark(directory: str) -> int:
-    """The highest seq `flush()` reported synced in `directory` (0: none, or no intact slot)."""
+    """The highest seq `flush()` reported synced in `directory` (0: none, no intact slot, or not a regular
+    file: a FIFO there must not block the scan)."""
     try:
-        with open(os.path.join(directory, FLUSH_MARK_NAME), "rb") as f:
-            raw = f.read(2 * _MARK_SLOT)
+        fd = os.open(os.path.join(directory, FLUSH_MARK_NAME), OPEN_FLAGS)
+        try:
+            raw = os.pread(fd, 2 * _MARK_SLOT, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
     except OSError:
         return 0
     return max((s for s in _mark_slots(raw) if s is not None), default=0)
@@ -110,8 +133,10 @@ def write_flush_mark(directory: str, seq: int) -> bool:
 
 def _write_mark(path: str, directory: str, seq: int) -> bool:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
             slots = _mark_slots(os.pread(fd, 2 * _MARK_SLOT, 0))
             if any(s is not None and s >= seq for s in slots):
                 return True
@@ -166,32 +191,59 @@ class SegmentScan:
 
 
 def _read_summary(fd: int, size: int, number: int) -> list[tuple[str, RecordInfo]] | None:
+    """The records a sealed segment's summary lists, or None (then the segment is walked): no valid
+    trailer, summary head or checksum, an entry no writer makes, or an I/O error. The trailer's claims are
+    checked before anything they point at is read, and the summary is read a chunk at a time."""
     if size < 2 * BLOCK or size % BLOCK:
         return None
-    trailer = parse_trailer(os.pread(fd, BLOCK, size - BLOCK))
-    if trailer is None:
+    try:
+        trailer = parse_trailer(os.pread(fd, BLOCK, size - BLOCK))
+        if trailer is None:
+            return None
+        version, off, nbytes = trailer
+        if off + nbytes != size - BLOCK or nbytes < BLOCK or off % BLOCK:
+            return None
+        first = os.pread(fd, BLOCK, off)  # a summary's head is one block in either format
+        if version == VERSION_1:  # one record: its header block, then the payload
+            head = parse_header(first, VERSION_1)
+        else:  # a group of one summary entry
+            group = parse_group_head(first)
+            entries = _entries(first, 1)[0] if group is not None and group[:2] == (1, BLOCK) else []
+            head = entries[0] if entries else None
+        # the summary lists records of the bytes before it, each of which took more than its entry
+        if (
+            head is None
+            or head.flags != SUMMARY
+            or BLOCK + padded(head.length) != nbytes
+            or head.length > off
+        ):
+            return None
+        entries = _summary_entries(fd, off + BLOCK, head.length, head.checksum, number)
+    except OSError:
         return None
-    version, off, nbytes = trailer
-    if off + nbytes != size - BLOCK or nbytes < BLOCK:
-        return None
-    raw = os.pread(fd, nbytes, off)
-    if len(raw) != nbytes:
-        return None
-    if version == VERSION_1:  # one record: its header block, then the payload
-        head, at = parse_header(raw[:BLOCK], VERSION_1), BLOCK
-    else:  # a group of one summary entry
-        group = parse_group_head(raw[:BLOCK])
-        entries = _entries(raw[: group[1]], group[0])[0] if group is not None and group[0] == 1 else []
-        head, at = (entries[0], group[1]) if entries else (None, 0)
-    if head is None or head.flags != SUMMARY or at + padded(head.length) != nbytes:
-        return None
-    payload = np.frombuffer(raw, np.uint8)[at : at + head.length]
-    if checksum_u8(payload) != head.checksum:
-        return None
-    entries = unpack_summary(payload.tobytes(), number)
     if entries is not None and version == VERSION_1:  # format 1 lists header offsets
         entries = [(key, r._replace(offset=r.offset + BLOCK)) for key, r in entries]
     return entries
+
+
+def _summary_entries(
+    fd: int, off: int, length: int, checksum: int, number: int
+) -> list[tuple[str, RecordInfo]] | None:
+    """A summary payload parsed and checksummed a chunk at a time: it stops at the first entry no writer
+    makes, so a forged length over zeros costs one chunk, not the whole claim."""
+    out: list[tuple[str, RecordInfo]] = []
+    carry, h = b"", 0
+    for pos in range(0, length, READ_CHUNK):
+        raw = os.pread(fd, min(READ_CHUNK, length - pos), off + pos)
+        if len(raw) != min(READ_CHUNK, length - pos):
+            return None
+        h ^= psum_piece(np.frombuffer(raw, np.uint8), pos // BLOCK)
+        buf = carry + raw
+        used = unpack_summary_into(buf, number, out)
+        if used is None:
+            return None
+        carry = buf[used:]
+    return out if not carry and finish(h, length) == checksum else None
 
 
 def _entries(head: bytes, count: int) -> tuple[list[Header], list[Header]]:
@@ -211,16 +263,17 @@ def _entries(head: bytes, count: int) -> tuple[list[Header], list[Header]]:
     stray = []
     at += 8
     while at + _HEADER.size <= len(head) and len(ordered) + len(stray) < count:
-        h = parse_header(view[at:], VERSION) if head[at : at + 8] == MAGIC else None
+        found = head.find(MAGIC, at)  # the next magic; only 8-aligned ones can start an entry
+        if found < 0:
+            break
+        if found % 8:
+            at = found - found % 8 + 8
+            continue
+        h = parse_header(view[found:], VERSION) if found + _HEADER.size <= len(head) else None
         if h is not None:
             stray.append(h)
-        at += entry_span(len(h.key.encode())) if h is not None else 8
+        at = found + (entry_span(len(h.key.encode())) if h is not None else 8)
     return ordered, stray
-
-
-def _payload_ok(fd: int, r: RecordInfo) -> bool:
-    raw = os.pread(fd, r.length, r.offset)
-    return len(raw) == r.length and checksum_u8(np.frombuffer(raw, np.uint8)) == r.checksum
 
 
 def _head_at(off: int, size: int, block: bytes) -> str:
@@ -236,11 +289,21 @@ def _head_at(off: int, size: int, block: bytes) -> str:
 
 def _resync(fd: int, off: int, size: int) -> int:
     """The offset of the next 4 KiB block at or after `off` that starts a valid group or format-1 record,
-    or `size` if none does. Reads a chunk at a time: past a zeroed region of a 256 MiB segment this is one
-    pass, not one read a block."""
+    or `size` if none does. Reads a chunk at a time, only where the file holds data: past a zeroed region
+    of a 256 MiB segment this is one pass, not one read a block, and a hole costs nothing."""
     off = -(-off // BLOCK) * BLOCK
     while off + BLOCK <= size:
-        chunk = os.pread(fd, min(_RESYNC_CHUNK, size - off) // BLOCK * BLOCK, off)
+        run = next(data_runs(fd, off, size), None)
+        if run is None:
+            break
+        off = run[0]
+        n = min(_RESYNC_CHUNK, run[1] - off, size - off) // BLOCK * BLOCK
+        if not n:
+            break
+        try:
+            chunk = os.pread(fd, n, off)
+        except OSError:
+            chunk = pread_blocks(fd, n, off)
         if not chunk:
             break
         for at in range(0, len(chunk), BLOCK):
@@ -263,7 +326,12 @@ def _walk(fd: int, scan: SegmentScan) -> None:
     trailer) ends the walk: it holds no records of its own."""
     off, size = 0, scan.size
     while off + BLOCK <= size:
-        block = os.pread(fd, BLOCK, off)
+        try:
+            block = os.pread(fd, BLOCK, off)
+        except OSError as exc:
+            block, why = b"", f"an unreadable block ({exc.strerror})"
+        else:
+            why = "a group head that runs past the end of the file" if parse_group_head(block) else ""
         kind = _head_at(off, size, block)
         if kind == "group":
             off = _walk_group(fd, scan, off, block)
@@ -273,11 +341,7 @@ def _walk(fd: int, scan: SegmentScan) -> None:
             break
         else:
             nxt = _resync(fd, off + BLOCK, size)
-            why = (
-                "a group head that runs past the end of the file"
-                if parse_group_head(block)
-                else "no valid header"
-            )
+            why = why or "no valid header"
             scan.lose(f"{why} at offset {off} (corrupt or torn): bytes {off}..{nxt} skipped")
             off = nxt
 
@@ -286,7 +350,14 @@ def _walk_group(fd: int, scan: SegmentScan, off: int, block: bytes) -> int:
     """A group: each entry's payload verified, a damaged one listed as a shadow. Returns where the walk
     goes on (the file's size when a seal begins here: only its trailer follows)."""
     count, nbytes = parse_group_head(block)
-    head = block if nbytes == BLOCK else os.pread(fd, nbytes, off)
+    head = block
+    if nbytes > BLOCK:
+        try:
+            head = os.pread(fd, nbytes, off)  # at most MAX_GROUP_ENTRIES entries: 540 KiB
+        except OSError as exc:  # the entries in its first block are still read
+            scan.problems.append(
+                f"the head at offset {off} is unreadable past its first block ({exc.strerror})"
+            )
     ordered, stray = _entries(head, count)
     size = scan.size
     if ordered and ordered[0].flags == SUMMARY:
@@ -300,8 +371,8 @@ def _walk_group(fd: int, scan: SegmentScan, off: int, block: bytes) -> int:
             scan.lose(f"{where} is a summary inside a group")
         elif pos + r.nbytes > size:
             scan.shadow(h.key, r, f"{where} runs past the end of the file")
-        elif h.flags == DATA and not _payload_ok(fd, r):
-            scan.shadow(h.key, r, f"{where} fails its checksum")
+        elif h.flags == DATA and (bad := payload_problem(fd, r)):
+            scan.shadow(h.key, r, f"{where} {bad}")
         else:
             scan.records.append((h.key, r))
         if pos + r.nbytes <= size:
@@ -327,8 +398,8 @@ def _walk_record(fd: int, scan: SegmentScan, off: int, block: bytes) -> int:
     if off + nbytes > scan.size:
         scan.shadow(head.key, info, f"record at offset {off} runs past the end of the file")
         return scan.size
-    if head.flags == DATA and not _payload_ok(fd, info):
-        scan.shadow(head.key, info, f"record at offset {off} fails its checksum")
+    if head.flags == DATA and (bad := payload_problem(fd, info)):
+        scan.shadow(head.key, info, f"record at offset {off} {bad}")
     else:
         scan.records.append((head.key, info))
     scan.valid_end = off + nbytes
@@ -336,22 +407,33 @@ def _walk_record(fd: int, scan: SegmentScan, off: int, block: bytes) -> int:
 
 
 def scan_segment(path: str, number: int) -> SegmentScan | None:
-    """What a segment holds (None if it vanished). Read-only; safe while its owner appends to it."""
+    """What a segment holds; None if it vanished or is not a regular file (a directory, symlink, FIFO or
+    device named like a segment: opened without following or blocking, and left alone). Read-only; safe
+    while its owner appends to it. An I/O error the walk cannot step over (opening the file, its size)
+    ends the segment there, as a loss of what it held."""
+    scan = SegmentScan(number, path, 0, sealed=False, valid_end=0)
+    fd = -1
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        scan = SegmentScan(number, path, size, sealed=False, valid_end=0)
-        entries = _read_summary(fd, size, number)
+        fd = os.open(path, OPEN_FLAGS)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        scan.size = st.st_size
+        entries = _read_summary(fd, scan.size, number)
         if entries is not None:
-            scan.sealed, scan.valid_end, scan.records = True, size, entries
+            scan.sealed, scan.valid_end, scan.records = True, scan.size, entries
         else:
             _walk(fd, scan)
-        return scan
+    except OSError as exc:
+        if fd < 0 and exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):  # vanished, a symlink, a socket
+            return None
+        if exc.errno in NOT_THE_FILES:
+            raise
+        scan.lose(f"unreadable ({exc.strerror or exc}): the rest of the segment is lost")
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
+    return scan
 
 
 # ---- a directory ---------------------------------------------------------------------------------------
@@ -368,10 +450,12 @@ class DirectoryScan:
     horizon: int = 0
     withheld: int = 0  # records withheld for that
     damaged: int = 0  # records whose payload the walk found damaged or missing (misses)
+    skipped: list[str] = field(default_factory=list)  # names of segments that are not regular files
 
     @property
     def discarded(self) -> list[str]:
-        out = [f"{os.path.basename(s.path)}: {s.discarded}" for s in self.segments if s.discarded]
+        out = [f"{name}: not a regular file, ignored" for name in self.skipped]
+        out += [f"{os.path.basename(s.path)}: {s.discarded}" for s in self.segments if s.discarded]
         if self.horizon:
             out.append(
                 f"flushed records were lost whose keys are unknown: every record up to seq {self.horizon} "
@@ -407,19 +491,26 @@ def _horizon(segments: list[SegmentScan], flushed: int) -> int:
     return horizon
 
 
-def _segment_files(directory: str) -> list[int]:
-    numbers, odd = [], []
-    for name in os.listdir(directory):
-        n = segment_number(name)
-        if n is not None:
-            numbers.append(n)
-        elif _LOOKS_LIKE_SEGMENT.match(name):
-            odd.append(name)
+def _segment_files(directory: str) -> tuple[list[int], list[int]]:
+    """(numbers of the segment files, numbers of segment names that are not regular files), sorted."""
+    numbers, others, odd = [], [], []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            n = segment_number(entry.name)
+            if n is None:
+                if _LOOKS_LIKE_SEGMENT.match(entry.name):
+                    odd.append(entry.name)
+                continue
+            try:
+                regular = entry.is_file(follow_symlinks=False)
+            except OSError:  # unknown: scan_segment checks what it opens
+                regular = True
+            (numbers if regular else others).append(n)
     if odd:
         log.warning(
             "umbp: SSD %s: ignoring %s: not a segment name this version reads", directory, sorted(odd)
         )
-    return sorted(numbers)
+    return sorted(numbers), sorted(others)
 
 
 def scan(directory: str) -> DirectoryScan:
@@ -427,7 +518,7 @@ def scan(directory: str) -> DirectoryScan:
     # the mark first: a reader beside a running owner must not judge what it saw against a mark newer than
     # the files it read (records still being written would look like flushed ones lost)
     mark = read_flush_mark(directory)
-    numbers = _segment_files(directory)
+    numbers, others = _segment_files(directory)
     segments = [s for n in numbers if (s := scan_segment(os.path.join(directory, segment_name(n)), n))]
     sealed_max = max((r.seq for s in segments if s.sealed for _, r in s.records), default=0)
     flushed = max(mark, sealed_max)
@@ -450,11 +541,12 @@ def scan(directory: str) -> DirectoryScan:
         segments=segments,
         records={k: r for k, r in best.items() if r.flags == DATA},
         next_seq=max(max_seq, flushed, horizon) + 1,
-        next_segment=(numbers[-1] + 1) if numbers else 1,
+        next_segment=max(numbers[-1:] + others[-1:], default=0) + 1,
         flushed_seq=flushed,
         horizon=horizon,
         withheld=withheld,
         damaged=damaged,
+        skipped=[segment_name(n) for n in others],
     )
 
 
