@@ -811,3 +811,81 @@ def test_chunked_and_hole_skipping_reads_find_what_whole_reads_find(tmp_path, mo
         for k in ("big", "big2"):
             out = np.empty(big.size, np.uint8)
             assert tier.get_into([k], [out]) == [True] and np.array_equal(out, big), k
+
+
+@pytest.mark.parametrize("where", ["open", "truncate"])
+def test_a_segment_the_disk_will_not_let_the_tier_adopt_costs_its_records_only(tmp_path, monkeypatch, where):
+    """A segment that cannot be opened for writing (a read-only file) or truncated (an I/O error) is left
+    alone and its records are not served, counted: the start-up goes on, and a key whose newest version
+    it holds is a miss, never the older version another segment still holds."""
+    from umbp.pool.ssd import directory as directory_module
+    from umbp.pool.ssd.format import segment_name
+
+    d = tmp_path / "ssd"
+    with _tier(d) as tier:
+        _fill(tier, ["K"], 1)
+        for i in range(6):  # 65-105 KiB each: a few 256 KiB segments
+            _fill(tier, [f"a{i}"], 5 * (i + 1))
+        assert tier.remove(["K"]) == 1
+        _fill(tier, ["K", "b"], 2)
+    held = scan_directory(str(d))
+    newest = held["K"].segment
+    assert held["a0"].segment != newest and newest == max(r.segment for r in held.values())
+    if where == "truncate":  # the newest segment left open by a crash, so that it must be truncated
+        _unseal_last(str(d))
+    path = str(d / segment_name(newest))
+    real_open_fd, real_truncate = (
+        directory_module.DirectoryMixin._open_fd,
+        directory_module.DirectoryMixin._truncate,
+    )
+
+    def refuse_open(self, shard, p, create):
+        if p == path and where == "open":
+            raise OSError(errno.EACCES, "Permission denied", p)
+        return real_open_fd(self, shard, p, create)
+
+    def refuse_truncate(seg, valid_end):
+        if seg.path == path:
+            raise OSError(errno.EIO, "Input/output error", seg.path)
+        return real_truncate(seg, valid_end)
+
+    monkeypatch.setattr(directory_module.DirectoryMixin, "_open_fd", refuse_open)
+    monkeypatch.setattr(directory_module.DirectoryMixin, "_truncate", staticmethod(refuse_truncate))
+    with _tier(d) as tier:
+        assert tier.exists(["K", "b", "a0"]) == [False, False, True]
+        assert tier.get_into(["K"], [np.empty(value(1).size, np.uint8)]) == [False]
+        assert tier.stats()["restart_damaged_records"] >= 2
+        assert tier.put(["c"], [value(3)]) == [True] and tier.flush()  # a new segment number, not its
+    assert os.path.exists(path)
+
+
+def test_a_second_owner_is_kept_out_even_when_the_lock_file_was_replaced(tmp_path):
+    """The owner locks the directory itself: a LOCK file deleted and made again while it runs does not
+    let a second SsdTier in beside it."""
+    from umbp.pool.ssd.shard import SsdLockedError
+
+    d = tmp_path / "ssd"
+    with _tier(d):
+        os.unlink(d / "LOCK")
+        (d / "LOCK").write_text("")
+        with pytest.raises(SsdLockedError, match="in use by another SsdTier"):
+            _tier(d)
+    with _tier(d):  # released at close
+        pass
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_a_lock_that_is_not_a_regular_file_is_one_clear_error(tmp_path, kind):
+    from umbp.pool.ssd.shard import SsdDirectoryError
+
+    d = tmp_path / "ssd"
+    d.mkdir()
+    lock = d / "LOCK"
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SsdDirectoryError, match="LOCK is not a regular file"):
+        _tier(d)

@@ -6,12 +6,14 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import threading
 
 from umbp.pool.buffers import aligned_buffer
 from umbp.pool.ssd.format import (
     LOCK_NAME,
     entry_bytes,
+    segment_number,
 )
 from umbp.pool.ssd.recovery import scan
 from umbp.pool.ssd.shard import (
@@ -31,7 +33,7 @@ class DirectoryMixin:
 
     def _open_shard(self, number: int, directory: str, capacity: int) -> _Shard:
         _ensure_directory(directory)
-        lock_fd = _lock_directory(directory)
+        lock_fd, lock_file_fd = _lock_directory(directory)
         shard = _Shard(
             number,
             directory,
@@ -41,6 +43,7 @@ class DirectoryMixin:
             direct=self._direct_mode is not False,
             scratch=aligned_buffer(self._max_io),
             limit=capacity,
+            lock_file_fd=lock_file_fd,
         )
         try:
             self._rebuild(shard)
@@ -61,12 +64,33 @@ class DirectoryMixin:
         self._counters["restart_withheld_records"] += found.withheld
         self._unlink_empty(shard, found.segments)
         # numbers of deleted files are free again: a stray empty or garbage seg-999999999999.umbp must not
-        # push every later name up
-        shard.next_segment = max((s.number for s in found.segments if s.records), default=0) + 1
+        # push every later name up; a name in use by something else (found.skipped) is never reused
+        taken = [s.number for s in found.segments if s.records] + [segment_number(n) for n in found.skipped]
+        shard.next_segment = max(taken, default=0) + 1
         by_number = {}
         for s in found.segments:
             if not s.records:
                 continue
+            seg = self._adopt(shard, s)
+            if seg is None:
+                continue
+            shard.segments.append(seg)
+            by_number[s.number] = seg
+            self._set_reserved(shard, seg)
+        for key, r in sorted(found.records.items(), key=lambda kv: kv[1].seq):  # oldest write = LRU end
+            if self._shard_number(key) != shard.number:  # written when the directory list was different
+                self._counters["foreign_records"] += 1
+                continue
+            if r.segment not in by_number:  # its newest version is in a segment that could not be adopted:
+                continue  # not served at all (an older version elsewhere must not come back in its place)
+            self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum))
+
+    def _adopt(self, shard: _Shard, s) -> _Segment | None:
+        """Open a scanned segment for the tier (sealing one a crash left open), or None when the disk
+        refuses (read-only file, I/O error): its records are then not served, counted and logged, and
+        the file is left as it is."""
+        seg = None
+        try:
             seg = _Segment(
                 s.number,
                 s.path,
@@ -76,17 +100,24 @@ class DirectoryMixin:
                 list(s.records),
                 sum(entry_bytes(k.encode()) for k, _ in s.records),
             )
-            shard.segments.append(seg)
-            by_number[s.number] = seg
             if not s.sealed:
                 self._truncate(seg, s.valid_end)
                 self._seal(shard, seg)
-            self._set_reserved(shard, seg)
-        for key, r in sorted(found.records.items(), key=lambda kv: kv[1].seq):  # oldest write = LRU end
-            if self._shard_number(key) != shard.number:  # written when the directory list was different
-                self._counters["foreign_records"] += 1
-                continue
-            self._index(shard, key, _Loc(by_number[r.segment], r.offset, r.length, r.checksum))
+            return seg
+        except SsdDirectoryError:
+            raise
+        except OSError as exc:
+            if seg is not None and seg.fd >= 0:
+                os.close(seg.fd)
+            self._counters["restart_damaged_records"] += len(s.records)
+            log.warning(
+                "umbp: SSD %s: cannot adopt %s (%s): its %d records are not served",
+                shard.directory,
+                os.path.basename(s.path),
+                exc.strerror or exc,
+                len(s.records),
+            )
+            return None
 
     @staticmethod
     def _unlink_empty(shard: _Shard, segments: list) -> None:
@@ -95,7 +126,16 @@ class DirectoryMixin:
         withheld older record must be gone from the disk before the loss that withholds it is forgotten."""
         empty = [s for s in segments if not s.records]
         for s in empty:
-            os.unlink(s.path)
+            try:
+                os.unlink(s.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # left in place, its withheld records could be served after the seal
+                raise SsdDirectoryError(
+                    f"umbp: SSD directory '{shard.directory}': cannot delete {os.path.basename(s.path)}, "
+                    f"which holds only records that must not be served ({exc.strerror}); make it deletable "
+                    "or remove it"
+                ) from None
         if empty:
             dfd = os.open(shard.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
@@ -145,9 +185,11 @@ class DirectoryMixin:
             if seg.fd >= 0:
                 os.close(seg.fd)
                 seg.fd = -1
-        if shard.lock_fd >= 0:
-            os.close(shard.lock_fd)  # releases the flock
-            shard.lock_fd = -1
+        for name in ("lock_file_fd", "lock_fd"):
+            fd = getattr(shard, name)
+            if fd >= 0:
+                os.close(fd)  # releases its flock
+                setattr(shard, name, -1)
 
 
 def _ensure_directory(directory: str) -> None:
@@ -162,25 +204,54 @@ def _ensure_directory(directory: str) -> None:
         raise SsdDirectoryError(f"umbp: SSD directory '{directory}' is not a directory")
 
 
-def _lock_directory(directory: str) -> int:
-    """flock the directory's LOCK file; the holder's pid goes into it for the error message."""
+def _lock_directory(directory: str) -> tuple[int, int]:
+    """flock the directory itself and its LOCK file (the one earlier versions lock; the holder's pid goes
+    into it for the error message); returns both descriptors. The directory is what keeps a second owner
+    out: a LOCK file deleted and made again while its owner runs would let a second process lock the new
+    file and write beside the owner."""
     path = os.path.join(directory, LOCK_NAME)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
+        raise SsdDirectoryError(f"umbp: cannot open SSD directory '{directory}' ({exc.strerror})") from None
+    fd = -1
+    try:
+        fd = _open_lock(directory, path)
+        for held in (dfd, fd):
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                raise SsdLockedError(
+                    f"umbp: SSD directory '{directory}' is in use by another SsdTier (pid {holder}); two "
+                    "processes must not share one directory: give each process (each TP rank) its own "
+                    "subdirectory"
+                ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return dfd, fd
+    except BaseException:
+        for opened in (fd, dfd):
+            if opened >= 0:
+                os.close(opened)
+        raise
+
+
+def _open_lock(directory: str, path: str) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise SsdDirectoryError(
+                f"umbp: SSD directory '{directory}': its LOCK is not a regular file; remove it"
+            ) from None
         raise SsdDirectoryError(
             f"umbp: SSD directory '{directory}' is not writable ({exc.strerror}); the SSD tier needs a "
             "writable directory (read-only media and read-only mounts cannot hold a cache)"
         ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise SsdLockedError(
-            f"umbp: SSD directory '{directory}' is in use by another SsdTier (pid {holder}); two processes "
-            "must not share one directory: give each process (each TP rank) its own subdirectory"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        raise SsdDirectoryError(
+            f"umbp: SSD directory '{directory}': its LOCK is not a regular file; remove it"
+        )
     return fd

@@ -118,12 +118,13 @@ class _Shard:
 
     number: int
     directory: str
-    lock_fd: int
+    lock_fd: int  # the flocked directory (umbp.pool.ssd.directory._lock_directory)
     capacity: int
     cv: threading.Condition
     direct: bool
     scratch: np.ndarray
     limit: int = 0  # capacity, lowered while the filesystem has less free space
+    lock_file_fd: int = -1  # its flocked LOCK file, which names the owner's pid
     segments: list[_Segment] = field(default_factory=list)
     active: _Segment | None = None
     next_seq: int = 1
