@@ -59,7 +59,12 @@ class DramOptions(Options):
         type_doc="`auto`, `true` or `false`",
     )
     alignment: int = option(
-        4096, help="slot alignment = allocation page in bytes, a power of two", minimum=8, maximum=1 << 30
+        4096,
+        help="slot alignment = allocation page in bytes, a power of two; every object takes at least one "
+        "page (an empty one too, so that empty objects are evicted like any other and cannot grow the index "
+        "past the arena)",
+        minimum=8,
+        maximum=1 << 30,
     )
     prefault: bool = option(
         True,
