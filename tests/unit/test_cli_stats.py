@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_servers import require_redis, start_server  # noqa: E402
@@ -214,3 +215,73 @@ def test_one_unreachable_source_still_reports_the_others(tmp_path, capsys):
     assert rc == 1 and "2 objects" in out and "metrics: UNREACHABLE" in out
     rc, _, _ = _stats(capsys, "--ssd", str(tmp_path / "nope"), "--metrics", dead)
     assert rc == 2, "nothing readable exits with 2"
+
+
+SECRET = "Hunter2SecretXYZ123456"
+
+
+def test_metrics_url_credentials_never_shown(capsys):
+    """A /metrics URL's user info and credential-like query parameters are masked in every message,
+    whatever urllib makes of the URL (a password in the user info once read as a bad port, uncaught)."""
+    for url in (
+        f"http://user:{SECRET}@127.0.0.1:9/metrics",
+        f"http://user:{SECRET}@127.0.0.1/metrics",  # no port: urllib took the password for one
+        f"http://127.0.0.1:9/metrics?token={SECRET}",
+        f"http://127.0.0.1:9/metrics?x=1&api_key={SECRET}",
+        f"127.0.0.1:9/metrics?password={SECRET}",  # no scheme
+        f"user:{SECRET}@127.0.0.1:9/metrics",
+    ):
+        for json_flag in ((), ("--json",)):
+            rc, out, err = _stats(capsys, "--metrics", url, *json_flag)
+            assert rc == 2 and "cannot read" in err and "***" in err, err
+            assert SECRET not in out + err and "Hunter2" not in out + err
+
+
+def test_metrics_basic_auth_and_token_stay_hidden(capsys):
+    import base64
+
+    expected = "Basic " + base64.b64encode(f"admin:{SECRET}".encode()).decode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            ok = self.headers.get("Authorization") == expected
+            body = EXPOSITION.encode() if ok else b"unauthorized"
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    try:
+        rc, out, err = _stats(
+            capsys, "--metrics", f"http://admin:{SECRET}@127.0.0.1:{port}/metrics?token={SECRET}"
+        )
+        assert rc == 0 and "restored_tokens" in out, err
+        assert f"vLLM http://admin:***@127.0.0.1:{port}/metrics?token=***:" in out
+        assert SECRET not in out + err
+        rc, out, err = _stats(
+            capsys, "--metrics", f"http://admin:wrong@127.0.0.1:{port}/metrics?token={SECRET}"
+        )
+        assert rc == 2 and "401" in err and "wrong" not in err and SECRET not in out + err
+    finally:
+        httpd.shutdown()
+
+
+def test_remote_config_errors_never_show_the_password(capsys):
+    pytest.importorskip("redis")
+    for spec in (
+        f"redis:/:{SECRET}@127.0.0.1:6379/0",
+        f"redis//:{SECRET}@127.0.0.1:6379/0",
+        f"redis:{SECRET}@127.0.0.1",
+        json.dumps({"url": "redis://127.0.0.1:6379/0", "password_env": SECRET}),
+        json.dumps({"url": "redis://127.0.0.1:6379/0", "auth_key_file": SECRET}),
+        json.dumps({"url": {"token": SECRET}}),
+    ):
+        rc, out, err = _stats(capsys, "--remote", spec)
+        assert rc == 2 and "remote tier option" in err, err
+        assert SECRET not in out + err and "Hunter2" not in out + err

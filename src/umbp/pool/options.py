@@ -21,7 +21,9 @@ The rules are strict on purpose, because these values come from free-form JSON a
   infinity (they pass every `<`/`>` range check and break arithmetic later); ints accept a float only
   when it is integral (JSON may write 1e9), so `dram_bytes: 1.5` is an error, not a silent 1.
 * strings are not numbers: `"8"` for a size is rejected rather than guessed at.
-* a secret never appears in a message or repr: a field's `show` renders it, with the secret hidden.
+* a secret never appears in a message or repr: a field's `show` renders it, with the secret hidden, and
+  any other value a message quotes is shown through umbp.redact (secret-named keys hidden, URL credentials
+  masked), since a wrongly typed value may be a dict or list holding one.
 
 Why a small dataclass-metadata layer and not pydantic: umbp's core (pool, SSD tier, tools) must work
 without vLLM, and pydantic would be a new hard dependency there; pydantic's default (lax) mode coerces
@@ -49,6 +51,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin, get_type_hints
 
 from umbp.pool.errors import OptionValueError, UnknownOptionError, human_bytes
+from umbp.redact import shown_value
 
 GiB = 1 << 30
 _META = "umbp.option"
@@ -133,7 +136,9 @@ class Options:
         options = dict(options or {})
         bad_names = [k for k in options if not isinstance(k, str)]
         if bad_names:
-            raise cls.unknown_error(f"umbp: {cls.where} names must be strings, got {bad_names[0]!r}")
+            raise cls.unknown_error(
+                f"umbp: {cls.where} names must be strings, got {shown_value(bad_names[0])}"
+            )
         cls._reject_unknown(options)
         values: dict[str, Any] = {}
         for f in _option_fields(cls):
@@ -196,7 +201,7 @@ class Options:
     def error(cls, name: str, value: Any, want: str, spec: Spec | None = None) -> Exception:
         """'umbp: <where> '<name>' must be <want>, got <value>' as this option set's error class."""
         kind = spec.error if spec is not None and spec.error else cls.value_error
-        return kind(f"umbp: {cls.where} '{name}' must be {want}, got {_shown(spec, value)}")
+        return kind(f"umbp: {cls.where} '{name}' must be {want}, got {_shown(spec, value, name)}")
 
     @classmethod
     def fail(cls, message: str) -> Exception:
@@ -265,9 +270,11 @@ def _option_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if _META in f.metadata]  # type: ignore[arg-type]
 
 
-def _shown(spec: Spec | None, value: Any) -> str:
+def _shown(spec: Spec | None, value: Any, name: str = "") -> str:
+    """How an error shows a value: through the option's `show`, else redacted (umbp.redact.shown_value: a
+    wrongly typed value may be a dict or list holding a password, a token or a URL with credentials)."""
     try:
-        text = spec.show(value) if spec is not None and spec.show else repr(value)
+        text = spec.show(value) if spec is not None and spec.show else shown_value(value, name)
     except Exception:  # a show() must never turn an error message into a different error
         text = f"a {type(value).__name__}"
     return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."

@@ -19,6 +19,8 @@ option that would read it.
 from __future__ import annotations
 
 import argparse
+import base64
+import http.client
 import json
 import os
 import re
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from umbp.identity import parse_key
+from umbp.redact import redact_url, scrub, secrets_of, url_secrets
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _NAMESPACE = re.compile(r"^[0-9a-f]{32}$")
@@ -178,14 +181,14 @@ def remote_report(
     import redis
 
     from umbp.pool.errors import UmbpValueError
-    from umbp.pool.remote.config import redact_url
     from umbp.pool.remote.tier import RedisTier
 
     options = remote_options(spec, auth_key_env, auth_key_file)
+    secrets = secrets_of(options)
     try:
         tier = RedisTier.from_options(options)
-    except UmbpValueError as exc:  # the config's own messages hide every secret
-        raise StatsError(f"umbp stats: {str(exc).removeprefix('umbp: ')}") from None
+    except UmbpValueError as exc:  # the config's own messages hide every secret; scrubbed again all the same
+        raise StatsError(f"umbp stats: {scrub(str(exc), secrets).removeprefix('umbp: ')}") from None
     name = ",".join(redact_url(u) for u in tier.config.urls)
     report = TierReport(f"remote {name}", values=tier.stats()["config"]["values"])
     shards: dict[tuple[str, str], Shard] = {}
@@ -208,7 +211,7 @@ def remote_report(
             shard.add(parsed.group, parsed.prefix_hash, max(0, (length or header) - header))
     except (redis.RedisError, OSError) as exc:
         raise StatsError(
-            f"umbp stats: cannot read {name}: {exc}; is the server up and the URL right?"
+            f"umbp stats: cannot read {name}: {scrub(str(exc), secrets)}; is the server up and the URL right?"
         ) from None
     finally:
         tier.close()
@@ -222,14 +225,31 @@ def remote_report(
     return report
 
 
+def _metrics_request(url: str) -> urllib.request.Request:
+    """A GET of `url`. Its user info, if any (`https://user:password@host/metrics`, behind a proxy
+    that asks for it), is sent as HTTP basic authentication, and only to that host (not after a redirect);
+    urllib alone would take it for part of the host name."""
+    from umbp.pool.remote.config import split_credentials
+
+    user, password, bare = split_credentials(url.strip())
+    request = urllib.request.Request(bare)
+    if user is not None or password is not None:
+        token = base64.b64encode(f"{user or ''}:{password or ''}".encode()).decode()
+        request.add_unredirected_header("Authorization", f"Basic {token}")
+    return request
+
+
 def metrics_report(url: str) -> dict[str, float]:
-    """Every vllm:umbp_* counter, summed over label sets (engines, models)."""
+    """Every vllm:umbp_* counter, summed over label sets (engines, models). Messages show the URL with its
+    user info and credential-like query parameters (`?token=`) masked."""
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - an operator-given URL
+        request = _metrics_request(url)
+        with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - an operator-given URL
             text = resp.read().decode()
-    except OSError as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # InvalidURL is an HTTPException
+        why = scrub(redact_url(str(exc)), url_secrets(url))
         raise StatsError(
-            f"umbp stats: cannot read {url}: {exc}; is vLLM running with --kv-transfer-config "
+            f"umbp stats: cannot read {redact_url(url)}: {why}; is vLLM running with --kv-transfer-config "
             "UMBPConnector, and is this its /metrics URL?"
         ) from None
     out: dict[str, float] = {}
@@ -385,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
     for t in tiers:
         print_tier(t)
     if metrics is not None:
-        print(f"vLLM {args.metrics}: umbp counters since start (summed over engines)")
+        print(f"vLLM {redact_url(args.metrics)}: umbp counters since start (summed over engines)")
         for name, value in metrics.items():
             print(f"  {name:<28} {value:>16,.0f}")
         if not metrics:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from umbp.pool.errors import OptionValueError, UmbpValueError, UnknownOptionError
 from umbp.pool.options import Invalid, Options, option, option_set
-from umbp.redact import redacted_value, scrub, secrets_of
+from umbp.redact import scrub, secrets_of, shown_value
 
 GIB = 1 << 30
 ARENA_PAGE = 4096  # the scheduler's slot granularity: a slot spans whole pages, its pad is its own
@@ -47,7 +47,8 @@ def _remote(value: Any) -> tuple[tuple[str, Any], ...]:
 
     try:
         RemoteConfig.from_options(value)
-    except UmbpValueError as exc:  # its message may quote a URL: mask every secret it could hold
+    except UmbpValueError as exc:  # its messages are redacted; scrubbing every secret the value holds as well
+        # (as written, decoded, or read from the environment) keeps that true for any message quoting it
         raise Invalid("", reason=scrub(str(exc), secrets_of(value)).removeprefix("umbp: ")) from None
     except Exception as exc:  # noqa: BLE001 - a config value must give a config error, never a crash
         raise Invalid("", reason=f"not a valid shared-tier configuration ({type(exc).__name__})") from None
@@ -57,7 +58,7 @@ def _remote(value: Any) -> tuple[tuple[str, Any], ...]:
 def _show_remote(value: Any) -> str:
     if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
         value = dict(value)
-    return repr(redacted_value(value))
+    return shown_value(value)
 
 
 @option_set

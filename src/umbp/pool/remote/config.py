@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlsplit
 
 from umbp.pool.errors import OptionValueError
 from umbp.pool.options import Invalid, Options, hide_secret, option, option_set
+from umbp.redact import HIDDEN, looks_like_env_name, looks_like_path, redact_url, shown_value
 
 MiB = 1 << 20
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -98,7 +99,7 @@ def _auth_mac(value: Any) -> str:
 
 
 def _show_urls(value: Any) -> str:
-    return redact_options(value)
+    return shown_value(value, "urls")
 
 
 @option_set
@@ -278,7 +279,7 @@ class RemoteConfig(Options):
             raise self.fail("Redis Cluster has only database 0; drop the /db from the cluster urls")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise self.fail(f"{self.where}s 'tls_cert_file' and 'tls_key_file' go together; give both")
-        if any(u.startswith("rediss://") for u in self.urls):
+        if any(_scheme(u) == "rediss" for u in self.urls):  # as parsed: REDISS:// is TLS too
             self._set(tls=True)
         if not self.tls_verify:
             self._set(tls_check_hostname=False)
@@ -313,9 +314,7 @@ class RemoteConfig(Options):
         if self.password is None and self.password_env is not None:
             value = os.environ.get(self.password_env)
             if not value:
-                raise self.fail(
-                    f"{self.where} 'password_env' names ${self.password_env}, which is not set or empty"
-                )
+                raise self.fail(_unset_env(self.where, "password_env", self.password_env))
             self._set(password=value)
         user, pwd, _ = split_credentials(self.urls[0])
         if self.username is None and user:
@@ -345,7 +344,7 @@ class RemoteConfig(Options):
     def _secret_from_env(cls, option: str, var: str) -> bytes:
         value = os.environ.get(var)
         if not value:
-            raise cls.fail(f"{cls.where} '{option}' names ${var}, which is not set or empty")
+            raise cls.fail(_unset_env(cls.where, option, var))
         return cls._long_enough(option, value.encode())
 
     @classmethod
@@ -354,7 +353,13 @@ class RemoteConfig(Options):
             with open(path, "rb") as f:
                 value = f.read(1 << 16).strip()
         except OSError as exc:
-            raise cls.fail(f"{cls.where} '{option}': cannot read {path!r}: {exc.strerror}") from None
+            if looks_like_path(path):
+                raise cls.fail(f"{cls.where} '{option}': cannot read {path!r}: {exc.strerror}") from None
+            raise cls.fail(
+                f"{cls.where} '{option}': cannot read the file it names: {exc.strerror}; the path is not shown "
+                "because it does not look like one (give an absolute path, or one starting with ./): is it "
+                "the secret itself?"
+            ) from None
         return cls._long_enough(option, value)
 
     @classmethod
@@ -376,16 +381,22 @@ class RemoteConfig(Options):
                 shown = "<hidden>" if value else "None"
             elif f.name == "auth_old_keys":
                 shown = f"<{len(value)} hidden>"
-            elif f.name in ("url", "urls"):
-                shown = redact_options(value)
             elif f.name == "password":
                 shown = hide_secret(value)
+            elif f.name == "username" and self._user_is_secret():
+                shown = "<hidden>"
             else:
-                shown = repr(value)
+                shown = shown_value(value, f.name)
             parts.append(f"{f.name}={shown}")
         return f"RemoteConfig({', '.join(parts)})"
 
     __str__ = __repr__
+
+    def _user_is_secret(self) -> bool:
+        """A user name taken from a URL whose user info has no password ("redis://pw@host"): it may well
+        be a password written without its ':', so like redact_url, reprs and stats never show it."""
+        user, pwd, _ = split_credentials(self.urls[0])
+        return self.username is not None and pwd is None and user == self.username
 
     def deadline_s(self, nbytes: int) -> float:
         """How long one call moving `nbytes` of payload may take in all: timeout_s, plus the bytes at
@@ -414,7 +425,7 @@ class RemoteConfig(Options):
             "cluster": self.cluster,
             "tls": self.tls,
             "auth": "password" if self.password else "none",
-            "user": self.username,
+            "user": HIDDEN if self._user_is_secret() else self.username,
             "key_prefix": self.key_prefix,
             "ttl_s": self.ttl_s,
             "quarantine_s": self.quarantine_s,
@@ -430,14 +441,24 @@ class RemoteConfig(Options):
 
 # ---- URLs: credentials apart, passwords hidden ------------------------------------------------------------
 
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
+
+def _unset_env(where: str, option: str, name: str) -> str:
+    """The message for an environment variable an option names that is not set: the name quoted only when it
+    looks like one (a secret pasted where its variable's name belongs must not be echoed)."""
+    if looks_like_env_name(name):
+        return f"{where} '{option}' names ${name}, which is not set or empty"
+    return (
+        f"{where} '{option}' names an environment variable that is not set or empty; the name is not shown "
+        "because it does not look like one (upper-case letters, digits and '_', e.g. UMBP_REDIS_PASSWORD): is "
+        "it the secret itself?"
+    )
 
 
 def split_credentials(url: str) -> tuple[str | None, str | None, str]:
-    """(user, password, the URL without them). The user info ends at the LAST '@' (before any later
-    '/', '?' or '#' only if that '@' is not there): a password with an unencoded '#', '/', '?', '@' or ':'
-    is still taken whole as the password, never left in a host, path or fragment where an error or a log
-    would show it."""
+    """(user, password, the URL without them) of a URL with "://" (url_problem has rejected any other). The
+    user info ends at the LAST '@' (before any later '/', '?' or '#' only if that '@' is not there): a
+    password with an unencoded '#', '/', '?', '@' or ':' is still taken whole as the password, never left
+    in a host, path or fragment where an error or a log would show it."""
     scheme, sep, rest = url.partition("://")
     at = rest.rfind("@")
     if not sep or at < 0:
@@ -447,42 +468,32 @@ def split_credentials(url: str) -> tuple[str | None, str | None, str]:
     return (unquote(user) or None, unquote(pwd) if colon and pwd else None, f"{scheme}://{host}")
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by '***' and any query dropped (for errors, logs and stats)."""
-    url = _QUERY_PASSWORD.sub(r"\1***", url)  # first: its value may hold an '@' that looks like user info
-    user, pwd, bare = split_credentials(url)
-    if "?" in bare:  # redis-py style ?password=... must not show either
-        bare = bare.split("?", 1)[0] + "?***"
-    if pwd is None and user is None:
-        return bare
-    scheme, _, host = bare.partition("://")
-    shown_user = (user or "") if pwd is not None else "***"
-    return f"{scheme}://{shown_user}{':***' if pwd is not None else ''}@{host}"
-
-
 def redact_options(value: Any) -> str:
-    """repr() of a remote option value (a URL, a list, a dict) with every password hidden: for errors
-    about a malformed `remote` setting, which may hold credentials."""
-    if isinstance(value, str):
-        return repr(redact_url(value))
-    if isinstance(value, Mapping):
-        return (
-            "{"
-            + ", ".join(
-                f"{k!r}: {'<hidden>' if 'password' in str(k) else redact_options(v)}"
-                for k, v in value.items()
-            )
-            + "}"
-        )
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(redact_options(v) for v in value) + "]"
-    return repr(value) if isinstance(value, int | float | bool | type(None)) else f"<{type(value).__name__}>"
+    """repr() of a remote option value (a URL, a list, a dict) with every secret hidden: for errors about a
+    malformed `remote` setting, which may hold credentials (umbp.redact.shown_value)."""
+    return shown_value(value)
+
+
+def _scheme(url: str) -> str:
+    """The URL's scheme as parsed (lower-case, surrounding blanks ignored), "" if it has none."""
+    try:
+        return urlsplit(split_credentials(url)[2]).scheme
+    except ValueError:
+        return ""
+
+
+_REDIS_SCHEME = re.compile(r"\s*rediss?://", re.IGNORECASE)
 
 
 def url_problem(url: str) -> str | None:
     """What is wrong with a redis:// or rediss:// URL (None: nothing), with any password hidden."""
     shown = redact_url(url)
-    parts = urlsplit(split_credentials(url)[2])
+    if not _REDIS_SCHEME.match(url):  # checked on the text: "redis:/:pw@host" must not parse as a path
+        return f"{shown!r} must start with redis:// or rediss:// (TLS), e.g. {DEFAULT_URL}"
+    try:
+        parts = urlsplit(split_credentials(url)[2])
+    except ValueError:  # e.g. an unclosed IPv6 '['
+        return f"{shown!r} is not a valid URL (host[:port] after the user info, e.g. {DEFAULT_URL})"
     if parts.scheme not in ("redis", "rediss"):
         return f"{shown!r} must start with redis:// or rediss:// (TLS), e.g. {DEFAULT_URL}"
     try:
