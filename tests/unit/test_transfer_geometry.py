@@ -70,6 +70,37 @@ def test_rejects_overlapping_views() -> None:
         layer_geometry(t, 0)
 
 
+ALIASED = {  # views of 64 int64 words in which two blocks' pages share memory
+    "block stride 0": lambda w: w[:16].view(1, 16).expand(4, 16),
+    "pages overlapping by half": lambda w: torch.as_strided(w, (6, 16), (8, 1)),
+    "a page's second row in the next block": lambda w: torch.as_strided(w, (4, 2, 8), (8, 8, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(ALIASED))
+def test_rejects_blocks_whose_pages_share_memory(name: str) -> None:
+    """A load would write one page from two objects and report both verified: refused at registration."""
+    t = ALIASED[name](torch.zeros(64, dtype=torch.int64))
+    with pytest.raises(ValueError, match="share memory"):
+        layer_geometry(t, 0)
+    with pytest.raises(ValueError, match="share memory"):
+        make_engine(Arena(1 << 16, pinned=False), {0: [(t, 0)]})
+
+
+def test_accepts_pages_split_far_apart() -> None:
+    """FlashAttention's [2, blocks, ...]: a block's K and V halves lie further apart than the block
+    stride, yet no two blocks share a byte (a stride-versus-extent test would refuse it)."""
+    t, d = L.attention(1, 6, 16, 2, 8)[0]
+    layer = layer_geometry(t, d)
+    assert layer.block_stride < int(layer.seg_offsets.max()) + layer.seg_bytes
+    assert layer.span() == (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+
+def test_rejects_zero_byte_pages() -> None:
+    with pytest.raises(ValueError, match="zero bytes"):
+        layer_geometry(torch.empty(4, 0), 0)
+
+
 @pytest.fixture
 def engine():
     groups = {0: L.attention(2, 8, 4, 2, 8), 1: L.hybrid(1, 8, 4, 2, 8, [200])[0][1]}

@@ -20,7 +20,7 @@ import torch
 
 from umbp.pool import Arena
 from umbp.pool.checksum import checksum_u8
-from umbp.transfer import Moves, make_engine, triton_available
+from umbp.transfer import Moves, api, make_engine, triton_available
 from umbp.transfer import model_layouts as L
 
 CUDA = torch.cuda.is_available()
@@ -324,6 +324,96 @@ def test_early_copies_never_skip_validation_interpret() -> None:
         if not led:
             assert calls["one"] == before["one"], why
         assert all(torch.equal(a, b) for a, b in zip(storages, snap, strict=True)), why
+
+
+def _engine_for(backend: str, device: str, options: dict, groups: L.Groups, arena: Arena, **extra):
+    """An engine of one ENGINES entry (its slot placement option dropped: the caller places slots)."""
+    options = dict(options)
+    options.pop("slots", None)
+    copies = options.pop("copies", None)
+    engine = make_engine(arena, groups, backend=backend, **(dict(options, **extra) if options else {}))
+    if copies:
+        _host_copies(engine, early=copies == "host-early")
+    return engine
+
+
+@pytest.mark.parametrize("backend,device,options", ENGINES)
+def test_a_bad_batch_raises_before_writing_anything(
+    backend: str, device: str, options: dict, monkeypatch
+) -> None:
+    """Batches that passed validation and then failed (or did worse) half-way, each now one ValueError
+    with every byte of the KV cache and the arena as it was: an arena offset near 2**63 (offset + reach
+    wrapped in the Python twin's int64 sum: the staged path wrote the first objects and then raised, the
+    zero-copy kernel read past the arena: a segfault under the interpreter), a bad digest value in a
+    later round (written rounds, then a TypeError; or read as a quiet miss), block b named in two groups
+    that share memory (both objects verified and reported loaded; the page held neither)."""
+    groups, _raws = L.hybrid(2, 8, 16, 2, 32, [3000], device=device)  # groups 0 and 1 share pages
+    groups[5] = L.attention(1, 8, 16, 2, 32, device=device)
+    arena = _arena(device, 1 << 20)
+    engine = _engine_for(backend, device, options, groups, arena, max_staging_bytes=1)  # a round per object
+    S, huge = 16384, (1 << 63) - 8
+    saved = [Moves(0, [1, 2], [0, S]), Moves(1, [3], [2 * S]), Moves(5, [3], [3 * S])]
+    d = engine.save(saved).result()
+    bad = {
+        "offset 2**63-8, numpy (the twin)": [Moves(0, np.array([1, 2]), np.array([0, huge]), d[0])],
+        "offset 2**63-8 after a valid Moves": [
+            Moves(5, [3], [3 * S], d[2]),
+            Moves(0, np.array([2]), np.array([huge])),
+        ],
+        "offset 2**63-8, lists, no extension": [Moves(0, [1], [0], d[0][:1]), Moves(1, [3], [huge], d[1])],
+        "a str digest last": [Moves(0, [1, 2], [0, S], d[0]), Moves(1, [3], [2 * S], ["x"])],
+        "a digest of -1 last": [Moves(0, [1, 2], [0, S], d[0]), Moves(5, [3], [3 * S], [-1])],
+        "a digest of 2**64 + d last": [
+            Moves(0, [1, 2], [0, S], d[0]),
+            Moves(5, [3], [3 * S], [d[2][0] + (1 << 64)]),
+        ],
+        "block 3 of two groups sharing memory": [
+            Moves(5, [3], [3 * S], d[2]),
+            Moves(0, [3], [0], d[0][:1]),
+            Moves(1, [3], [2 * S], d[1]),
+        ],
+    }
+    storages = _storages(groups)
+    for st in storages:
+        st.random_(0, 256)
+    snap = [st.clone() for st in storages]
+    whole = arena.view(0, arena.capacity_bytes)
+    before = whole.copy()
+    for why, batch in bad.items():
+        with monkeypatch.context() as mp:
+            if "no extension" in why:
+                mp.setattr(api, "_checks", None)
+            with pytest.raises(ValueError):
+                engine.load(batch).result()
+            if "offset" in why:  # the same slots saved: nothing of the arena may change
+                with pytest.raises(ValueError):
+                    engine.save(
+                        [Moves(m.group, m.block_ids, m.offsets, None, m.slot_bytes) for m in batch]
+                    ).result()
+        engine.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(storages, snap, strict=True)), f"KV written: {why}"
+        assert np.array_equal(whole, before), f"arena written: {why}"
+    # and the engine still loads the good batch
+    ok = engine.load([Moves(m.group, m.block_ids, m.offsets, ds) for m, ds in zip(saved, d)]).result()
+    assert ok == [[True, True], [True], [True]]
+
+
+@pytest.mark.parametrize("backend,device,options", ENGINES)
+def test_empty_moves_beside_others(backend: str, device: str, options: dict) -> None:
+    """A Moves of no objects before or after others (the staged save reshaped 0 pages as [0, -1] and
+    raised, in one order after writing a slot): skipped, its result an empty list."""
+    groups = {0: L.attention(1, 8, 4, 2, 8, device=device), 1: L.attention(1, 8, 4, 2, 16, device=device)}
+    arena = _arena(device, 1 << 16)
+    engine = _engine_for(backend, device, options, groups, arena)
+    ref = _object(groups[0], 1)
+    for batch in ([Moves(1, [], []), Moves(0, [1], [0])], [Moves(0, [1], [0]), Moves(1, [], [])]):
+        arena.view(0, 8192)[:] = 0xEE
+        got = engine.save(batch).result()
+        assert [len(x) for x in got] == [len(m.block_ids) for m in batch]
+        assert got[[len(m.block_ids) for m in batch].index(1)] == [checksum_u8(ref)]
+        assert np.array_equal(arena.view(0, ref.size), ref)
+        verified = [Moves(m.group, m.block_ids, m.offsets, ds) for m, ds in zip(batch, got)]
+        assert engine.load(verified).result() == [[True] * len(m.block_ids) for m in batch]
 
 
 def _load_and_check(engine, groups, batch, digests, refs, verified, rng, arena, why) -> None:

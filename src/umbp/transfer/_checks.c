@@ -7,17 +7,24 @@
  * Here it is one pass. TransferEngine._checked keeps the Python twin, which gives the same results and
  * raises the same errors (tests compare them); the extension is optional.
  *
- * flatten(batch, groups, capacity, load) -> (key, buf) or None
+ * flatten(batch, groups, capacity, load) -> (key, buf, digests) or None
  *   batch: a sequence of Moves (attributes group, block_ids, offsets, digests, slot_bytes).
- *   groups: dict group -> (object_bytes, num_blocks, index), index dense from 0.
+ *   groups: dict group -> (object_bytes, num_blocks, alias class, note): the class a dense index from 0,
+ *   shared by groups whose layers share memory (block b of each is one page: vLLM's hybrid layout),
+ *   the note a str the duplicate-write error ends with ("" for a group of its own).
  *   key: per Moves (group, objects, slot reach); buf: a bytearray of the block ids, then the offsets,
- *   as int64 in batch order.
+ *   as int64 in batch order. digests (loads): None when every Moves' digests are None or a list or
+ *   tuple of ints in [0, 2**64), used as they are; else per Moves None or a list of its digests
+ *   converted to ints (numpy integers, bools), which the caller gives the backends instead.
  *   None: a Moves' block_ids or offsets is not a list or tuple, or the values are too wide for one sort
  *   key; the caller then runs the Python twin.
  *   Raises as the twin does, first found first, in the twin's order: per Moves the group (KeyError),
- *   the lengths and slot_bytes (ValueError); then the values (TypeError, OverflowError); then every
- *   block id below its group's block count, every offset 8-byte aligned with its slot inside the arena;
- *   then a load writes no block of a group twice, a save no arena byte twice (ValueError).
+ *   the lengths and slot_bytes (ValueError; TypeError, OverflowError for a value that is no int64); then
+ *   the values, every Moves' ids, then every Moves' offsets (TypeError, OverflowError); then every
+ *   block id below its group's block count, every offset 8-byte aligned with its slot inside the arena
+ *   (compared as offset > capacity - reach: offset + reach wraps for offsets near 2**63); then (loads)
+ *   every digest an integer in [0, 2**64) (ValueError); then a load writes no block of an alias class
+ *   twice, a save no arena byte twice (ValueError). All of it before the caller writes a byte.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,8 +35,8 @@
 #include "_radix.h"
 
 typedef struct {
-    PyObject *group, *ids, *offs; /* references held until the call returns: a Moves-like object may
-                                   * hand out new objects per attribute read */
+    PyObject *group, *ids, *offs, *dig, *note; /* references held until the call returns: a Moves-like
+                                                * object may hand out new objects per attribute read */
     Py_ssize_t n, at;
     long long reach, blocks, index;
 } Part;
@@ -40,6 +47,8 @@ static int bits_for(unsigned long long v) { /* bits to hold 0..v */
         b++;
     return b;
 }
+
+static const char lengths_msg[] = "umbp: block_ids, offsets (and digests) of a Moves must have one entry per object";
 
 static PyObject *attr_group, *attr_ids, *attr_offs, *attr_digests, *attr_slot_bytes; /* interned at import */
 
@@ -58,7 +67,8 @@ static int read_part(PyObject *mv, PyObject *groups, Part *p, PyObject **key_ite
         goto done;
     }
     long long object_bytes;
-    if (!PyArg_ParseTuple(entry, "LLL", &object_bytes, &p->blocks, &p->index))
+    PyObject *note;
+    if (!PyArg_ParseTuple(entry, "LLLU", &object_bytes, &p->blocks, &p->index, &note))
         goto done;
     if (!(PyList_Check(ids) || PyTuple_Check(ids)) || !(PyList_Check(offs) || PyTuple_Check(offs))) {
         rc = 1;
@@ -69,8 +79,7 @@ static int read_part(PyObject *mv, PyObject *groups, Part *p, PyObject **key_ite
     if (nd < 0)
         goto done;
     if (PySequence_Fast_GET_SIZE(offs) != p->n || nd != p->n) {
-        PyErr_SetString(PyExc_ValueError,
-                        "umbp: block_ids, offsets (and digests) of a Moves must have one entry per object");
+        PyErr_SetString(PyExc_ValueError, lengths_msg);
         goto done;
     }
     p->reach = object_bytes;
@@ -91,7 +100,9 @@ static int read_part(PyObject *mv, PyObject *groups, Part *p, PyObject **key_ite
     p->group = g;
     p->ids = ids;
     p->offs = offs;
-    g = ids = offs = NULL;
+    p->dig = dig;
+    p->note = Py_NewRef(note);
+    g = ids = offs = dig = NULL;
     rc = 0;
 done:
     Py_XDECREF(g);
@@ -121,8 +132,91 @@ static int fill(PyObject *seq, Py_ssize_t n, int64_t *out) {
     return 0;
 }
 
-/* Load: is any (group, block) written twice? The first Moves in batch order whose group repeats a block
- * is named. Returns 1 if the keys do not fit one sort key (the caller returns None), -1 with an error. */
+/* Load: every digest an integer in [0, 2**64), before anything is written (a bad one used to raise after
+ * earlier objects were written, or read as a quiet miss). *conv stays NULL while every Moves' digests
+ * are None or a list or tuple of ints; else a tuple, per Moves None or the converted list. An item's
+ * __index__ may run code: a list that changes size is refused, and the values given back are the ones
+ * checked. -1 with an error set. */
+static int check_digests(Part *parts, Py_ssize_t m, PyObject **conv) {
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (parts[i].dig == Py_None)
+            continue;
+        int exact = PyList_CheckExact(parts[i].dig) || PyTuple_CheckExact(parts[i].dig);
+        PyObject *seq = PySequence_Fast(parts[i].dig, "umbp: digests must be a sequence");
+        if (seq == NULL)
+            return -1;
+        Py_ssize_t n = parts[i].n;
+        PyObject *out = exact ? NULL : PyList_New(n); /* made when a value needs converting */
+        if (!exact && out == NULL)
+            goto fail;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (PySequence_Fast_GET_SIZE(seq) != n) {
+                PyErr_SetString(PyExc_ValueError, lengths_msg);
+                goto fail;
+            }
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, j), *v;
+            Py_INCREF(item);
+            if (PyLong_CheckExact(item))
+                v = Py_NewRef(item);
+            else {
+                if (out == NULL) { /* the items before j are checked ints, and no code ran since */
+                    if ((out = PyList_New(n)) == NULL) {
+                        Py_DECREF(item);
+                        goto fail;
+                    }
+                    for (Py_ssize_t k = 0; k < j; k++)
+                        PyList_SET_ITEM(out, k, Py_NewRef(PySequence_Fast_GET_ITEM(seq, k)));
+                }
+                v = PyNumber_Index(item);
+            }
+            int bad = v == NULL;
+            if (!bad) {
+                unsigned long long u = PyLong_AsUnsignedLongLong(v);
+                bad = u == (unsigned long long)-1 && PyErr_Occurred();
+            }
+            if (bad) {
+                Py_XDECREF(v);
+                if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_ValueError,
+                                 "umbp: a digest must be an integer in [0, 2**64) (a psum64 from save), "
+                                 "got %R for group %S",
+                                 item, parts[i].group);
+                }
+                Py_DECREF(item);
+                goto fail;
+            }
+            Py_DECREF(item);
+            if (out != NULL)
+                PyList_SET_ITEM(out, j, v);
+            else
+                Py_DECREF(v);
+        }
+        Py_DECREF(seq);
+        if (out != NULL) {
+            if (*conv == NULL) {
+                if ((*conv = PyTuple_New(m)) == NULL) {
+                    Py_DECREF(out);
+                    return -1;
+                }
+                for (Py_ssize_t k = 0; k < m; k++)
+                    PyTuple_SET_ITEM(*conv, k, Py_NewRef(Py_None));
+            }
+            Py_DECREF(PyTuple_GET_ITEM(*conv, i)); /* a tuple of our own, not yet shared */
+            PyTuple_SET_ITEM(*conv, i, out);
+        }
+        continue;
+    fail:
+        Py_XDECREF(out);
+        Py_DECREF(seq);
+        return -1;
+    }
+    return 0;
+}
+
+/* Load: is any (alias class, block) written twice? The first Moves in batch order whose class repeats a
+ * block is named. Returns 1 if the keys do not fit one sort key (the caller returns None), -1 with an
+ * error. */
 static int check_writes(Part *parts, Py_ssize_t m, const int64_t *ids, Py_ssize_t total, uint64_t *keys,
                         long long ngroups) {
     long long most = 0;
@@ -152,7 +246,8 @@ static int check_writes(Part *parts, Py_ssize_t m, const int64_t *ids, Py_ssize_
         if (repeated[parts[i].index])
             bad = i;
     PyMem_Free(repeated);
-    PyErr_Format(PyExc_ValueError, "umbp: a load writes block ids of group %S twice", parts[bad].group);
+    PyErr_Format(PyExc_ValueError, "umbp: a load writes block ids of group %S twice%U", parts[bad].group,
+                 parts[bad].note);
     return -1;
 }
 
@@ -195,7 +290,7 @@ static PyObject *flatten(PyObject *self, PyObject *args) {
     if (seq == NULL)
         return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    PyObject *key = PyTuple_New(m), *buf = NULL, *res = NULL;
+    PyObject *key = PyTuple_New(m), *buf = NULL, *res = NULL, *conv = NULL;
     Part *parts = PyMem_Calloc((size_t)m + 1, sizeof *parts);
     uint64_t *keys = NULL;
     if (key == NULL || parts == NULL) {
@@ -220,9 +315,11 @@ static PyObject *flatten(PyObject *self, PyObject *args) {
     if (buf == NULL)
         goto done;
     int64_t *ids = (int64_t *)PyByteArray_AS_STRING(buf), *offs = ids + total;
+    for (Py_ssize_t i = 0; i < m; i++) /* every Moves' ids, then every Moves' offsets, as the twin */
+        if (fill(parts[i].ids, parts[i].n, ids + parts[i].at) < 0)
+            goto done;
     for (Py_ssize_t i = 0; i < m; i++)
-        if (fill(parts[i].ids, parts[i].n, ids + parts[i].at) < 0 ||
-            fill(parts[i].offs, parts[i].n, offs + parts[i].at) < 0)
+        if (fill(parts[i].offs, parts[i].n, offs + parts[i].at) < 0)
             goto done;
     for (Py_ssize_t i = 0; i < m; i++)
         for (Py_ssize_t j = parts[i].at; j < parts[i].at + parts[i].n; j++)
@@ -238,6 +335,8 @@ static PyObject *flatten(PyObject *self, PyObject *args) {
                                 "umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch");
                 goto done;
             }
+    if (load && total > 0 && check_digests(parts, m, &conv) < 0)
+        goto done;
     if (total > 1) {
         keys = PyMem_Malloc(3 * (size_t)total * sizeof *keys);
         if (keys == NULL) {
@@ -252,13 +351,16 @@ static PyObject *flatten(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    res = PyTuple_Pack(2, key, buf);
+    res = PyTuple_Pack(3, key, buf, conv == NULL ? Py_None : conv);
 done:
+    Py_XDECREF(conv);
     PyMem_Free(keys);
     for (Py_ssize_t i = 0; parts != NULL && i < m; i++) {
         Py_XDECREF(parts[i].group);
         Py_XDECREF(parts[i].ids);
         Py_XDECREF(parts[i].offs);
+        Py_XDECREF(parts[i].dig);
+        Py_XDECREF(parts[i].note);
     }
     PyMem_Free(parts);
     Py_XDECREF(buf);

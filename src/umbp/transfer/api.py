@@ -31,7 +31,8 @@ _checks = optional_extension("umbp.transfer._checks")[0]  # _checked in one C ca
 @dataclass(frozen=True)
 class Moves:
     """One group's share of a batch: object i is block `block_ids[i]` <-> arena slot `offsets[i]`.
-    `digests` (loads only): the psum64 recorded at save time, one per object; None loads unchecked.
+    `digests` (loads only): the psum64 recorded at save time, one per object, integers in [0, 2**64);
+    None loads unchecked.
     `slot_bytes`: how far each slot reaches (>= the object; DramIndex slots are whole pages, and the
     scheduler may reserve a padded page size). A save may overwrite a slot's bytes past its object, which
     lets slots that touch end to start form one run, copied in one piece. None: the object's bytes only."""
@@ -90,9 +91,15 @@ class TransferEngine:
             raise ValueError(f"umbp: all groups must live on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         self.shapes = ShapeCache(self.groups, template_offsets(list(self.groups.items())))
-        # what the C checks need per group: (object bytes, block count, a dense index)
+        # groups whose layers share memory (vLLM's hybrid layout): block b of each is one page, which
+        # a load may write once across all of them
+        self._alias = alias_classes(self.groups)
+        self._notes = _alias_notes(self._alias)
+        self._aliased = len(set(self._alias.values())) < len(self._alias)
+        # what the C checks need per group: (object bytes, block count, alias class, duplicate note)
         self._limits = {
-            g: (geom.object_bytes, geom.num_blocks, i) for i, (g, geom) in enumerate(self.groups.items())
+            g: (geom.object_bytes, geom.num_blocks, self._alias[g], self._notes[g])
+            for g, geom in self.groups.items()
         }
         self._flat_of: tuple | None = None  # (batch, shape, ids, offsets) of the batch checked last
         self._flat_rounds: dict[int, tuple] = {}  # the same for rounds cut from batches (remember())
@@ -145,10 +152,17 @@ class TransferEngine:
             None if _checks is None else _checks.flatten(batch, self._limits, self.arena.capacity_bytes, load)
         )
         if got is not None:
-            key, buf = got
+            key, buf, digests = got
+            if not key:
+                return []
             both = np.frombuffer(buf, np.int64)
             total = both.size // 2
-            return self._split(batch, key, both[:total], both[total:])[0] if key else []
+            out = self._split(batch, key, both[:total], both[total:])[0]
+            if digests is not None:  # some Moves' digests were converted (numpy integers, a non-list)
+                for k, values in enumerate(digests):
+                    if values is not None:
+                        out[k] = _with_digests(out[k], values)
+            return out
         return self._checked_py(batch, load)
 
     def _checked_py(
@@ -166,12 +180,17 @@ class TransferEngine:
                 raise ValueError(
                     "umbp: block_ids, offsets (and digests) of a Moves must have one entry per object"
                 )
-            if m.slot_bytes is not None and m.slot_bytes < geom.object_bytes:
-                raise ValueError(
-                    f"umbp: slot_bytes {m.slot_bytes} is smaller than group {m.group}'s objects "
-                    f"({geom.object_bytes} bytes)"
-                )
-            key.append((m.group, n, slot_reach(geom.object_bytes, m)))
+            reach = geom.object_bytes
+            if m.slot_bytes is not None:
+                reach = operator.index(m.slot_bytes)  # as C: an int64, or TypeError / OverflowError
+                if not -(1 << 63) <= reach < 1 << 63:
+                    raise OverflowError(f"umbp: slot_bytes {reach} does not fit in 64 bits")
+                if reach < geom.object_bytes:
+                    raise ValueError(
+                        f"umbp: slot_bytes {m.slot_bytes} is smaller than group {m.group}'s objects "
+                        f"({geom.object_bytes} bytes)"
+                    )
+            key.append((m.group, n, reach))
             total += n
         if not key:
             return []
@@ -186,11 +205,17 @@ class TransferEngine:
         if (ids.view(np.uint64) >= shape.limit.view(np.uint64)).any():  # methods: no np.any wrapper
             for geom, _m, part, _o in out:
                 geom.check_blocks(part)  # raises, naming the group's range
-        # sign bit or any of the low 3 bits set: negative or not 8-byte aligned
-        if (offs & _SIGN_OR_MISALIGNED).any() or (offs + shape.reach > self.arena.capacity_bytes).any():
+        # sign bit or any of the low 3 bits set: negative or not 8-byte aligned. The end compared as
+        # offset > capacity - reach: offset + reach wraps in int64 for an offset near 2**63 (and a slot
+        # reaching past the arena is refused here, before check_disjoint adds offsets and reaches)
+        if (offs & _SIGN_OR_MISALIGNED).any() or (offs > self.arena.capacity_bytes - shape.reach).any():
             raise ValueError("umbp: arena offset outside the arena or not 8-byte aligned in a transfer batch")
         if load:
-            _check_single_writes(out, shape, ids)
+            for k, item in enumerate(out):
+                values = _valid_digests(item[1], item[2].size)
+                if values is not None:
+                    out[k] = _with_digests(item, values)
+            _check_single_writes(out, shape, ids, self._alias if self._aliased else None, self._notes)
         elif shape.uniform_reach is not None:
             check_disjoint([offs], [shape.uniform_reach])
         else:
@@ -239,24 +264,116 @@ class TransferEngine:
 _SIGN_OR_MISALIGNED = np.int64(-(1 << 63) | 7)
 
 
-def _check_single_writes(out: list, shape: BatchShape, ids: np.ndarray) -> None:
-    """A load may write each block of a group once (two writers of one page race)."""
-    if shape.distinct_groups:  # each group in one Moves (a restore): only a Moves' own ids can repeat
+def _check_single_writes(
+    out: list, shape: BatchShape, ids: np.ndarray, classes: dict | None, notes: dict[int, str]
+) -> None:
+    """A load may write each block of a group once (two writers of one page race), and each block of
+    groups that share memory once across them. classes: group -> alias class (see alias_classes), None
+    where no two groups share one. The first Moves in batch order whose class repeats a block is named."""
+    if classes is None and shape.distinct_groups:  # a restore: only a Moves' own ids can repeat
         for _geom, m, part, _o in out:
             if part.size > 1 and _has_repeats(part):
-                raise ValueError(f"umbp: a load writes block ids of group {m.group} twice")
+                raise ValueError(f"umbp: a load writes block ids of group {m.group} twice{notes[m.group]}")
         return
     groups = [m.group for _g, m, _i, _o in out]
-    # (group, block) as one key: the group's index times the largest block count, plus the block
-    index = {g: i for i, g in enumerate(dict.fromkeys(groups))}
-    keys = (
-        np.repeat(np.array([index[g] for g in groups], np.int64), shape.counts) * int(shape.limit.max()) + ids
-    )
+    cls = groups if classes is None else [classes[g] for g in groups]
+    # (class, block) as one key: the class's index times the largest block count, plus the block
+    index = {c: i for i, c in enumerate(dict.fromkeys(cls))}
+    keys = np.repeat(np.array([index[c] for c in cls], np.int64), shape.counts) * int(shape.limit.max()) + ids
     if _has_repeats(keys):
-        for g in dict.fromkeys(groups):
-            mine = [part for _geom, m, part, _o in out if m.group == g]
+        for c in index:
+            mine = [part for k, (_geom, _m, part, _o) in enumerate(out) if cls[k] == c]
             if _has_repeats(_joined(mine)):
-                raise ValueError(f"umbp: a load writes block ids of group {g} twice")
+                g = groups[cls.index(c)]
+                raise ValueError(f"umbp: a load writes block ids of group {g} twice{notes[g]}")
+
+
+def alias_classes(groups: Mapping[int, GroupGeometry]) -> dict[int, int]:
+    """Per group a dense class index (from 0, in group order), one class for groups whose layers' memory
+    intersects: in vLLM's hybrid layout one buffer per layer slot is viewed by a layer of each group, so
+    block b of each of them is one page. Layer spans sorted by start merge into runs of overlapping
+    spans (an interval graph's connected components); the groups of a run are one class."""
+    parent = {g: g for g in groups}
+
+    def root(g: int) -> int:
+        while parent[g] != g:
+            g = parent[g]
+        return g
+
+    spans = sorted((*layer.span(), g) for g, geom in groups.items() for layer in geom.layers)
+    end, owner = None, None
+    for lo, hi, g in spans:
+        if hi <= lo:
+            continue
+        if end is not None and lo < end:
+            parent[root(g)] = root(owner)
+            end = max(end, hi)
+        else:
+            end, owner = hi, g
+    index: dict[int, int] = {}
+    return {g: index.setdefault(root(g), len(index)) for g in groups}
+
+
+def _alias_notes(classes: dict[int, int]) -> dict[int, str]:
+    """What the duplicate-write error adds for a group sharing memory with others ("" for the rest)."""
+    members: dict[int, list] = {}
+    for g, c in classes.items():
+        members.setdefault(c, []).append(g)
+    return {
+        g: ""
+        if len(members[c]) == 1
+        else f" (groups {', '.join(map(str, members[c]))} share their KV memory: block b is one page in each)"
+        for g, c in classes.items()
+    }
+
+
+_U64 = 1 << 64
+_BAD_DIGEST = "umbp: a digest must be an integer in [0, 2**64) (a psum64 from save), got {!r} for group {}"
+
+
+def _valid_digests(m: Moves, n: int) -> list[int] | None:
+    """A load's expected digests checked before anything is written (a bad one used to raise after
+    earlier objects were written, or read as a quiet miss): None when m.digests is None or a list or
+    tuple of ints in [0, 2**64), used as it is; else its values converted to ints. As in _checks.c."""
+    d = m.digests
+    if d is None:
+        return None
+    exact = type(d) in (list, tuple)
+    if (
+        exact
+        and len(d) == n
+        and all(type(v) is int for v in d)
+        and (not n or (min(d) >= 0 and max(d) < _U64))
+    ):
+        return None  # the usual case, in C loops (no code of the caller's runs between these reads)
+    seq = d if exact else list(d)
+    out = None if exact else []
+    for j in range(n):
+        if len(seq) != n:  # an item's __index__ changed the list
+            raise ValueError(
+                "umbp: block_ids, offsets (and digests) of a Moves must have one entry per object"
+            )
+        item = seq[j]
+        if type(item) is int:
+            v = item
+        else:
+            if out is None:
+                out = list(seq[:j])
+            try:
+                v = operator.index(item)
+            except (TypeError, OverflowError):
+                raise ValueError(_BAD_DIGEST.format(item, m.group)) from None
+        if not 0 <= v < _U64:
+            raise ValueError(_BAD_DIGEST.format(item, m.group))
+        if out is not None:
+            out.append(v)
+    return out
+
+
+def _with_digests(item: tuple, values: list[int]) -> tuple:
+    """A checked batch entry whose Moves carries the checked digests."""
+    geom, m, ids, offs = item
+    return geom, Moves(m.group, m.block_ids, m.offsets, values, m.slot_bytes), ids, offs
 
 
 def _count(values: Sequence[int] | np.ndarray) -> int:
@@ -303,7 +420,9 @@ def check_disjoint(starts: list[np.ndarray], reaches: list[int]) -> None:
     starts[i]: the offsets of one Moves, whose slots each span reaches[i] bytes. When every slot spans
     the same bytes (one group, the usual batch) sorted starts must lie a reach apart: one sort instead of
     the argsort and two gathers that mixed reaches need (4,096 objects on an H200 host: 0.04 vs 0.38 ms,
-    about half of a call's validation before its copy can start; archive/2026-12-03-transfer-zero-copy-host-time-30.txt)."""
+    about half of a call's validation before its copy can start; archive/2026-12-03-transfer-zero-copy-host-time-30.txt).
+    The offsets must already lie inside the arena (offset <= capacity - reach, as _checked_py checks first):
+    then offset + reach cannot wrap in int64."""
     s = _joined(starts)
     if s.size < 2:
         return

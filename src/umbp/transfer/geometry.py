@@ -34,6 +34,13 @@ class LayerGeometry:
     def page_bytes(self) -> int:
         return int(self.seg_offsets.size) * self.seg_bytes
 
+    def span(self) -> tuple[int, int]:
+        """[first, last) address any block's page of this layer touches."""
+        if not self.num_blocks or not self.seg_offsets.size:
+            return self.base, self.base
+        page_end = int(self.seg_offsets.max()) + self.seg_bytes
+        return self.base, self.base + (self.num_blocks - 1) * self.block_stride + page_end
+
 
 def _page_dims(tensor: torch.Tensor, block_dim: int) -> list[tuple[int, int]]:
     """(size, stride in elements) of every page dim larger than 1, in logical order."""
@@ -47,11 +54,32 @@ def _page_dims(tensor: torch.Tensor, block_dim: int) -> list[tuple[int, int]]:
     return dims
 
 
+def _check_pages_disjoint(tensor: torch.Tensor, block_dim: int) -> None:
+    """Refuse a view in which two blocks' pages (or two bytes of one page) share memory: a block stride
+    of 0 (an expanded view) or pages closer together than their extent. A load would write one page's
+    bytes from two objects and verify both. The test: every dim larger than 1, by stride, must step
+    past all the elements the smaller-stride dims reach (enough for every layout vLLM hands out; an
+    interleaving it cannot prove disjoint is refused too)."""
+    dims = sorted((tensor.stride(d), tensor.shape[d]) for d in range(tensor.dim()) if tensor.shape[d] > 1)
+    reach = 1  # elements spanned by the dims seen so far
+    for stride, size in dims:
+        if stride < reach:
+            raise ValueError(
+                f"umbp: the pages of a KV tensor of shape {tuple(tensor.shape)}, strides {tensor.stride()} "
+                f"(block dim {block_dim}) share memory: a block stride of 0 or pages closer than their "
+                "extent; each block's page must be memory of its own"
+            )
+        reach += (size - 1) * stride
+
+
 def layer_geometry(tensor: torch.Tensor, block_dim: int) -> LayerGeometry:
     """Reduce a KV/state tensor with its block dimension to contiguous segments (see module docstring)."""
     if not 0 <= block_dim < tensor.dim():
         raise ValueError(f"umbp: block dim {block_dim} is outside a tensor of shape {tuple(tensor.shape)}")
+    if any(size == 0 for d, size in enumerate(tensor.shape) if d != block_dim):
+        raise ValueError(f"umbp: a KV tensor of shape {tuple(tensor.shape)} has pages of zero bytes")
     elem = tensor.element_size()
+    _check_pages_disjoint(tensor, block_dim)
     dims = _page_dims(tensor, block_dim)
     run = 1  # elements in the innermost contiguous run
     while dims and dims[-1][1] == run:

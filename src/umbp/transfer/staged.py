@@ -19,7 +19,8 @@ Batch = list[tuple[GroupGeometry, Moves, np.ndarray, np.ndarray]]
 
 
 def gather(geom: GroupGeometry, ids: torch.Tensor) -> torch.Tensor:
-    """[n, object_bytes] uint8 on the group's device: every layer's page of each block, concatenated."""
+    """[n, object_bytes] uint8 on the group's device: every layer's page of each block, concatenated.
+    n > 0 (a view of 0 pages as [0, -1] is ambiguous)."""
     n = ids.numel()
     parts = []
     for t, d in zip(geom.tensors, geom.block_dims):
@@ -42,6 +43,8 @@ def staged_save(arena: Arena, device: torch.device, batch: Batch) -> Handle:
     """Gather per layer, one bulk copy to (page-locked, on CUDA) host staging, copy + checksum per slot."""
     digests: list[int] = []
     for geom, _m, ids, offs in batch:
+        if not ids.size:  # an empty Moves beside others: nothing to gather (gather needs n > 0)
+            continue
         data = gather(geom, torch.from_numpy(ids).to(device))
         host = _staging(device, tuple(data.shape))
         host.copy_(data)
@@ -53,6 +56,8 @@ def staged_load(arena: Arena, device: torch.device, batch: Batch) -> Handle:
     """Copy + checksum each slot into host staging; scatter per layer only the objects that verified."""
     oks: list[bool] = []
     for geom, m, ids, offs in batch:
+        if not ids.size:
+            continue
         host = _staging(device, (ids.size, geom.object_bytes))
         got = [arena.read_into(int(o), geom.object_bytes, host[i].numpy()) for i, o in enumerate(offs)]
         ok = [True] * len(got) if m.digests is None else [g == int(e) for g, e in zip(got, m.digests)]
