@@ -68,7 +68,9 @@ class Rig:
     @property
     def value_prefix(self) -> str:
         """The shared tier's key prefix (with a tenant secret it ends in the tenant's namespace)."""
-        return self.worker.remote._prefix_of("k")
+        prefix = self.worker.remote._prefixes(["k"])[0]
+        assert prefix is not None, "the chaos server is a standalone Redis: every key has a prefix"
+        return prefix
 
     def value_key(self, rank_key: str) -> str:
         return f"{self.value_prefix}d:{rank_key}"
