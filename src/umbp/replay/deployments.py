@@ -30,6 +30,23 @@ from typing import Any
 
 GB = 10**9
 KINDS = ("mla", "attention", "state")
+MAX_LAYOUT_BYTES = 1 << 20  # a layout file is a small config
+# the sane range of each count (a layout is a deployment the replay simulates in one process)
+BOUNDS = {
+    "unit": (1, 1 << 20),
+    "block_size": (1, 1 << 20),
+    "layers": (1, 1 << 16),
+    "page_bytes": (1, 1 << 40),
+    "checkpoint_alignment": (1, 1 << 20),
+    "num_gpu_blocks": (4, 1 << 20),
+    "max_num_batched_tokens": (1, 1 << 24),
+    "max_num_seqs": (1, 1 << 16),
+    "max_model_len": (1, 1 << 24),
+    "ranks": (1, 1 << 16),
+    "retention": (0, 1 << 24),
+    "dcp": (1, 1 << 16),
+}
+DRAM_GB = (1e-3, 1e6)  # umbp's dram_bytes takes 4 KiB to 1 PiB per rank
 
 
 class LayoutError(ValueError):
@@ -112,7 +129,10 @@ class ReplayLayout:
     def validate(self) -> ReplayLayout:
         if not self.groups:
             raise LayoutError(f"layout {self.name!r}: 'groups' is empty")
+        _check_fields(self, f"layout {self.name!r}: ", skip=("groups", "timing"))
+        _check_fields(self.timing, f"layout {self.name!r}: timing ")
         for i, g in enumerate(self.groups):
+            _check_fields(g, f"layout {self.name!r}: group {i} ")
             if g.kind not in KINDS:
                 raise LayoutError(f"layout {self.name!r}: group {i} kind {g.kind!r} is not one of {KINDS}")
             if g.block_size <= 0 or self.span(g) % self.unit:
@@ -158,17 +178,53 @@ class ReplayLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ReplayLayout:
+        if not isinstance(data, dict):
+            raise LayoutError(f"layout: expected a JSON object of layout fields, got {type(data).__name__}")
         data = dict(data)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise LayoutError(f"layout: unknown field(s) {unknown}; valid: {sorted(known)}")
+        groups, timing = data.get("groups", ()), data.get("timing", {})
+        if not isinstance(groups, list | tuple) or not all(isinstance(g, dict) for g in groups):
+            raise LayoutError("layout: 'groups' must be a list of objects")
+        if not isinstance(timing, dict):
+            raise LayoutError("layout: 'timing' must be an object")
         try:
-            data["groups"] = tuple(GroupConfig(**g) for g in data.get("groups", ()))
-            data["timing"] = TimingConfig(**data.get("timing", {}))
+            data["groups"] = tuple(GroupConfig(**g) for g in groups)
+            data["timing"] = TimingConfig(**timing)
             return cls(**data).validate()
         except TypeError as exc:
             raise LayoutError(f"layout: {exc}") from None
+
+
+def _check_fields(obj: Any, where: str, skip: tuple[str, ...] = ()) -> None:
+    """Each field of a layout dataclass has its declared type (bool is not an int, a float is finite),
+    counts are in their BOUNDS, times and sizes are >= 0 and bandwidths > 0: a value that would divide by
+    zero, spin the clock or allocate without bound is refused here, with its name."""
+    for f in fields(obj):
+        if f.name in skip:
+            continue
+        value, kind = getattr(obj, f.name), str(f.type)
+        if value is None and "None" in kind:
+            continue
+        if kind.startswith("int"):
+            lo, hi = BOUNDS.get(f.name, (0, 1 << 62))
+            if type(value) is not int or not lo <= value <= hi:
+                raise LayoutError(
+                    f"{where}{f.name!r} must be an integer in [{lo}, {hi}], got {value!r}"[:300]
+                )
+        elif kind == "float":
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            lo, hi = DRAM_GB if f.name == "dram_gb_per_rank" else (0.0, 1e12)
+            positive = f.name.endswith("gbps")
+            if not ok or not lo <= value <= hi or (positive and value == 0):
+                raise LayoutError(
+                    f"{where}{f.name!r} must be a finite number {'> 0 and up' if positive else f'from {lo:g}'} "
+                    f"to {hi:g}, got {value!r}"
+                )
+        elif kind in ("bool", "str") and type(value).__name__ != kind:
+            raise LayoutError(f"{where}{f.name!r} must be a {kind}, got {type(value).__name__}")
 
 
 KIMI_PAGE = 128 * 1152  # one layer's page on one rank: 1024-token block / DCP 8 = 128 tokens x 1152 B
@@ -227,6 +283,24 @@ def load_layout(name_or_path: str) -> ReplayLayout:
     if not path.is_file():
         raise LayoutError(f"layout {name_or_path!r}: not a built-in ({sorted(LAYOUTS)}) nor a JSON file")
     try:
-        return ReplayLayout.from_dict(json.loads(path.read_text()))
-    except json.JSONDecodeError as exc:
+        with path.open("rb") as f:
+            raw = f.read(MAX_LAYOUT_BYTES + 1)
+    except OSError as exc:
+        raise LayoutError(f"layout {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > MAX_LAYOUT_BYTES:
+        raise LayoutError(
+            f"layout {path}: larger than {MAX_LAYOUT_BYTES >> 20} MiB; a layout is a small JSON file"
+        )
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise LayoutError(f"layout {path}: not UTF-8 (byte {exc.start + 1})") from None
+    except RecursionError:
+        raise LayoutError(f"layout {path}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than Python converts
         raise LayoutError(f"layout {path}: not valid JSON ({exc})") from None
+    try:
+        return ReplayLayout.from_dict(data)
+    except LayoutError as exc:
+        why = str(exc)
+        raise LayoutError(f"layout {path}: {why[8:]}" if why.startswith("layout: ") else why) from None

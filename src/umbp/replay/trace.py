@@ -13,6 +13,11 @@
 
 Mooncake-style lines (``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``,
 512 tokens per hash id) are read as one-turn sessions, with ``arrival_s = timestamp / 1000``.
+
+What a trace may hold (anything else is a :class:`TraceError` naming the line): a regular file of UTF-8
+lines of at most ``MAX_LINE_BYTES``; counts (``len``, ``turn``, ``output_tokens``, ``input_length``) are
+integers from 0, a turn's prompt at most ``MAX_TOKENS`` tokens; token ids integers in [0, 2**31); times
+(``think_s``, ``arrival_s``, ``timestamp``) finite numbers from 0 (at most 10**12 s).
 Stdlib + numpy only.
 """
 
@@ -20,6 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +35,11 @@ from typing import Any
 
 VOCAB = 1 << 17  # token ids of synthetic segments: [16, VOCAB); random streams never collide in practice
 MOONCAKE_BLOCK = 512
+MAX_LINE_BYTES = 16 << 20  # one turn's line: a 1M-token prompt given as token ids is about 7 MiB
+MAX_TOKENS = 1 << 24  # a turn's prompt (and its reply): 16.7M tokens, beyond any model's context
+MAX_TOKEN_ID = 1 << 31
+MAX_SECONDS = 1e12  # think_s, arrival_s: finite and >= 0 (NaN would stall the replay's clock)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
 
 
 class TraceError(ValueError):
@@ -109,8 +122,22 @@ class TokenCache:
 # ------------------------------------------------------------------------------------------ JSONL
 
 
+def check_trace_output(path: str | Path) -> None:
+    """Raise TraceError if `path` cannot take a trace (it is a folder, or a file stands where a folder of
+    its path should): before the trace is generated, not after."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise TraceError(f"cannot write the trace to {path}: it is a folder; name a file")
+    if path.exists() and not path.is_file():
+        raise TraceError(f"cannot write the trace to {path}: not a regular file (a FIFO or device)")
+    blocker = next((p for p in path.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise TraceError(f"cannot write the trace to {path}: {blocker} is a file, not a folder")
+
+
 def write_trace(turns: Iterable[Turn], path: str | Path) -> int:
-    path = Path(path)
+    path = Path(path).expanduser()
+    check_trace_output(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with path.open("w") as f:
@@ -121,55 +148,131 @@ def write_trace(turns: Iterable[Turn], path: str | Path) -> int:
 
 
 def read_trace(path: str | Path) -> list[Turn]:
+    """Every turn of the JSONL trace at `path`; TraceError (naming the file or line) on anything that is
+    not one: a FIFO, device or folder is refused unopened, a line longer than MAX_LINE_BYTES unread."""
     turns = []
-    with Path(path).open() as f:
-        for lineno, line in enumerate(f, 1):
+    with _open_regular(Path(path).expanduser()) as f:
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"trace line {lineno}: longer than {MAX_LINE_BYTES >> 20} MiB")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"trace line {lineno}: not UTF-8 (byte {exc.start + 1})") from None
             if line.strip():
                 turns.append(parse_line(line, lineno))
     check_sessions(turns)
     return turns
 
 
+def _open_regular(path: Path):
+    """`path` opened for binary reading if it is a regular file; opened without blocking, so a FIFO with
+    no writer is refused rather than waited on."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        raise TraceError(f"trace {path}: cannot open it: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TraceError(
+                f"trace {path}: not a regular file (a FIFO, device or folder); pass a JSONL file"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def parse_line(line: str, lineno: int = 0) -> Turn:
     try:
         data = json.loads(line)
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        raise TraceError(f"trace line {lineno}: not JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than Python converts
         raise TraceError(f"trace line {lineno}: not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise TraceError(f"trace line {lineno}: expected an object")
     try:
         if "hash_ids" in data:
-            return _mooncake(data, lineno)
-        return _native(data)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TraceError(f"trace line {lineno}: {type(exc).__name__}: {exc}") from None
+            turn = _mooncake(data, lineno)
+        else:
+            turn = _native(data)
+    except KeyError as exc:
+        raise TraceError(f"trace line {lineno}: missing field {exc}") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TraceError(f"trace line {lineno}: {exc}") from None
+    if turn.prompt_tokens > MAX_TOKENS:
+        raise TraceError(
+            f"trace line {lineno}: a prompt of {turn.prompt_tokens} tokens (at most {MAX_TOKENS})"
+        )
+    return turn
 
 
-def _segment(data: dict[str, Any]) -> Segment:
+def _count(value: Any, what: str, hi: int = MAX_TOKENS) -> int:
+    """A whole number in [0, hi] (a JSON integer, or a float with an integral value)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{what} must be a whole number, got {value}")
+    if not 0 <= value <= hi:
+        shown = value if abs(value) < 1e30 else "(a number of 30 digits or more)"
+        raise ValueError(f"{what} {shown} is out of range [0, {hi}]")
+    return int(value)
+
+
+def _seconds(value: Any, what: str, hi: float = MAX_SECONDS) -> float:
+    """A time: finite and in [0, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__}")
+    out = float(value)
+    if not (math.isfinite(out) and 0.0 <= out <= hi):
+        raise ValueError(f"{what} must be a finite number in [0, {hi:g}], got {value}")
+    return out
+
+
+def _name(value: Any, what: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
+        raise TypeError(f"{what} must be a non-empty string")
+    return str(value)
+
+
+def _segment(data: Any) -> Segment:
+    if not isinstance(data, dict):
+        raise TypeError("a segment must be an object")
     if "tokens" in data:
-        return Segment(tokens=tuple(int(t) for t in data["tokens"]))
-    length = int(data["len"])
-    if length < 0 or not data["id"]:
-        raise ValueError("a segment needs a non-empty 'id' and 'len' >= 0")
-    return Segment(id=str(data["id"]), length=length)
+        tokens = data["tokens"]
+        if not isinstance(tokens, list):
+            raise TypeError("'tokens' must be a list")
+        if len(tokens) > MAX_TOKENS:
+            raise ValueError(f"'tokens' holds {len(tokens)} tokens (at most {MAX_TOKENS})")
+        return Segment(tokens=tuple(_count(t, "a token id", MAX_TOKEN_ID - 1) for t in tokens))
+    return Segment(id=_name(data["id"], "a segment's 'id'"), length=_count(data["len"], "'len'"))
 
 
 def _native(data: dict[str, Any]) -> Turn:
-    segments = tuple(_segment(s) for s in data["segments"])
+    segments = data["segments"]
+    if not isinstance(segments, list):
+        raise TypeError("'segments' must be a list")
     arrival = data.get("arrival_s")
     return Turn(
-        session=str(data["session"]),
-        turn=int(data.get("turn", 0)),
-        segments=segments,
-        output_tokens=int(data.get("output_tokens", 1)),
-        think_s=float(data.get("think_s", 0.0)),
-        arrival_s=None if arrival is None else float(arrival),
+        session=_name(data["session"], "'session'"),
+        turn=_count(data.get("turn", 0), "'turn'"),
+        segments=tuple(_segment(s) for s in segments),
+        output_tokens=_count(data.get("output_tokens", 1), "'output_tokens'"),
+        think_s=_seconds(data.get("think_s", 0.0), "'think_s'"),
+        arrival_s=None if arrival is None else _seconds(arrival, "'arrival_s'"),
     )
 
 
 def _mooncake(data: dict[str, Any], lineno: int) -> Turn:
-    ids = [int(h) for h in data["hash_ids"]]
-    total = int(data["input_length"])
+    hash_ids = data["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise TypeError("'hash_ids' must be a list")
+    if len(hash_ids) > MAX_TOKENS // MOONCAKE_BLOCK:
+        raise ValueError(f"{len(hash_ids)} hash ids (at most {MAX_TOKENS // MOONCAKE_BLOCK})")
+    ids = [_count(h, "a hash id", 1 << 64) for h in hash_ids]
+    total = _count(data["input_length"], "'input_length'")
     if not ids or total > len(ids) * MOONCAKE_BLOCK or total <= (len(ids) - 1) * MOONCAKE_BLOCK:
         raise ValueError(f"input_length {total} does not fit {len(ids)} hash ids of {MOONCAKE_BLOCK} tokens")
     last = total - (len(ids) - 1) * MOONCAKE_BLOCK
@@ -180,8 +283,8 @@ def _mooncake(data: dict[str, Any], lineno: int) -> Turn:
         session=f"mc{lineno}",
         turn=0,
         segments=segments,
-        output_tokens=int(data.get("output_length", 1)),
-        arrival_s=float(data.get("timestamp", 0)) / 1000.0,
+        output_tokens=_count(data.get("output_length", 1), "'output_length'"),
+        arrival_s=_seconds(data.get("timestamp", 0), "'timestamp' (ms)", MAX_SECONDS * 1000) / 1000.0,
     )
 
 

@@ -69,6 +69,11 @@ def check_output(tool: str, path: str | Path, directory: bool = False) -> None:
     """Fail at once, with one clear message, when a tool's --out cannot be written: before minutes of
     benchmarking, not after. `directory`: --out names a folder to write into rather than a file."""
     folder = Path(path).expanduser() if directory else Path(path).expanduser().parent
+    if not directory and Path(path).expanduser().is_dir():
+        raise SystemExit(
+            f"{tool}: cannot write --out {path}: it is a folder; pass --out with a file name (e.g. "
+            f"{Path(path) / 'result.json'})"
+        )
     blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         raise SystemExit(

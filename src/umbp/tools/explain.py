@@ -8,12 +8,20 @@ Groups: `full:B` (full attention), `swa:B:W` (sliding window W), `state:B` (Mamb
 sizes are per rank (as in vLLM's specs) and attention blocks span B x N tokens:
 
     umbp explain --groups full:128,state:128 --unit 128 --dcp 8 --max-tokens 9999 --present 0=1024 --present 1=1152
+
+Token counts (--max-tokens, --hashed-tokens, --present ends, block sizes, windows, block spans under DCP)
+are at most 2**24, and the blocks the explanation walks (--max-tokens, and each sliding window, over each
+group's block size, plus --max-tokens over the unit) at most 2**22 in all.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+MAX_TOKENS = 1 << 24
+MAX_BLOCKS = 1 << 22  # blocks walked in all: time and memory are linear in them (2**22: ~2 s, ~0.4 GB)
+MAX_DCP = 1 << 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +51,8 @@ def parse_groups(text: str) -> list:
         kind, *nums = item.strip().split(":")
         try:
             values = [int(n) for n in nums]
+            if not all(1 <= v <= MAX_TOKENS for v in values):
+                raise ValueError
             if kind in ("full", "fa") and len(values) == 1:
                 groups.append(FullAttention(block_size=values[0]))
             elif kind in ("swa", "sliding") and len(values) == 2:
@@ -52,7 +62,10 @@ def parse_groups(text: str) -> list:
             else:
                 raise ValueError
         except ValueError:
-            raise SystemExit(f"umbp explain: bad group {item!r}; use full:B, swa:B:W or state:B") from None
+            raise SystemExit(
+                f"umbp explain: bad group {item!r}; use full:B, swa:B:W or state:B (B and W from 1 to "
+                f"{MAX_TOKENS})"
+            ) from None
     return groups
 
 
@@ -62,20 +75,65 @@ def parse_present(items: list[str], num_groups: int) -> list[set[int]]:
         group, _, ends = item.partition("=")
         try:
             g = int(group)
-            present[g].update(int(t) for t in ends.split(",") if t.strip())
+            if not 0 <= g < num_groups:
+                raise IndexError
+            values = {int(t) for t in ends.split(",") if t.strip()}
+            if not all(0 < t <= MAX_TOKENS for t in values):
+                raise ValueError
+            present[g].update(values)
         except (ValueError, IndexError):
             raise SystemExit(
-                f"umbp explain: bad --present {item!r}; use G=t1,t2 with G < {num_groups}"
+                f"umbp explain: bad --present {item!r}; use G=t1,t2 with 0 <= G < {num_groups} and token "
+                f"ends from 1 to {MAX_TOKENS}"
             ) from None
     return present
+
+
+def parse_eagle_groups(text: str, num_groups: int) -> set[int] | None:
+    try:
+        out = {int(g) for g in text.split(",") if g.strip()}
+    except ValueError:
+        out = {-1}
+    if not all(0 <= g < num_groups for g in out):
+        raise SystemExit(
+            f"umbp explain: bad --eagle-groups {text!r}; use a comma list of group numbers from 0 to "
+            f"{num_groups - 1}"
+        )
+    return out or None
+
+
+def check_sizes(args: argparse.Namespace, groups: list) -> None:
+    """One clear error for sizes past what an explanation can walk in moments (it is linear in them)."""
+    for name, value, lo, hi in (
+        ("--unit", args.unit, 1, MAX_TOKENS),
+        ("--max-tokens", args.max_tokens, 0, MAX_TOKENS),
+        ("--hashed-tokens", args.hashed_tokens, 0, MAX_TOKENS),
+        ("--dcp", args.dcp, 1, MAX_DCP),
+    ):
+        if value is not None and not lo <= value <= hi:
+            raise SystemExit(f"umbp explain: {name} {value} is out of range: it must be from {lo} to {hi}")
+    span = max(g.block_size for g in groups) * args.dcp
+    if span > MAX_TOKENS:
+        raise SystemExit(
+            f"umbp explain: a block spans {span} tokens under --dcp {args.dcp}; at most {MAX_TOKENS}"
+        )
+    blocks = args.max_tokens // args.unit + sum(
+        (args.max_tokens + getattr(g, "window", 0)) // g.block_size for g in groups
+    )
+    if blocks > MAX_BLOCKS:
+        raise SystemExit(
+            f"umbp explain: --max-tokens {args.max_tokens} (and the sliding windows) over the groups' block "
+            f"sizes and the unit is {blocks} blocks to walk; at most {MAX_BLOCKS}: lower --max-tokens"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     from umbp.hybrid import explain
 
     groups = parse_groups(args.groups)
+    check_sizes(args, groups)
     present = parse_present(args.present, len(groups))
-    eagle_groups = {int(g) for g in args.eagle_groups.split(",") if g.strip()} or None
+    eagle_groups = parse_eagle_groups(args.eagle_groups, len(groups))
     try:
         text = explain(
             groups,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import sys
 import time
@@ -23,6 +24,38 @@ from contextlib import contextmanager
 from pathlib import Path
 
 OUT_IS_DIR = True  # --out is a folder (umbp.cli checks it can be written before the run)
+
+
+def _whole(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(
+                f"{value} is out of range: it must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+            )
+        return value
+
+    return parse
+
+
+def _number(positive: bool = False):
+    """An argparse type: a finite number >= 0 (> 0 with `positive`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text} must be a finite number {'>' if positive else '>='} 0")
+        return value
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,10 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", help="replay this JSONL trace instead of generating one")
     parser.add_argument("--write-trace", metavar="PATH", help="write the (generated) trace as JSONL")
     parser.add_argument(
-        "--sessions", type=int, default=280, help="generated sessions (default 280 = 4 per slot)"
+        "--sessions",
+        type=_whole(1, 100_000),
+        default=280,
+        help="generated sessions (default 280 = 4 per slot)",
     )
     parser.add_argument("--seed", type=int, default=0, help="generator seed")
-    parser.add_argument("--concurrency", type=int, default=70, help="sessions in flight (default 70)")
+    parser.add_argument("--concurrency", type=_whole(1), default=70, help="sessions in flight (default 70)")
     parser.add_argument(
         "--boundary-page",
         choices=("both", "on", "off"),
@@ -65,21 +101,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "in umbp's place, per retention value, and print the peer table (docs/replay.md)",
     )
     parser.add_argument("--gpu-blocks", type=int, help="override the layout's GPU block pool size")
-    parser.add_argument("--dram-gb", type=float, help="override the layout's umbp DRAM per rank (GB)")
-    parser.add_argument("--think-s", type=float, help="generated traces: mean think time between turns (s)")
-    parser.add_argument("--jobs", type=int, default=1, help="settings run in parallel processes (default 1)")
+    parser.add_argument(
+        "--dram-gb", type=_number(positive=True), help="override the layout's umbp DRAM per rank (GB)"
+    )
+    parser.add_argument(
+        "--think-s", type=_number(positive=True), help="generated traces: mean think time between turns (s)"
+    )
+    parser.add_argument(
+        "--jobs", type=_whole(1), default=1, help="settings run in parallel processes (default 1)"
+    )
     parser.add_argument(
         "--hash-seed",
-        type=int,
+        type=_whole(0, 2**32 - 1),
         default=0,
         help="PYTHONHASHSEED of the processes that run the settings (default 0): vLLM walks sets of "
         "request ids, so a fixed seed makes a run repeat exactly",
     )
     parser.add_argument("--out", default="umbp-out/replay", help="output directory")
-    parser.add_argument("--max-explain", type=int, default=20, help="umbp explain texts kept per setting")
+    parser.add_argument(
+        "--max-explain", type=_whole(0), default=20, help="umbp explain texts kept per setting"
+    )
     parser.add_argument(
         "--require",
-        type=float,
+        type=_number(),
         metavar="PCT",
         help="exit 1 if a boundary-page-on setting restores less than PCT%% of the oracle's "
         "restorable tokens",
@@ -94,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from umbp.replay.deployments import LayoutError, load_layout
+    from umbp.replay.trace import TraceError, check_trace_output
 
     try:
         layouts = [
@@ -105,6 +150,16 @@ def run(args: argparse.Namespace) -> int:
     if args.print_layout:
         print(json.dumps([lay.to_dict() for lay in layouts], indent=2))
         return 0
+    try:  # before the trace is read or generated: a bad value must not wait for that, or fail in a worker
+        settings = _settings(args, layouts)
+        if args.write_trace:
+            check_trace_output(args.write_trace)
+    except TraceError as exc:
+        print(f"umbp replay: --write-trace: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"umbp replay: {exc}", file=sys.stderr)
+        return 2
     turns = _turns(args)
     if turns is None:
         return 2
@@ -114,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    summaries = _run_all(layouts, _settings(args, layouts), turns, args)
+    summaries = _run_all(layouts, settings, turns, args)
     return _finish(layouts, summaries, args)
 
 
@@ -139,12 +194,17 @@ def _turns(args):
         profile = AgenticProfile(sessions=args.sessions, seed=args.seed)
         turns = generate(profile.scaled(think_s_mean=args.think_s))
     if args.write_trace:
-        n = write_trace(turns, args.write_trace)
+        try:
+            n = write_trace(turns, args.write_trace)
+        except (OSError, TraceError) as exc:
+            print(f"umbp replay: --write-trace: {exc}", file=sys.stderr)
+            return None
         print(f"umbp replay: wrote {n:,} turns to {args.write_trace}")
     return turns
 
 
 def _settings(args, layouts) -> dict[str, list]:
+    """The settings to run per layout; ValueError (its message for the user) on a bad --retention."""
     from umbp.replay.driver import Setting
 
     pages = {"both": (True, False), "on": (True,), "off": (False,)}[args.boundary_page]
@@ -152,13 +212,27 @@ def _settings(args, layouts) -> dict[str, list]:
     for lay in layouts:
         rets = []
         for item in args.retention.split(","):
-            value = lay.retention if item.strip() == "layout" else int(item)
+            value = lay.retention if item.strip() == "layout" else _retention(item, lay)
             if value not in rets:
                 rets.append(value)
         out[lay.name] = [Setting(p, r) for r, p in itertools.product(rets, pages)]
         if args.peers:
             out[lay.name] += [Setting(False, r, "offloading") for r in rets]
     return out
+
+
+def _retention(item: str, layout) -> int:
+    block = layout.scheduler_block_size
+    try:
+        value = int(item)
+    except ValueError:
+        value = -1
+    if value < 0 or value % block:
+        raise ValueError(
+            f"--retention {item.strip()!r}: each value must be 'layout' or a non-negative multiple of "
+            f"layout {layout.name}'s scheduler block size {block}"
+        )
+    return value
 
 
 # ------------------------------------------------------------------------------------------ running

@@ -22,13 +22,17 @@ import argparse
 import base64
 import http.client
 import json
+import math
 import os
 import re
 import sys
+import threading
+import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from umbp.identity import parse_key
 from umbp.redact import redact_url, scrub, secrets_of, url_secrets
@@ -38,6 +42,19 @@ _NAMESPACE = re.compile(r"^[0-9a-f]{32}$")
 _METRIC = re.compile(r"^(vllm:umbp_[A-Za-z0-9_]+?)(?:_total)?(?:\{([^}]*)\})?\s+(\S+)\s*$")
 # the labels umbp adds to vLLM's own (engine, model): kept apart in the report, the others summed over
 _UMBP_LABEL = re.compile(r'\b(group|tier)="([^"]*)"')
+METRICS_MAX_BYTES = 64 << 20  # a /metrics reply past this is not vLLM's
+METRICS_DEADLINE_S = 30.0  # the whole /metrics request: connect, headers and body
+METRICS_TIMEOUT_S = 10.0  # each connect or read of it
+
+
+def _max_keys(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: it must be at least 1")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", default=None, metavar="URL", help="a vLLM /metrics endpoint")
     parser.add_argument("--no-sizes", action="store_true", help="remote: count objects only (no STRLEN)")
     parser.add_argument(
-        "--max-keys", type=int, default=1_000_000, help="remote: stop after this many objects"
+        "--max-keys", type=_max_keys, default=1_000_000, help="remote: stop after this many objects"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -126,14 +143,31 @@ def ssd_report(base: str) -> TierReport:
             "kv_connector_extra_config"
         )
     report = TierReport(f"ssd {base}")
-    for ns in sorted(os.listdir(base)):
+    try:
+        namespaces = sorted(os.listdir(base))
+    except OSError as exc:
+        raise StatsError(
+            f"umbp stats: cannot read {base}: {exc.strerror or exc}; run as the user the connector runs as"
+        ) from None
+    for ns in namespaces:
         if not _NAMESPACE.match(ns) or not os.path.isdir(os.path.join(base, ns)):
             continue
-        for rank in sorted(os.listdir(os.path.join(base, ns))):
+        try:
+            ranks = sorted(os.listdir(os.path.join(base, ns)))
+        except OSError as exc:
+            report.notes.append(f"{ns}: unreadable ({exc.strerror or exc}): its ranks are not counted")
+            continue
+        for rank in ranks:
             path = os.path.join(base, ns, rank)
             if not os.path.isdir(path):
                 continue
-            found = scan(path)
+            try:
+                found = scan(path)
+            except OSError as exc:
+                report.notes.append(
+                    f"{ns}/{rank}: unreadable ({exc.strerror or exc}): not counted, nor in 'complete'"
+                )
+                continue
             shard = Shard(
                 ns,
                 rank.replace("-", ":"),
@@ -148,7 +182,7 @@ def ssd_report(base: str) -> TierReport:
                     shard.add(parsed.group, parsed.prefix_hash, rec.length)
             report.notes += [f"{ns}/{rank}: discarded {d}" for d in found.discarded]
             report.shards.append(shard)
-    if not report.shards:
+    if not report.shards and not report.notes:
         report.notes.append("no <namespace>/<rank> directories here (nothing stored yet?)")
     return report
 
@@ -181,6 +215,7 @@ def remote_report(
     import redis
 
     from umbp.pool.errors import UmbpValueError
+    from umbp.pool.remote.admin import ScanError
     from umbp.pool.remote.tier import RedisTier
 
     options = remote_options(spec, auth_key_env, auth_key_file)
@@ -209,9 +244,16 @@ def remote_report(
                 shard.markers_without_value += 1
                 continue
             shard.add(parsed.group, parsed.prefix_hash, max(0, (length or header) - header))
+    except ScanError as exc:
+        raise StatsError(f"umbp stats: cannot read {name}: {exc}; is this a Redis server?") from None
     except (redis.RedisError, OSError) as exc:
         raise StatsError(
             f"umbp stats: cannot read {name}: {scrub(str(exc), secrets)}; is the server up and the URL right?"
+        ) from None
+    except (TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:  # redis-py's parsing
+        raise StatsError(
+            f"umbp stats: cannot read {name}: a reply Redis does not send ({type(exc).__name__}); is this "
+            "a Redis server?"
         ) from None
     finally:
         tier.close()
@@ -232,6 +274,8 @@ def _metrics_request(url: str) -> urllib.request.Request:
     from umbp.pool.remote.config import split_credentials
 
     user, password, bare = split_credentials(url.strip())
+    if urlsplit(bare).scheme.lower() not in ("http", "https"):
+        raise ValueError("only http:// and https:// URLs are read")
     request = urllib.request.Request(bare)
     if user is not None or password is not None:
         token = base64.b64encode(f"{user or ''}:{password or ''}".encode()).decode()
@@ -239,13 +283,57 @@ def _metrics_request(url: str) -> urllib.request.Request:
     return request
 
 
-def metrics_report(url: str) -> dict[str, float]:
+class _HttpRedirectsOnly(urllib.request.HTTPRedirectHandler):
+    """Redirects are followed to http:// and https:// URLs only (urllib would also follow one to ftp://)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201 - urllib's
+        if urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            raise urllib.error.HTTPError(
+                req.full_url, code, "a redirect to a URL that is not http(s)", headers, fp
+            )
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _fetch(request: urllib.request.Request) -> bytes:
+    """The reply's body: at most METRICS_MAX_BYTES, all of it within METRICS_DEADLINE_S (a server that
+    sends a byte now and then cannot hold the command: each read's timeout alone would not stop it). The
+    request runs in a daemon thread, left behind at the deadline (it ends at its next read's timeout)."""
+    box: dict[str, Any] = {}
+    stop = threading.Event()
+
+    def get() -> None:
+        try:
+            opener = urllib.request.build_opener(_HttpRedirectsOnly)
+            with opener.open(request, timeout=METRICS_TIMEOUT_S) as resp:
+                body = bytearray()
+                while not stop.is_set():
+                    chunk = resp.read1(1 << 16)
+                    if not chunk:
+                        box["body"] = bytes(body)
+                        return
+                    body += chunk
+                    if len(body) > METRICS_MAX_BYTES:
+                        raise ValueError(f"the reply is larger than {METRICS_MAX_BYTES >> 20} MiB")
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which reports it
+            box["error"] = exc
+
+    thread = threading.Thread(target=get, name="umbp-stats-metrics", daemon=True)
+    thread.start()
+    thread.join(METRICS_DEADLINE_S)
+    if thread.is_alive():
+        stop.set()
+        raise TimeoutError(f"no complete reply within {METRICS_DEADLINE_S:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["body"]
+
+
+def metrics_report(url: str, notes: list[str] | None = None) -> dict[str, float]:
     """Every vllm:umbp_* counter, summed over label sets (engines, models). Messages show the URL with its
-    user info and credential-like query parameters (`?token=`) masked."""
+    user info and credential-like query parameters (`?token=`) masked. A sample whose value is not a
+    finite number is skipped, and said so in `notes`."""
     try:
-        request = _metrics_request(url)
-        with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - an operator-given URL
-            text = resp.read().decode()
+        text = _fetch(_metrics_request(url)).decode("utf-8", errors="replace")
     except (OSError, ValueError, http.client.HTTPException) as exc:  # InvalidURL is an HTTPException
         why = scrub(redact_url(str(exc)), url_secrets(url))
         raise StatsError(
@@ -253,6 +341,7 @@ def metrics_report(url: str) -> dict[str, float]:
             "UMBPConnector, and is this its /metrics URL?"
         ) from None
     out: dict[str, float] = {}
+    skipped: list[str] = []
     for line in text.splitlines():
         m = _METRIC.match(line)
         if m and not m.group(1).endswith("_created"):
@@ -260,7 +349,17 @@ def metrics_report(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in _UMBP_LABEL.findall(m.group(2) or ""))
             if labels:
                 name = f"{name}{{{labels}}}"
-            out[name] = out.get(name, 0.0) + float(m.group(3))
+            try:
+                value = float(m.group(3))
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value):
+                skipped.append(name)
+                continue
+            out[name] = out.get(name, 0.0) + value
+    if skipped and notes is not None:
+        shown = ", ".join(sorted(set(skipped))[:5])
+        notes.append(f"{len(skipped)} sample(s) whose value is not a finite number skipped ({shown[:200]})")
     return dict(sorted(out.items()))
 
 
@@ -353,6 +452,7 @@ def _gather(args: argparse.Namespace):
     tiers: list[TierReport] = []
     metrics: dict[str, float] | None = None
     unreachable: dict[str, str] = {}
+    notes: list[str] = []  # about the metrics
     sources = [(f"ssd {d}", lambda d=d: ssd_report(d)) for d in args.ssd]
     if args.remote:
         sources.append(
@@ -370,10 +470,10 @@ def _gather(args: argparse.Namespace):
             unreachable[name] = str(exc)
     if args.metrics:
         try:
-            metrics = metrics_report(args.metrics)
+            metrics = metrics_report(args.metrics, notes)
         except StatsError as exc:
             unreachable["metrics"] = str(exc)
-    return tiers, metrics, unreachable
+    return tiers, metrics, notes, unreachable
 
 
 def run(args: argparse.Namespace) -> int:
@@ -388,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    tiers, metrics, unreachable = _gather(args)
+    tiers, metrics, metrics_notes, unreachable = _gather(args)
     asked = len(args.ssd) + bool(args.remote) + bool(args.metrics)
     code = 0 if not unreachable else (2 if len(unreachable) == asked else 1)
     for name, why in unreachable.items():
@@ -400,6 +500,8 @@ def run(args: argparse.Namespace) -> int:
         if metrics is not None:
             out["metrics"] = metrics
             out["dram_bytes_per_data_byte"] = padding_factor(metrics)
+            if metrics_notes:
+                out["metrics_notes"] = metrics_notes
         print(json.dumps(out, indent=1))
         return code
     for t in tiers:
@@ -413,6 +515,8 @@ def run(args: argparse.Namespace) -> int:
         factor = padding_factor(metrics)
         if factor is not None:
             print(f"  DRAM bytes per stored data byte {factor:>8.3f}  (stored_bytes / stored_data_bytes)")
+        for note in metrics_notes:
+            print(f"  note: {note}")
     for name in unreachable:
         print(f"{name}: UNREACHABLE (see the error above)")
     return code

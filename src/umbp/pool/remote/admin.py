@@ -1,6 +1,8 @@
 """How RedisTier removes and lists objects: `remove`, `clear` and the operators' scans (`umbp stats`).
 These go through redis-py's command API (they are not on the serving path); `remove` and `clear` still
-never raise on what a server sends (an odd reply is counted as an error, nothing removed on its word)."""
+never raise on what a server sends (an odd reply is counted as an error, nothing removed on its word).
+Every SCAN here ends: a reply that is not [cursor, [names]], a cursor the server hands out twice or more
+pages than its key count calls for (at most MAX_SCAN_CALLS) end it with ScanError (a redis.RedisError)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,14 @@ import redis
 from umbp.pool.keycheck import check_keys
 from umbp.pool.remote.backend import Cluster
 from umbp.pool.remote.calls import _REDIS_PY_FAULTS
+
+# pages of one SCAN of one server: COUNT 1000 per page covers 10**9 hash-table slots, past any real server
+MAX_SCAN_CALLS = 1 << 20
+
+
+class ScanError(redis.RedisError):
+    """A SCAN (or its STRLENs) that cannot go on: the server's replies are not what Redis sends, or its
+    cursor would never come back to 0."""
 
 
 class AdminMixin:
@@ -74,7 +84,7 @@ class AdminMixin:
         seen = 0
         for client in self._backend.primaries():
             names: list[bytes] = []
-            for name in client.scan_iter(match=pattern, count=batch):
+            for name in _scan(client, pattern, batch, _page_budget(client, batch)):
                 names.append(name)
                 if len(names) == batch:
                     yield from self._sized(client, names, sizes)
@@ -97,6 +107,8 @@ class AdminMixin:
             for head, key in split:
                 pipe.strlen(head + b"d:" + key)
             lengths = pipe.execute()
+            if len(lengths) != len(names) or not all(type(n) is int and n >= 0 for n in lengths):
+                raise ScanError("STRLEN: a reply that is not a length")
         for (_, key), n in zip(split, lengths, strict=True):
             yield key.decode(errors="replace"), n
 
@@ -108,7 +120,8 @@ class AdminMixin:
         counts: dict[str, int] = {}
         seen = 0
         for client in self._backend.primaries():
-            for name in client.scan_iter(match=_glob_escape(self.config.key_prefix) + "*", count=batch):
+            pattern = _glob_escape(self.config.key_prefix) + "*"
+            for name in _scan(client, pattern, batch, _page_budget(client, batch)):
                 seen += 1
                 ns = _marker_namespace(name[len(prefix) :])
                 if ns is not None:
@@ -144,11 +157,48 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
+def _page_budget(client: redis.Redis, count: int) -> int:
+    """How many SCAN pages a full scan of `client`'s server may take: a page ends after `count` keys (of
+    any name) or 10 x `count` empty slots, so a server of N keys needs about N / count pages, plus its
+    empty slots; 16 times that and 1024 more is room enough. MAX_SCAN_CALLS when DBSIZE is not answered
+    (a user whose ACL refuses it)."""
+    try:
+        keys = client.dbsize()
+    except _REDIS_PY_FAULTS:
+        return MAX_SCAN_CALLS
+    if type(keys) is not int or keys < 0:
+        return MAX_SCAN_CALLS
+    return min(MAX_SCAN_CALLS, 16 * (keys // count + 1) + 1024)
+
+
+def _scan(client: redis.Redis, pattern: str, count: int, pages: int = MAX_SCAN_CALLS) -> Iterator[bytes]:
+    """The key names SCAN MATCH `pattern` finds on `client`'s server, page by page; ScanError when the
+    replies are not [cursor, [names]], a cursor comes back (the iteration would never end), or after
+    `pages` pages. redis-py's scan_iter trusts the server to reach cursor 0."""
+    cursor, seen = 0, set()
+    for _ in range(pages):
+        try:
+            cursor, names = client.scan(cursor=cursor, match=pattern, count=count)
+        except (TypeError, ValueError, AttributeError, IndexError):  # redis-py's reply callback unpacks it
+            raise ScanError("SCAN: a reply that is not [cursor, [names]]") from None
+        if type(cursor) is not int or cursor < 0 or type(names) is not list:
+            raise ScanError("SCAN: a reply that is not [cursor, [names]]")
+        if not all(type(n) is bytes for n in names):
+            raise ScanError("SCAN: a key name that is not a string")
+        yield from names
+        if cursor == 0:
+            return
+        if cursor in seen:
+            raise ScanError("SCAN: the server returned the same cursor twice; its scan would never end")
+        seen.add(cursor)
+    raise ScanError(f"SCAN: not finished after {pages} pages (more than its key count calls for)")
+
+
 def _unlink_matching(client: redis.Redis, pattern: str, batch: int = 512) -> None:
     """SCAN + UNLINK one key per command (keys of one server may sit in different cluster slots)."""
     pipe = client.pipeline(transaction=False)
     n = 0
-    for name in client.scan_iter(match=pattern, count=1000):
+    for name in _scan(client, pattern, 1000):
         pipe.unlink(name)
         n += 1
         if n % batch == 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -29,6 +30,7 @@ MiB = 1 << 20
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 AUTH_MACS = ("auto", "hmac-sha256", "aes-gmac")
 MIN_SECRET_BYTES = 16
+MAX_KEY_FILE_BYTES = 64 << 10  # a key file holds one secret
 # The numeric maxima are what the tier can honour: a timeout becomes milliseconds for poll() (a C int), a
 # TTL becomes Redis' PX milliseconds; beyond them a value would pass here and then break every call.
 _HOUR_S = 3600.0
@@ -349,18 +351,21 @@ class RemoteConfig(Options):
 
     @classmethod
     def _secret_from_file(cls, option: str, path: str) -> bytes:
+        """The secret in the file at `path`: a regular file of at most MAX_KEY_FILE_BYTES. Opened without
+        blocking, so a FIFO (which would wait for a writer), a device (/dev/zero) or a huge file is refused
+        at once instead of read."""
         try:
-            with open(path, "rb") as f:
-                value = f.read(1 << 16).strip()
+            value = _read_key_file(path)
         except OSError as exc:
+            why = exc.strerror or str(exc)
             if looks_like_path(path):
-                raise cls.fail(f"{cls.where} '{option}': cannot read {path!r}: {exc.strerror}") from None
+                raise cls.fail(f"{cls.where} '{option}': cannot read {path!r}: {why}") from None
             raise cls.fail(
-                f"{cls.where} '{option}': cannot read the file it names: {exc.strerror}; the path is not shown "
+                f"{cls.where} '{option}': cannot read the file it names: {why}; the path is not shown "
                 "because it does not look like one (give an absolute path, or one starting with ./): is it "
                 "the secret itself?"
             ) from None
-        return cls._long_enough(option, value)
+        return cls._long_enough(option, value.strip())
 
     @classmethod
     def _long_enough(cls, option: str, secret: bytes) -> bytes:
@@ -516,3 +521,20 @@ def parse_url(url: str) -> Endpoint:
     parts = urlsplit(split_credentials(url)[2])
     path = parts.path.strip("/")
     return Endpoint(parts.hostname or "", parts.port or 6379, int(path) if path else 0)
+
+
+def _read_key_file(path: str) -> bytes:
+    """The bytes of a key file; OSError (with a strerror for the message) when it is not a regular file
+    or is larger than MAX_KEY_FILE_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file (a FIFO, device or folder)")
+        data = b""
+        while len(data) <= MAX_KEY_FILE_BYTES and (chunk := os.read(fd, MAX_KEY_FILE_BYTES + 1 - len(data))):
+            data += chunk
+        if len(data) > MAX_KEY_FILE_BYTES:
+            raise OSError(0, f"larger than {MAX_KEY_FILE_BYTES >> 10} KiB; a key file holds one secret")
+        return data
+    finally:
+        os.close(fd)
