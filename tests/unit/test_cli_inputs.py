@@ -195,7 +195,7 @@ GRANITE = {
         ({**GRANITE, "num_gpu_blocks": 10**10}, "'num_gpu_blocks' must be an integer in [4, "),
         (
             {**GRANITE, "dram_gb_per_rank": float("nan")},
-            "'dram_gb_per_rank' must be a finite number from 0.001 to 1e+06",
+            "'dram_gb_per_rank' must be a finite number from 3.8147e-06 to 1.04858e+06",
         ),
         (
             {**GRANITE, "timing": {"h2d_gbps": 0}},

@@ -46,7 +46,7 @@ BOUNDS = {
     "retention": (0, 1 << 24),
     "dcp": (1, 1 << 16),
 }
-DRAM_GB = (1e-3, 1e6)  # umbp's dram_bytes takes 4 KiB to 1 PiB per rank
+DRAM_GB = (4096 / 2**30, 2.0**20)  # umbp's dram_bytes takes 4 KiB to 1 PiB per rank (dram_gb in GiB)
 
 
 class LayoutError(ValueError):
