@@ -27,11 +27,12 @@ import hashlib
 import json
 import math
 import os
-import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from umbp.regular_file import NotRegularFile, open_regular
 
 VOCAB = 1 << 17  # token ids of synthetic segments: [16, VOCAB); random streams never collide in practice
 MOONCAKE_BLOCK = 512
@@ -39,7 +40,6 @@ MAX_LINE_BYTES = 16 << 20  # one turn's line: a 1M-token prompt given as token i
 MAX_TOKENS = 1 << 24  # a turn's prompt (and its reply): 16.7M tokens, beyond any model's context
 MAX_TOKEN_ID = 1 << 31
 MAX_SECONDS = 1e12  # think_s, arrival_s: finite and >= 0 (NaN would stall the replay's clock)
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
 
 
 class TraceError(ValueError):
@@ -169,14 +169,14 @@ def _open_regular(path: Path):
     """`path` opened for binary reading if it is a regular file; opened without blocking, so a FIFO with
     no writer is refused rather than waited on."""
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = open_regular(path)
+    except NotRegularFile:
+        raise TraceError(
+            f"trace {path}: not a regular file (a FIFO, device or folder); pass a JSONL file"
+        ) from None
     except OSError as exc:
         raise TraceError(f"trace {path}: cannot open it: {exc.strerror or exc}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise TraceError(
-                f"trace {path}: not a regular file (a FIFO, device or folder); pass a JSONL file"
-            )
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

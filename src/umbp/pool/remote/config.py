@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -25,6 +24,7 @@ from urllib.parse import unquote, urlsplit
 from umbp.pool.errors import OptionValueError
 from umbp.pool.options import Invalid, Options, hide_secret, option, option_set
 from umbp.redact import HIDDEN, looks_like_env_name, looks_like_path, redact_url, shown_value
+from umbp.regular_file import open_regular
 
 MiB = 1 << 20
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -526,10 +526,8 @@ def parse_url(url: str) -> Endpoint:
 def _read_key_file(path: str) -> bytes:
     """The bytes of a key file; OSError (with a strerror for the message) when it is not a regular file
     or is larger than MAX_KEY_FILE_BYTES."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    fd = open_regular(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(0, "not a regular file (a FIFO, device or folder)")
         data = b""
         while len(data) <= MAX_KEY_FILE_BYTES and (chunk := os.read(fd, MAX_KEY_FILE_BYTES + 1 - len(data))):
             data += chunk

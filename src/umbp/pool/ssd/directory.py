@@ -6,7 +6,6 @@ import errno
 import fcntl
 import logging
 import os
-import stat
 import threading
 
 from umbp.pool.buffers import aligned_buffer
@@ -23,6 +22,7 @@ from umbp.pool.ssd.shard import (
     _Segment,
     _Shard,
 )
+from umbp.regular_file import NotRegularFile, open_regular
 
 log = logging.getLogger("umbp.ssd")
 
@@ -239,9 +239,9 @@ def _lock_directory(directory: str) -> tuple[int, int]:
 
 def _open_lock(directory: str, path: str) -> int:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        return open_regular(path, os.O_RDWR | os.O_CREAT, follow=False)
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+        if isinstance(exc, NotRegularFile) or exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
             raise SsdDirectoryError(
                 f"umbp: SSD directory '{directory}': its LOCK is not a regular file; remove it"
             ) from None
@@ -249,9 +249,3 @@ def _open_lock(directory: str, path: str) -> int:
             f"umbp: SSD directory '{directory}' is not writable ({exc.strerror}); the SSD tier needs a "
             "writable directory (read-only media and read-only mounts cannot hold a cache)"
         ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SsdDirectoryError(
-            f"umbp: SSD directory '{directory}': its LOCK is not a regular file; remove it"
-        )
-    return fd

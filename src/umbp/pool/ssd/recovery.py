@@ -75,6 +75,7 @@ from umbp.pool.ssd.scanio import (
     payload_problem,
     pread_blocks,
 )
+from umbp.regular_file import open_regular
 
 log = logging.getLogger("umbp.ssd")
 
@@ -112,9 +113,9 @@ def read_flush_mark(directory: str) -> int:
     """The highest seq `flush()` reported synced in `directory` (0: none, no intact slot, or not a regular
     file: a FIFO there must not block the scan)."""
     try:
-        fd = os.open(os.path.join(directory, FLUSH_MARK_NAME), OPEN_FLAGS)
+        fd = open_regular(os.path.join(directory, FLUSH_MARK_NAME), follow=False)
         try:
-            raw = os.pread(fd, 2 * _MARK_SLOT, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+            raw = os.pread(fd, 2 * _MARK_SLOT, 0)
         finally:
             os.close(fd)
     except OSError:
@@ -133,10 +134,8 @@ def write_flush_mark(directory: str, seq: int) -> bool:
 
 def _write_mark(path: str, directory: str, seq: int) -> bool:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT, follow=False)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
             slots = _mark_slots(os.pread(fd, 2 * _MARK_SLOT, 0))
             if any(s is not None and s >= seq for s in slots):
                 return True
