@@ -74,6 +74,15 @@ def finished_params(h, req_id: str, max_steps: int = 500) -> dict:
     raise AssertionError(f"{req_id} did not finish")
 
 
+def decode_admits(tmp_path, url: str, req_id: str, tp: int):
+    """D (kv_consumer) admitting `req_id`, which P handed off at 832: the harness, once the load ran."""
+    d = build(tmp_path, GROUPS, unit=16, tp=tp, extra=extra(url))
+    d.umbp.consumer = Consumer(d.umbp, 0.5)
+    add(d, req_id, {"do_remote_prefill": True, "umbp_handoff": {"tokens": 832}}, max_tokens=2)
+    d.admit(req_id)
+    return d
+
+
 def producer(tmp_path, url: str, tp: int, timeout_s: float = 10.0, stage_layers=None):
     h = build(tmp_path, GROUPS, unit=16, tp=tp, extra=extra(url), stage_layers=stage_layers)
     h.umbp.producer = Producer(h.umbp, timeout_s)  # what kv_role "kv_producer" sets up
@@ -95,10 +104,7 @@ def test_producer_reports_sent_once_every_rank_is_visible(tmp_path, server, tp):
     # what "visible" meant: every rank's objects of the 832 hit are on the tier
     for w in h.workers:
         w.shutdown()
-    d = build(tmp_path, GROUPS, unit=16, tp=tp, extra=extra(server.url))
-    d.umbp.consumer = Consumer(d.umbp, 0.5)
-    add(d, "B", {"do_remote_prefill": True, "umbp_handoff": {"tokens": 832}}, max_tokens=2)
-    d.admit("B")
+    d = decode_admits(tmp_path, server.url, "B", tp)
     assert d.umbp.restored["B"] == 832 and d.held_values("B", 832) == []
     assert d.umbp.totals["handoffs_received"] == 1
 
@@ -169,10 +175,7 @@ def test_producer_writes_objects_the_tier_lost_again_from_dram(tmp_path, server,
     assert totals["handoff_timeouts"] == 0 and h.leaks() == LEAK_FREE
     for w in h.workers:
         w.shutdown()
-    d = build(tmp_path, GROUPS, unit=16, tp=tp, extra=extra(server.url))
-    d.umbp.consumer = Consumer(d.umbp, 0.5)
-    add(d, "C", {"do_remote_prefill": True, "umbp_handoff": {"tokens": 832}}, max_tokens=2)
-    d.admit("C")
+    d = decode_admits(tmp_path, server.url, "C", tp)
     assert d.umbp.restored["C"] == 832  # every rank's shard, each the bytes P's prefill wrote
     assert [d.held_values("C", 832, rank=r) for r in range(tp)] == [[]] * tp
 
