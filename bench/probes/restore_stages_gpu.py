@@ -40,7 +40,7 @@ def stages(tokens: list[int]) -> None:
     import torch
 
     from umbp.tools import bench_restore as B
-    from umbp.tools.bench_transfer import _queued, _wall
+    from umbp.tools.cuda_timing import queued as _queued, wall as _wall
     from umbp.transfer import make_engine
     from umbp.transfer import plans as P
 
@@ -56,7 +56,9 @@ def stages(tokens: list[int]) -> None:
     for n in tokens:
         save_batch, batch, nbytes = r.prepare(n)
         h2d, d2h = B.copy_seconds(nbytes, reps)
-        print(f"\n== {n} tokens, {nbytes / 1e6:.1f} MB; pinned copy H2D {h2d * 1e3:.3f} ms  D2H {d2h * 1e3:.3f} ms")
+        print(
+            f"\n== {n} tokens, {nbytes / 1e6:.1f} MB; pinned copy H2D {h2d * 1e3:.3f} ms  D2H {d2h * 1e3:.3f} ms"
+        )
         for name, e in engines.items():
             for what, fn, ref in (
                 ("load", lambda e=e: e.load(batch), h2d),
@@ -200,13 +202,18 @@ def both() -> None:
         case = T.Case("granite " + slots, groups, arena, payload, 4, seed=7, slots=slots)
         for label, opts in (
             ("dma, batch copy from 3 runs", {"save_path": "dma", "load_path": "dma"}),
-            ("dma, batch copy from 1 run", {"save_path": "dma", "load_path": "dma", "batch_copy_min_runs": 1}),
+            (
+                "dma, batch copy from 1 run",
+                {"save_path": "dma", "load_path": "dma", "batch_copy_min_runs": 1},
+            ),
             ("auto", {}),
             ("auto, batch copy from 1 run", {"batch_copy_min_runs": 1}),
         ):
             eng = make_engine(arena, groups, backend="kernel", **opts)
             m = T.measure(eng, case, 7, ("both",))
-            print(f"{slots:<9} {label:<30}", {k: round(v, 1) for k, v in m.items() if not k.endswith("ahead")})
+            print(
+                f"{slots:<9} {label:<30}", {k: round(v, 1) for k, v in m.items() if not k.endswith("ahead")}
+            )
             del eng
             torch.cuda.empty_cache()
 

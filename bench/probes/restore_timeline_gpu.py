@@ -105,7 +105,7 @@ def one(engine, fn, label: str, queued: bool = False) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from umbp.tools.bench_transfer import QUEUE_CYCLES
+    from umbp.tools.cuda_timing import QUEUE_CYCLES
 
     for _ in range(3):
         fn().result()

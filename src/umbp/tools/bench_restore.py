@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from umbp.tools.bench_transfer import _env, _wall
 from umbp.tools.benchutil import write_json
+from umbp.tools.cuda_timing import device_env, wall
 
 TARGET = 0.9  # restore (and save) bytes/s over the pinned copy of the same bytes, every size
 TOKENS = "8192,16384,32768,65536,131072"
@@ -76,7 +76,7 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
 
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n**3 / _wall(lambda: a @ b, reps) / 1e12
+    return 2 * n**3 / wall(lambda: a @ b, reps) / 1e12
 
 
 def real_prefill_kernels() -> str | None:
@@ -144,14 +144,14 @@ class Restore:
         """Median wall seconds of a verified load, and whether every object verified and was written."""
         engine = engine or self.engine
         ok = all(all(r) for r in engine.load(batch).result())
-        return _wall(lambda: engine.load(batch).result(), reps), ok
+        return wall(lambda: engine.load(batch).result(), reps), ok
 
     def save_seconds(self, batch: list[Any], loaded: list[Any], reps: int) -> tuple[float, bool]:
         """Median wall seconds of a save (digests on the host), and whether the digests are the ones the
         slots were loaded with (the same bytes go back)."""
         want = [list(m.digests) for m in loaded]
         ok = self.engine.save(batch).result() == want
-        return _wall(lambda: self.engine.save(batch).result(), reps), ok
+        return wall(lambda: self.engine.save(batch).result(), reps), ok
 
 
 def copy_seconds(nbytes: int, reps: int) -> tuple[float, float]:
@@ -160,8 +160,8 @@ def copy_seconds(nbytes: int, reps: int) -> tuple[float, float]:
 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
-    h2d = _wall(lambda: dev.copy_(host, non_blocking=True), reps)
-    d2h = _wall(lambda: host.copy_(dev, non_blocking=True), reps)
+    h2d = wall(lambda: dev.copy_(host, non_blocking=True), reps)
+    d2h = wall(lambda: host.copy_(dev, non_blocking=True), reps)
     return h2d, d2h
 
 
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {
         "command": "umbp " + " ".join(sys.argv[1:]),
         "argv0": sys.argv[0],
-        "env": _env(),
+        "env": device_env(),
         "reps": reps,
         "target_link_ratio": TARGET,
         "real_prefill_kernels": real_prefill_kernels(),

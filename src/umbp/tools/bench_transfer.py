@@ -19,21 +19,20 @@ streams at once. A sample of objects is checked byte-for-byte and by digest on e
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from umbp.tools import cuda_timing
 from umbp.tools.benchutil import write_json
+from umbp.tools.cuda_timing import baseline, device_env, wall
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB)
 TARGET_RATIO, TARGET_BOTH = 0.94, 95.0  # per direction for 16-64 KiB pages; GB/s both ways
 SUSTAIN = 4  # passes of the both-ways row back to back for its sustained figure (see measure)
-QUEUE_CYCLES = 50_000_000  # the sleep kernel the queued columns issue behind: ~25 ms at the H200's clock
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,77 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="measure only the layouts whose name contains one of these comma-separated words (e.g. 'granite')",
     )
-
-
-# ---- measurement --------------------------------------------------------------------------------------
-
-
-def _wall(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
-    """Median wall seconds of fn() between two device synchronizations."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _queued(issue: Callable[[], list], reps: int, warmup: int = 1) -> tuple[float, float]:
-    """Median seconds from the end of a sleep kernel queued on the current stream to the completion of
-    the transfers issue() submitted behind it, and the fraction of repetitions in which the host had
-    issued everything before the sleep ended (1.0: the figure holds no host time). A handle already done
-    while the sleep still runs means the engine did not order its work after the caller's stream (the
-    figure would read above the link): that is an error, not a result."""
-    import torch
-
-    for _ in range(warmup):
-        for h in issue():
-            h.wait()
-    times, ahead = [], 0
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(QUEUE_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        handles = issue()
-        ahead += not start.query()
-        if any(h.done() for h in handles) and not start.query():  # done, and the sleep still runs
-            raise RuntimeError("umbp: a transfer completed while the caller's stream was still busy")
-        for h in handles:
-            h.wait()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times), ahead / reps
-
-
-def baseline(reps: int, nbytes: int = GiB) -> dict[str, float]:
-    """GB/s of plain page-locked copies: D2H, H2D, and both at once on two streams."""
-    import torch
-
-    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256) for _ in range(2)]
-    host[1].copy_(dev[1])
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def both() -> None:
-        with torch.cuda.stream(s1):
-            host[0].copy_(dev[0], non_blocking=True)
-        with torch.cuda.stream(s2):
-            dev[1].copy_(host[1], non_blocking=True)
-
-    out = {
-        "d2h": nbytes / _wall(lambda: host[0].copy_(dev[0], non_blocking=True), reps) / 1e9,
-        "h2d": nbytes / _wall(lambda: dev[1].copy_(host[1], non_blocking=True), reps) / 1e9,
-        "both": 2 * nbytes / _wall(both, reps) / 1e9,
-    }
-    return out
 
 
 # ---- one layout ---------------------------------------------------------------------------------------
@@ -213,7 +141,7 @@ def _with_digests(batches: list[list[Any]], digests: list[list[list[int]]]) -> l
     ]
 
 
-QUEUED = ("save", "load", "both")  # modes also timed queued behind GPU work (see _queued)
+QUEUED = ("save", "load", "both")  # modes also timed queued behind GPU work (see cuda_timing.queued)
 
 
 def measure(
@@ -224,7 +152,7 @@ def measure(
     back to back: the second direction's first copy can start only once the first call's host planning
     is done, a fixed cost the single pass pays in full and a steady stream of transfers amortizes).
     With `queued`, save, load and both are also timed queued behind GPU work (`<mode>_queued`, see
-    _queued)."""
+    cuda_timing.queued)."""
     saves, loads = case.sets
     digests = [engine.save(b).result() for b in loads]  # the load set's slots hold real objects
     verified = _with_digests(loads, digests)
@@ -258,9 +186,9 @@ def measure(
     out = {}
     for mode in modes + (("both_sustained",) if "both" in modes else ()):
         nbytes = case.payload * {"both": 2, "both_sustained": 2 * SUSTAIN}.get(mode, 1)
-        out[mode] = nbytes / _wall(waited(issues[mode]), reps) / 1e9
+        out[mode] = nbytes / wall(waited(issues[mode]), reps) / 1e9
         if queued and mode in QUEUED:
-            seconds, ahead = _queued(issues[mode], reps)
+            seconds, ahead = cuda_timing.queued(issues[mode], reps)
             out[mode + "_queued"], out[mode + "_queued_ahead"] = nbytes / seconds / 1e9, ahead
     out["sample_ok"] = float(check_sample(engine, case, verified))
     return out
@@ -285,28 +213,6 @@ def check_sample(engine: Any, case: Case, verified: list[list[Any]]) -> bool:
 
 
 # ---- the run ------------------------------------------------------------------------------------------
-
-
-def _env() -> dict[str, Any]:
-    import torch
-
-    props = torch.cuda.get_device_properties(0)
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:
-        tv = None
-    return {
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": tv,
-        "python": platform.python_version(),
-        "host": platform.node(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
 
 
 def _layouts(page: int, nblocks: int, device: str) -> dict:
@@ -338,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {
         "command": "umbp " + " ".join(sys.argv[1:]),
         "argv0": sys.argv[0],
-        "env": _env(),
+        "env": device_env(),
         "payload_bytes": payload,
         "batches": args.batches,
         "reps": reps,

@@ -1,0 +1,78 @@
+"""The queued timing of the GPU benchmarks refuses a transfer that finished while the stream it was
+ordered behind was still busy: such a figure would read above the link. The device is replaced by a
+clock the test drives (CI has no GPU); the check itself is the benchmark's own code."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from umbp.tools import cuda_timing  # noqa: E402
+
+
+class _Sleep:
+    """A device stream whose queued sleep ends after `busy_polls` queries of the event behind it."""
+
+    def __init__(self, busy_polls: int) -> None:
+        self.busy_polls = busy_polls
+        self.polls = 0
+
+    def event(self, enable_timing: bool = False) -> _Event:
+        return _Event(self)
+
+
+class _Event:
+    def __init__(self, sleep: _Sleep) -> None:
+        self.sleep = sleep
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        self.sleep.polls += 1
+        return self.sleep.polls > self.sleep.busy_polls
+
+    def elapsed_time(self, other: _Event) -> float:
+        return 2.0  # ms
+
+
+class _Handle:
+    def __init__(self, done: bool) -> None:
+        self._done = done
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self) -> None:
+        self._done = True
+
+
+@pytest.fixture
+def device(monkeypatch):
+    sleep = _Sleep(busy_polls=10**9)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "Event", sleep.event)
+    return sleep
+
+
+def test_a_transfer_done_while_the_stream_is_busy_is_an_error(device):
+    with pytest.raises(RuntimeError, match="still busy"):
+        cuda_timing.queued(lambda: [_Handle(done=True)], reps=3, warmup=0)
+
+
+def test_transfers_ordered_behind_the_busy_stream_are_timed(device):
+    seconds, ahead = cuda_timing.queued(lambda: [_Handle(done=False), _Handle(done=False)], reps=3, warmup=0)
+    assert seconds == pytest.approx(0.002)
+    assert ahead == 1.0  # every call issued everything before the sleep ended
+
+
+def test_a_call_issued_after_the_sleep_ended_counts_as_late(device):
+    device.busy_polls = 0  # the sleep is over before the engine returns: the host was the bottleneck
+    seconds, ahead = cuda_timing.queued(lambda: [_Handle(done=True)], reps=4, warmup=0)
+    assert ahead == 0.0
+    assert seconds == pytest.approx(0.002)
