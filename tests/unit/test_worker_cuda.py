@@ -82,7 +82,7 @@ def make_worker(before_register=None, raw_states: bool = False):
     from umbp.vllm.kv_layout import Layout
     from umbp.vllm.worker import WorkerSide
 
-    num_blocks = 24
+    num_blocks = 1 + 16 * 8  # the null block, then 8 sources and 8 destinations for each group (_blocks)
     groups, _ = L.granite_hybrid(num_blocks, device="cuda")
     kv_caches, names = {}, []
     for g, layers in sorted(groups.items()):
@@ -121,11 +121,19 @@ def _page(layers) -> int:
     return t.numel() // t.shape[d] * t.element_size()
 
 
+def _blocks(g: int, n: int = 8) -> tuple[list[int], list[int]]:
+    """Group g's source and destination blocks: distinct across groups, as vLLM's one block pool hands
+    them out (the groups' layers share their KV memory, so block b is one page in each group)."""
+    first = 1 + 16 * g
+    return list(range(first, first + n)), list(range(first + 8, first + 8 + n))
+
+
 def _objects(groups, blocks) -> dict[tuple[int, int], torch.Tensor]:
-    """(group, block) -> the object's bytes on the host, read with plain torch (the reference)."""
+    """(group, block) -> the object's bytes on the host, read with plain torch (the reference). blocks:
+    one list for every group, or a list per group."""
     out = {}
     for g, layers in groups.items():
-        for b in blocks:
+        for b in blocks[g] if isinstance(blocks, dict) else blocks:
             out[g, b] = torch.cat(
                 [t.select(d, b).contiguous().view(-1).view(torch.uint8) for t, d in layers]
             ).cpu()
@@ -153,13 +161,13 @@ def _cycle(w, groups, job_base: int, check_async: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(int(time.time()) + job_base)
     for s in _storages(groups):
         s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8, device="cuda", generator=gen))
-    src, dst = list(range(1, 9)), list(range(12, 20))
+    src, dst = ({g: _blocks(g)[k] for g in groups} for k in (0, 1))
     want = _objects(groups, src)
     jobs, loads, slot = [], {}, 0
     for g in sorted(groups):
         nbytes = w.groups[g].object_bytes
         moves = []
-        for b, d in zip(src, dst):
+        for b, d in zip(src[g], dst[g]):
             h = bytes([g, b, job_base]) * 8
             moves.append(PageMove(b, slot * SLOT, nbytes, h))
             loads.setdefault(g, []).append(PageMove(d, slot * SLOT, nbytes, h))
@@ -201,7 +209,7 @@ def _cycle(w, groups, job_base: int, check_async: bool) -> None:
     assert not failed
     back = _objects(groups, dst)
     for g in groups:
-        for b, d in zip(src, dst):
+        for b, d in zip(src[g], dst[g]):
             assert torch.equal(back[g, d], want[g, b]), f"group {g} block {d}"
     print(f"save() of {len(jobs)} jobs returned in {issued * 1e3:.2f} ms (check_async={check_async})")
 
@@ -295,16 +303,16 @@ def test_loads_started_together_share_one_engine_call_and_restore_exactly(worker
     gen = torch.Generator(device="cuda").manual_seed(int(time.time()) + 7)
     for s in _storages(groups):
         s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8, device="cuda", generator=gen))
-    src = list(range(1, 9))
+    src, dst = ({g: _blocks(g)[k] for g in groups} for k in (0, 1))
     want = _objects(groups, src)
     jobs, loads, slot = [], ({}, {}), 0
     for g in sorted(groups):
         nbytes = w.groups[g].object_bytes
         moves = []
-        for k, b in enumerate(src):
+        for k, b in enumerate(src[g]):
             h = bytes([g, b, 77]) * 8
             moves.append(PageMove(b, slot * SLOT, nbytes, h))
-            loads[k % 2].setdefault(g, []).append(PageMove(12 + k, slot * SLOT, nbytes, h))
+            loads[k % 2].setdefault(g, []).append(PageMove(dst[g][k], slot * SLOT, nbytes, h))
             slot += 1
         jobs.append(SaveJob(700 + len(jobs), g, moves))
     w.save(UMBPConnectorMetadata(saves=jobs))
@@ -322,10 +330,10 @@ def test_loads_started_together_share_one_engine_call_and_restore_exactly(worker
         assert not failed
         finished |= more
     assert calls == [2 * len(groups)]
-    back = _objects(groups, range(12, 20))
+    back = _objects(groups, dst)
     for g in groups:
-        for k, b in enumerate(src):
-            assert torch.equal(back[g, 12 + k], want[g, b]), f"group {g} block {b}"
+        for k, b in enumerate(src[g]):
+            assert torch.equal(back[g, dst[g][k]], want[g, b]), f"group {g} block {b}"
 
 
 def test_raw_padded_state_pages_restore_only_their_states():
@@ -341,7 +349,7 @@ def test_raw_padded_state_pages_restore_only_their_states():
             assert _page(groups[g]) < groups[g][0][0]._base[0].numel()
             assert w.groups[g].object_bytes == _page(groups[g]) * len(groups[g])
         _cycle(w, groups, job_base=0, check_async=False)
-        # every state group views the same raw pages, so groups must use disjoint blocks: the 24 blocks
+        # every state group views the same raw pages, so groups must use disjoint blocks: 24 of the blocks
         # hold the sources and destinations of four groups
         states = states[:4]
         gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
