@@ -17,26 +17,15 @@ code rather than knobs; the engine's defaults always run first as `default`.
 from __future__ import annotations
 
 import importlib
-import random
 import statistics
 import sys
-import time
-
-
-def _timed(fn) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def main(tokens: list[int], reps: int, settings: dict[str, dict | str]) -> None:
     import torch
 
     from umbp.tools import bench_restore as B
+    from umbp.tools.cuda_timing import interleaved
     from umbp.transfer import make_engine
 
     r = B.Restore(max(tokens))
@@ -55,25 +44,14 @@ def main(tokens: list[int], reps: int, settings: dict[str, dict | str]) -> None:
     print(f"{torch.cuda.get_device_name()}; settings: {settings}; {reps} interleaved repetitions")
     for n in tokens:
         save_batch, batch, nbytes = r.prepare(n)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        calls = {"H2D copy": lambda h=host, d=dev: d.copy_(h, non_blocking=True)}
-        calls |= {"D2H copy": lambda h=host, d=dev: h.copy_(d, non_blocking=True)}
+        copies = B.pinned_copies(nbytes)
+        calls = {"H2D copy": copies["h2d"], "D2H copy": copies["d2h"]}
         for name, e in engines.items():
             lb, sb = (_as(kinds[name], b) for b in (batch, save_batch))
             assert all(all(v) for v in e.load(lb).result()), name
             calls[f"load {name}"] = lambda e=e, b=lb: e.load(b).result()
             calls[f"save {name}"] = lambda e=e, b=sb: e.save(b).result()
-        for fn in calls.values():  # warm: compiles, staging rings
-            fn()
-            fn()
-        times: dict[str, list[float]] = {k: [] for k in calls}
-        rng = random.Random(n)
-        for _ in range(reps):
-            order = list(calls)
-            rng.shuffle(order)
-            for k in order:
-                times[k].append(_timed(calls[k]))
+        times = interleaved(calls, reps, seed=n)  # warms each call up first: compiles, staging rings
         med = {k: statistics.median(v) for k, v in times.items()}
         print(
             f"\n== {n} tokens, {nbytes / 1e6:.1f} MB: pinned H2D {med['H2D copy'] * 1e3:.3f} ms, "

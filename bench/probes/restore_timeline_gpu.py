@@ -147,13 +147,15 @@ def one(engine, fn, label: str, queued: bool = False) -> None:
 
 def main(tokens: list[int], timed: bool, queued: bool = False) -> None:
     from umbp.tools import bench_restore as B
+    from umbp.tools.cuda_timing import wall
 
     r = B.Restore(max(tokens))
     spans: dict = {}
     wrap_timed(r.engine, spans) if timed else wrap(r.engine)
     for n in tokens:
         save_batch, batch, nbytes = r.prepare(n)
-        h2d, d2h = B.copy_seconds(nbytes, 9)
+        copies = B.pinned_copies(nbytes)
+        h2d, d2h = (wall(copies[k], 9) for k in ("h2d", "d2h"))
         print(
             f"\n== {n} tokens, {nbytes / 1e6:.1f} MB; pinned copy H2D {h2d * 1e3:.3f} ms, D2H {d2h * 1e3:.3f} ms"
         )

@@ -76,3 +76,14 @@ def test_a_call_issued_after_the_sleep_ended_counts_as_late(device):
     seconds, ahead = cuda_timing.queued(lambda: [_Handle(done=True)], reps=4, warmup=0)
     assert ahead == 0.0
     assert seconds == pytest.approx(0.002)
+
+
+def test_interleaved_runs_every_call_each_repetition_in_a_fresh_order(device):
+    seen: list[str] = []
+    calls = {k: (lambda k=k: seen.append(k)) for k in "abcd"}
+    times = cuda_timing.interleaved(calls, reps=6, warmup=2, seed=1)
+    assert {k: len(v) for k, v in times.items()} == dict.fromkeys("abcd", 6)
+    assert seen[:8] == ["a", "a", "b", "b", "c", "c", "d", "d"]  # each warmed up first
+    rounds = [tuple(seen[8 + 4 * r : 12 + 4 * r]) for r in range(6)]
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    assert len(set(rounds)) > 1  # the order changes between repetitions

@@ -279,7 +279,7 @@ def test_the_c_layout_refuses_what_it_cannot_sort() -> None:
 def test_lead_copies_reach_the_byte_target_and_leave_the_batch_call_a_run():
     """A round's first runs go to the copy engine one by one until LEAD_BYTES are queued, at most
     `most` of them, and never all: the batch call that follows gets the rest."""
-    from umbp.transfer.kernel_engine import _leading_runs
+    from umbp.transfer.batchcopy import _leading_runs
 
     mib = 1 << 20
     assert _leading_runs(np.array([mib] * 8), 2 * mib, 4) == 2  # 2 MiB reached after two

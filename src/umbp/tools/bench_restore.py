@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 from umbp.tools.benchutil import write_json
-from umbp.tools.cuda_timing import device_env, wall
+from umbp.tools.cuda_timing import device_env, interleaved, wall
 
 TARGET = 0.9  # restore (and save) bytes/s over the pinned copy of the same bytes, every size
 TOKENS = "8192,16384,32768,65536,131072"
@@ -104,7 +105,10 @@ class Restore:
         need = math.ceil(max_tokens / self.bs) + self.ngroups
         self.groups, _ = L.granite_hybrid(2 * need + 8, device="cuda")
         obj = self.sizes["page_bytes"] * self.sizes["attention_layers"]
-        self.arena = Arena(2 * need * obj + (1 << 20), pinned=True, prefault=False)
+        # scattered slots anywhere in the first 2 * need slots; slots in runs after them, so that the runs'
+        # saves, timed between the others' loads, never overwrite a slot a scattered load verifies
+        self.runs_base = 2 * need * obj
+        self.arena = Arena(3 * need * obj + (1 << 20), pinned=True, prefault=False)
         self.engine = make_engine(self.arena, self.groups, **engine_options)  # default ("auto") paths
         self.engines = {
             p: make_engine(self.arena, self.groups, save_path=p, load_path=p) for p in ("zero-copy", "dma")
@@ -122,7 +126,7 @@ class Restore:
 
         k = math.ceil(n / self.bs)
         obj = self.sizes["page_bytes"] * self.sizes["attention_layers"]
-        slots = [i * obj for i in range(k + self.ngroups)] if runs else self.slots
+        slots = [self.runs_base + i * obj for i in range(k + self.ngroups)] if runs else self.slots
         pad = obj if runs else None  # each slot reaches the next: state objects are shorter than a slot
         moves = [Moves(0, self.blocks[:k], slots[:k], None, pad)]
         for g in range(1, self.ngroups):
@@ -140,29 +144,25 @@ class Restore:
         verified = [Moves(m.group, m.block_ids, m.offsets, d, m.slot_bytes) for m, d in zip(batch, digests)]
         return batch, verified, nbytes
 
-    def load_seconds(self, batch: list[Any], reps: int, engine: Any = None) -> tuple[float, bool]:
-        """Median wall seconds of a verified load, and whether every object verified and was written."""
-        engine = engine or self.engine
-        ok = all(all(r) for r in engine.load(batch).result())
-        return wall(lambda: engine.load(batch).result(), reps), ok
+    def loaded_ok(self, batch: list[Any], engine: Any = None) -> bool:
+        """Whether every object of a verified load verified and was written."""
+        return all(all(r) for r in (engine or self.engine).load(batch).result())
 
-    def save_seconds(self, batch: list[Any], loaded: list[Any], reps: int) -> tuple[float, bool]:
-        """Median wall seconds of a save (digests on the host), and whether the digests are the ones the
-        slots were loaded with (the same bytes go back)."""
-        want = [list(m.digests) for m in loaded]
-        ok = self.engine.save(batch).result() == want
-        return wall(lambda: self.engine.save(batch).result(), reps), ok
+    def saved_ok(self, batch: list[Any], loaded: list[Any]) -> bool:
+        """Whether a save's digests are the ones the slots were loaded with (the same bytes go back)."""
+        return self.engine.save(batch).result() == [list(m.digests) for m in loaded]
 
 
-def copy_seconds(nbytes: int, reps: int) -> tuple[float, float]:
-    """Median wall seconds of a plain page-locked copy of nbytes: (H2D, D2H)."""
+def pinned_copies(nbytes: int) -> dict[str, Any]:
+    """A plain page-locked copy of nbytes each way, as calls to time."""
     import torch
 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
-    h2d = wall(lambda: dev.copy_(host, non_blocking=True), reps)
-    d2h = wall(lambda: host.copy_(dev, non_blocking=True), reps)
-    return h2d, d2h
+    return {
+        "h2d": lambda: dev.copy_(host, non_blocking=True),
+        "d2h": lambda: host.copy_(dev, non_blocking=True),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,14 +200,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _row(restore: Restore, n: int, reps: int, tflops: float, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every figure of one size from one interleaved set of repetitions (cuda_timing.interleaved)."""
     save_batch, batch, nbytes = restore.prepare(n)
-    h2d_s, d2h_s = copy_seconds(nbytes, reps)
-    restore_s, ok = restore.load_seconds(batch, reps)
-    save_s, save_ok = restore.save_seconds(save_batch, batch, reps)
-    by_path = {p: restore.load_seconds(batch, reps, e) for p, e in restore.engines.items()}
     runs_save, runs_batch, _ = restore.prepare(n, runs=True)
-    runs_s, runs_ok = restore.load_seconds(runs_batch, reps)
-    runs_save_s, runs_save_ok = restore.save_seconds(runs_save, runs_batch, reps)
+    e = restore.engine
+    calls = pinned_copies(nbytes) | {
+        "restore": lambda: e.load(batch).result(),
+        "save": lambda: e.save(save_batch).result(),
+        "restore runs": lambda: e.load(runs_batch).result(),
+        "save runs": lambda: e.save(runs_save).result(),
+    }
+    calls |= {f"restore {p}": (lambda x=x: x.load(batch).result()) for p, x in restore.engines.items()}
+    med = {k: statistics.median(v) for k, v in interleaved(calls, reps, seed=n).items()}
+    ok = restore.loaded_ok(batch) and restore.loaded_ok(runs_batch)
+    ok = ok and all(restore.loaded_ok(batch, x) for x in restore.engines.values())
+    saved_ok = restore.saved_ok(save_batch, batch) and restore.saved_ok(runs_save, runs_batch)
+    h2d_s, d2h_s, restore_s, save_s = med["h2d"], med["d2h"], med["restore"], med["save"]
+    runs_s, runs_save_s = med["restore runs"], med["save runs"]
     floor_s = model_flops(cfg, n) / (tflops * 1e12)
     return dict(
         tokens=n,
@@ -224,9 +233,9 @@ def _row(restore: Restore, n: int, reps: int, tflops: float, cfg: dict[str, Any]
         link_ratio_runs=h2d_s / runs_s,
         save_ms_runs=runs_save_s * 1e3,
         save_link_ratio_runs=d2h_s / runs_save_s,
-        restored_ok=ok and runs_ok and all(v[1] for v in by_path.values()),
-        saved_ok=save_ok and runs_save_ok,
-        restore_ms_by_path={p: v[0] * 1e3 for p, v in by_path.items()},
+        restored_ok=ok,
+        saved_ok=saved_ok,
+        restore_ms_by_path={p: med[f"restore {p}"] * 1e3 for p in restore.engines},
         prefill_floor_ms=floor_s * 1e3,
         floor_over_restore=floor_s / restore_s,
     )

@@ -47,9 +47,6 @@ from umbp.transfer.ring import StagingRing
 from umbp.transfer.rounds import LOAD, SAVE, BatchRounds
 from umbp.transfer.staged import Batch, staged_load, staged_save
 
-# a call's first round issues runs one by one until this many bytes are queued (see _copy_runs): ~40 us
-# of copy at 55 GB/s, more than the batch call's host cost it covers (H200)
-LEAD_BYTES, LEAD_RUNS = 2 << 20, 4
 FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a plan's int64 words)
 # the copy kernel's constexprs, in its signature's order (triton_kernels.copy_objects)
 COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS")
@@ -401,7 +398,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
     ) -> None:
         """Staging <-> arena on `stream`, one copy-engine copy per run: all in one batch call where the
         runtime has it and there are enough runs (scattered slots), else run by run. `lead`: a call's
-        first round, whose copy engine is idle: its first runs (up to LEAD_BYTES) go one by one ahead of
+        first round, whose copy engine is idle: its first runs (up to batchcopy.LEAD_BYTES) go one by one ahead of
         the batch call, so that bytes move while the host spends the batch call's fixed cost."""
         arena, staging, size = runs
         if self._copy_one is None:  # CPU tensors, or no CUDA runtime to call: torch copies
@@ -414,15 +411,9 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             return
         a, s = self.arena_base + arena, stg.data_ptr() + staging
         dsts, srcs = (a, s) if to_arena else (s, a)
-        if self._batch_copy is None or arena.size < self.batch_copy_min_runs:
-            first = size.size
-        else:
-            first = _leading_runs(size, LEAD_BYTES, LEAD_RUNS) if lead else 0
         handle = stream.cuda_stream if stream is not None else 0  # None: CPU tensors (tests' host copies)
-        for d, c, n in zip(dsts[:first].tolist(), srcs[:first].tolist(), size[:first].tolist()):
-            self._copy_one(d, c, n, handle)
-        if first < size.size:
-            self._batch_copy(dsts[first:], srcs[first:], size[first:], handle)
+        batch = self._batch_copy if arena.size >= self.batch_copy_min_runs else None
+        batchcopy.issue(dsts, srcs, size, handle, self._copy_one, batch, lead)
 
     def _release(self, slot: list, stream) -> None:
         slot[1] = self._event(stream)
@@ -583,13 +574,3 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         event = torch.cuda.Event()
         event.record(stream)
         return event
-
-
-def _leading_runs(size: np.ndarray, nbytes: int, most: int) -> int:
-    """How many of the first runs it takes to reach nbytes: at most `most`, and never all of them."""
-    queued, count = 0, 0
-    for n in size[: min(most, size.size - 1)].tolist():
-        queued, count = queued + n, count + 1
-        if queued >= nbytes:
-            break
-    return count
