@@ -454,3 +454,44 @@ def test_reserved_header_bytes_must_be_zero(rotated):
             assert bounded(lambda t=t, out=out: t.get_into([KEY], [out]), 3.0) == [False]
             assert t.stats()["header_failures"] == 1
             t.close()
+
+
+def _dripping_topology(server: FakeResp, after: int = 0) -> Callable[[list[bytes]], Any]:
+    """A one-node cluster whose topology replies drip (one byte every 0.3 s) from the (after+1)-th
+    CLUSTER command on; GETs answer MOVED to a node the topology does not list yet."""
+    normal = cluster_of_one(server, lambda n: b"-MOVED 1234 127.0.0.2:%d\r\n" % server.port)
+    asked = []
+
+    def respond(cmd: list[bytes]) -> Any:
+        if cmd[0].upper() == b"CLUSTER":
+            asked.append(cmd)
+            if len(asked) > after:
+                return drip(normal(cmd), 0.3, server)
+        return normal(cmd)
+
+    return respond
+
+
+def test_a_dripping_topology_holds_the_first_call_no_longer_than_its_timeouts():
+    """A cluster's topology is read by redis-py, whose socket timeout bounds each read, not a reply: a
+    node dripping its CLUSTER SLOTS reply held the first lookup for as long as it dripped. The topology
+    is read off the caller's thread: the caller waits at most connect_timeout_s + timeout_s, then the
+    call is a miss."""
+    with FakeResp(lambda cmd: None) as server:
+        server.respond = _dripping_topology(server)
+        t = tier_for(server, cluster=True)
+        assert bounded(lambda: t.exists([KEY]), 1.8) == [False]
+        assert bounded(lambda: get_one(t), 1.8) == [False]
+        t.close()
+
+
+def test_a_dripping_topology_reread_after_a_redirect_holds_no_call():
+    """A MOVED to a node the topology does not list re-reads the topology; a dripping reply to that
+    re-read holds the call no longer than its deadline (a miss), nor the calls after it."""
+    with FakeResp(lambda cmd: None) as server:
+        server.respond = _dripping_topology(server, after=2)
+        t = tier_for(server, cluster=True)
+        for _ in range(3):
+            assert bounded(lambda: get_one(t), 1.8) == [False]
+            time.sleep(0.6)  # past the re-read's rate limit
+        t.close()

@@ -108,7 +108,7 @@ class Standalone:
     def primaries(self) -> list[redis.Redis]:
         return [self._client]
 
-    def refresh(self) -> None:
+    def refresh(self, wait_s: float = 0.0) -> None:
         """Nothing to rediscover on one server."""
 
     def close(self) -> None:
@@ -118,26 +118,73 @@ class Standalone:
 class Cluster:
     """Redis Cluster: keys grouped by hash tag, tags mapped to masters through redis-py's slot table.
 
-    The RedisCluster client is made lazily (its constructor talks to the cluster), so a tier built while
-    the cluster is down still starts; until it is up every call is a counted miss."""
+    The topology (the RedisCluster client, whose constructor reads it, and every re-read after) is read
+    by redis-py, whose socket timeout bounds each read but not a whole reply: a node dripping its
+    CLUSTER SLOTS reply held the call that asked for as long as it dripped. So a thread of its own reads
+    the topology; a call waits for the first read at most connect_timeout_s + timeout_s, and not at all
+    for a re-read. A tier built while the cluster is down still starts; until it is up every call is a
+    counted miss."""
 
     def __init__(self, cfg: RemoteConfig) -> None:
         self._cfg = cfg
         self._chars = cfg.hash_tag_chars
         self._rc: RedisCluster | None = None
-        self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
         self._last_refresh = 0.0
         self.name = "cluster"
+        self._cv = threading.Condition()
+        self._asked = self._served = 0  # topology reads asked for, and served (in order)
+        self._reader: threading.Thread | None = None
+        self._closed = False
+        self._error = "no answer yet"
 
     def client(self) -> RedisCluster:
         rc = self._rc
         if rc is None:
-            with self._lock:
-                if self._rc is None:
-                    self._rc = self._connect()
-                rc = self._rc
+            self._ask(self._cfg.connect_timeout_s + self._cfg.timeout_s)
+            rc = self._rc
+            if rc is None:
+                raise redis.ConnectionError(f"umbp: cannot reach the cluster: {self._error}")
         return rc
+
+    def _ask(self, wait_s: float) -> None:
+        """Ask the topology thread for a read (the first connect, else a re-read); wait up to wait_s."""
+        with self._cv:
+            if self._closed:
+                return
+            self._asked += 1
+            mine = self._asked
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._read_topology, name="umbp-cluster-topology")
+                self._reader.daemon = True  # a read stuck on a dripping node must not hold up exit
+                self._reader.start()
+            self._cv.notify_all()
+            if wait_s > 0:
+                self._cv.wait_for(lambda: self._served >= mine or self._closed, timeout=wait_s)
+
+    def _read_topology(self) -> None:
+        """The topology thread: serve every read asked for so far with one read, until closed."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._asked > self._served or self._closed)
+                if self._closed:
+                    return
+                mine = self._asked
+            try:
+                if self._rc is None:
+                    rc = self._connect()
+                    with self._cv:
+                        if self._closed:
+                            rc.close()
+                            return
+                        self._rc = rc
+                else:
+                    self._rc.nodes_manager.initialize()
+            except Exception as exc:  # redis-py parses the nodes' replies: whatever it raises, no new table
+                self._error = f"{type(exc).__name__}: {exc}"[:200]
+            with self._cv:
+                self._served = mine
+                self._cv.notify_all()
 
     def _connect(self) -> RedisCluster:
         cfg = self._cfg
@@ -148,7 +195,7 @@ class Cluster:
         try:
             return RedisCluster(startup_nodes=nodes, require_full_coverage=False, **kw)
         except Exception as exc:  # redis-py parses the nodes' replies: whatever it raises, no cluster
-            raise redis.ConnectionError(f"umbp: cannot reach the cluster: {exc}") from None
+            raise redis.ConnectionError(f"{exc}") from None
 
     def groups(self, keys: list[str]) -> dict[str, list[Group]]:
         rc = self.client()
@@ -195,18 +242,19 @@ class Cluster:
         rc = self.client()
         return [n.redis_connection for n in rc.get_primaries() if n.redis_connection is not None]
 
-    def refresh(self, min_interval_s: float = 0.5) -> None:
-        """Re-read the slot table (after MOVED, or a node failure that may mean a failover); rate-limited."""
+    def refresh(self, wait_s: float = 0.0, min_interval_s: float = 0.5) -> None:
+        """Re-read the slot table (after MOVED, or a node failure that may mean a failover), waiting up
+        to wait_s for it; rate-limited. Until a re-read lands, keys routed to dead nodes are misses."""
         now = time.monotonic()
         if self._rc is None or now - self._last_refresh < min_interval_s:
             return
         self._last_refresh = now
-        try:
-            self._rc.nodes_manager.initialize()
-        except Exception:  # redis-py parses the nodes' replies: whatever it raises, the table is not updated
-            pass  # the next failure tries again; until then keys routed to dead nodes are misses
+        self._ask(wait_s)
 
     def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
         if self._rc is not None:
             self._rc.close()
 

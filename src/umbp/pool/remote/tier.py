@@ -260,9 +260,10 @@ class RedisTier(ReaderMixin, WriterMixin, AdminMixin, Pool):
             pass
         self._refresh()
 
-    def _refresh(self) -> None:
-        """Re-read a cluster's topology; kept connections of nodes that left it are dropped."""
-        self._backend.refresh()
+    def _refresh(self, wait_s: float = 0.0) -> None:
+        """Re-read a cluster's topology (waiting up to wait_s for it); kept connections of nodes that left
+        it are dropped."""
+        self._backend.refresh(wait_s)
         self._conns.keep_only(self._backend.pools())
 
     def _is_down(self, node: str) -> bool:
@@ -310,7 +311,7 @@ class RedisTier(ReaderMixin, WriterMixin, AdminMixin, Pool):
             if err.target is not None:
                 by_target.setdefault((err.target, err.ask), []).append(g)
         if any(not self._backend.knows(node) for node, _ in by_target):
-            self._refresh()
+            self._refresh(max(0.0, deadline - time.monotonic()))
         jobs = [job(node, gs, ask) for (node, ask), gs in by_target.items() if self._backend.knows(node)]
         self._run(jobs, deadline)
         self._refresh()  # a MOVED means the slot table changed
