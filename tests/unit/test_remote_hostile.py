@@ -4,6 +4,7 @@ Each runs on the C extension's read loop and on the pure-Python one (the `impl` 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import tracemalloc
@@ -494,4 +495,34 @@ def test_a_dripping_topology_reread_after_a_redirect_holds_no_call():
         for _ in range(3):
             assert bounded(lambda: get_one(t), 1.8) == [False]
             time.sleep(0.6)  # past the re-read's rate limit
+        t.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_reads_the_topology_on_a_thread_of_its_own():
+    """A child forked while the parent's topology thread is busy (its first read dripping) has no such
+    thread: it starts its own, and connects."""
+    with FakeResp(lambda cmd: None) as server:
+        first = _dripping_topology(server)
+        asked = []
+
+        def respond(cmd: list[bytes]) -> Any:  # only the parent's first topology read drips
+            if cmd[0].upper() == b"CLUSTER":
+                asked.append(cmd)
+                if len(asked) > 1:
+                    return cluster_of_one(server, lambda n: b"$-1\r\n")(cmd)
+            return first(cmd)
+
+        server.respond = respond
+        t = tier_for(server, cluster=True)
+        assert t.exists([KEY]) == [False]  # the parent's read still drips
+        pid = os.fork()
+        if pid == 0:
+            try:
+                t.exists([KEY])
+                os._exit(0 if t._backend._rc is not None else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
         t.close()

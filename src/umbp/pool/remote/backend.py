@@ -16,6 +16,7 @@ Redis key layout (documented in docs/remote.md):
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -137,6 +138,7 @@ class Cluster:
         self._reader: threading.Thread | None = None
         self._closed = False
         self._error = "no answer yet"
+        self._pid = os.getpid()
 
     def client(self) -> RedisCluster:
         rc = self._rc
@@ -149,6 +151,9 @@ class Cluster:
 
     def _ask(self, wait_s: float) -> None:
         """Ask the topology thread for a read (the first connect, else a re-read); wait up to wait_s."""
+        if self._pid != os.getpid():  # a forked child: no thread, and the lock may be held by a dead one
+            self._pid, self._cv, self._reader = os.getpid(), threading.Condition(), None
+            self._asked = self._served = 0
         with self._cv:
             if self._closed:
                 return
