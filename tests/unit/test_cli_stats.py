@@ -3,9 +3,11 @@ and a /metrics endpoint served on 127.0.0.1 in the Prometheus text format vLLM e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -162,11 +164,16 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
 """
 
 
-def test_metrics_endpoint(capsys):
+@contextlib.contextmanager
+def metrics_server(authorization: str | None = None) -> Iterator[int]:
+    """A /metrics endpoint on 127.0.0.1 serving EXPOSITION (401 without `authorization`, when one is
+    asked for); yields its port."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            body = EXPOSITION.encode()
-            self.send_response(200)
+            ok = authorization is None or self.headers.get("Authorization") == authorization
+            body = EXPOSITION.encode() if ok else b"unauthorized"
+            self.send_response(200 if ok else 401)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -177,8 +184,16 @@ def test_metrics_endpoint(capsys):
 
     httpd = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
     try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_metrics_endpoint(capsys):
+    with metrics_server() as port:
+        url = f"http://127.0.0.1:{port}/metrics"
         rc, out, _ = _stats(capsys, "--metrics", url, "--json")
         report = json.loads(out)
         assert rc == 0 and report["metrics"] == {
@@ -193,8 +208,6 @@ def test_metrics_endpoint(capsys):
         rc, out, _ = _stats(capsys, "--metrics", url)
         assert rc == 0 and "restored_tokens" in out and "1,600" in out
         assert "DRAM bytes per stored data byte    1.005" in out
-    finally:
-        httpd.shutdown()
     rc, _, err = _stats(capsys, "--metrics", url)
     assert rc == 2 and "cannot read" in err
 
@@ -241,23 +254,7 @@ def test_metrics_basic_auth_and_token_stay_hidden(capsys):
     import base64
 
     expected = "Basic " + base64.b64encode(f"admin:{SECRET}".encode()).decode()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            ok = self.headers.get("Authorization") == expected
-            body = EXPOSITION.encode() if ok else b"unauthorized"
-            self.send_response(200 if ok else 401)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    port = httpd.server_address[1]
-    try:
+    with metrics_server(authorization=expected) as port:
         rc, out, err = _stats(
             capsys, "--metrics", f"http://admin:{SECRET}@127.0.0.1:{port}/metrics?token={SECRET}"
         )
@@ -268,8 +265,6 @@ def test_metrics_basic_auth_and_token_stay_hidden(capsys):
             capsys, "--metrics", f"http://admin:wrong@127.0.0.1:{port}/metrics?token={SECRET}"
         )
         assert rc == 2 and "401" in err and "wrong" not in err and SECRET not in out + err
-    finally:
-        httpd.shutdown()
 
 
 def test_remote_config_errors_never_show_the_password(capsys):
