@@ -122,8 +122,9 @@ class Cluster:
     The topology (the RedisCluster client, whose constructor reads it, and every re-read after) is read
     by redis-py, whose socket timeout bounds each read but not a whole reply: a node dripping its
     CLUSTER SLOTS reply held the call that asked for as long as it dripped. So a thread of its own reads
-    the topology; a call waits for the first read at most connect_timeout_s + timeout_s, and not at all
-    for a re-read. A tier built while the cluster is down still starts; until it is up every call is a
+    the topology; a call waits for the first read at most connect_timeout_s + timeout_s, and for a
+    re-read what its caller allows (after a redirect, what is left of the call's deadline; else nothing).
+    A tier built while the cluster is down still starts; until it is up every call is a
     counted miss."""
 
     def __init__(self, cfg: RemoteConfig) -> None:
