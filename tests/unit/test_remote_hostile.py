@@ -4,11 +4,12 @@ Each runs on the C extension's read loop and on the pure-Python one (the `impl` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,20 +209,24 @@ def test_hostile_replies_to_redis_py_paths_never_raise(when):
             return nested
         return b"$-1\r\n" if cmd[0].upper() == b"GET" else b"+OK\r\n"
 
-    with FakeResp(respond) as server:
-        if when == b"CLIENT":
-            import fake_resp
+    with FakeResp(respond) as server, setup_answered_by_respond(when):
+        t = tier_for(server)
+        assert bounded(lambda: get_one(t), 3.0) == [False]
+        assert bounded(lambda: t.exists([KEY]), 3.0) == [False]
+        t.close()
 
-            server_setup = fake_resp._SETUP
-            fake_resp._SETUP = server_setup - {b"CLIENT"}
-        try:
-            t = tier_for(server)
-            assert bounded(lambda: get_one(t), 3.0) == [False]
-            assert bounded(lambda: t.exists([KEY]), 3.0) == [False]
-            t.close()
-        finally:
-            if when == b"CLIENT":
-                fake_resp._SETUP = server_setup
+
+@contextlib.contextmanager
+def setup_answered_by_respond(command: bytes) -> Iterator[None]:
+    """The fake server answers connection set-up commands +OK itself; this one goes to its respond."""
+    import fake_resp
+
+    setup = fake_resp._SETUP
+    fake_resp._SETUP = setup - {command}
+    try:
+        yield
+    finally:
+        fake_resp._SETUP = setup
 
 
 def test_a_dripping_server_over_tls_is_held_to_the_whole_call_deadline(tmp_path):
@@ -526,3 +531,18 @@ def test_a_forked_child_reads_the_topology_on_a_thread_of_its_own():
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         t.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_a_dripping_connection_setup_is_held_to_the_timeout(cluster):
+    """redis-py sets a new connection up (CLIENT SETNAME, AUTH, ...) with its per-receive timeout: a
+    server dripping that reply held the call that needed the connection for as long as it dripped.
+    The set-up after the TCP connect is held to timeout_s as a whole; then the call is a miss."""
+    with FakeResp(lambda cmd: None) as server:
+        slow = drip(b"-ERR " + b"x" * 200 + b"\r\n", 0.05, server)
+        normal = cluster_of_one(server, lambda n: b"$-1\r\n") if cluster else (lambda cmd: b"+OK\r\n")
+        server.respond = lambda cmd: slow if cmd[0].upper() == b"CLIENT" else normal(cmd)
+        with setup_answered_by_respond(b"CLIENT"):
+            t = tier_for(server, cluster=cluster)
+            assert bounded(lambda: get_one(t), 2.5) == [False]
+            t.close()

@@ -154,7 +154,7 @@ class ManglingProxy:
                         return
                     elif mode == "flip" and match is not None and match.end() + 64 >= len(data):
                         flip_next = True
-        except OSError:
+        except (OSError, ValueError):  # ValueError: select on a socket closed meanwhile (the proxy closing)
             return
         finally:
             for s in (client, upstream):

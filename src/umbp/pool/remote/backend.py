@@ -17,6 +17,7 @@ Redis key layout (documented in docs/remote.md):
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -47,10 +48,49 @@ class Group:
         return [keys[i] for i in idx]
 
 
+def bounded_setup(base: type, seconds: float) -> type:
+    """A redis-py connection class whose set-up after the TCP connect (AUTH, CLIENT SETNAME, SELECT: what
+    redis-py sends before the connection is handed out) is held to `seconds` as a whole. redis-py reads
+    those replies with its per-receive socket timeout, so a server dripping one held the call that needed
+    a new connection for as long as it dripped; here a timer shuts the socket down once `seconds` have
+    passed, the read fails, and the call is a miss. (redis-py 5-7 set up in on_connect, 8 in
+    on_connect_check_health, which on_connect calls: one timer either way.)"""
+
+    def guarded(name: str):
+        def method(self, *args, **kwargs):
+            inner = getattr(super(cls, self), name)
+            if getattr(self, "_umbp_setup_timer", None) is not None:  # the outer set-up call's timer
+                return inner(*args, **kwargs)
+            timer = threading.Timer(seconds, _shut, (self._sock,))
+            timer.daemon = True
+            self._umbp_setup_timer = timer
+            timer.start()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                timer.cancel()
+                self._umbp_setup_timer = None
+
+        return method
+
+    methods = {n: guarded(n) for n in ("on_connect", "on_connect_check_health") if hasattr(base, n)}
+    cls = type(f"Umbp{base.__name__}", (base,), methods)
+    return cls
+
+
+def _shut(sock: Any) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, AttributeError):  # closed meanwhile, or no socket
+        pass
+
+
 def client_kwargs(cfg: RemoteConfig) -> dict[str, Any]:
     """redis-py connection settings: no retries (a failure is a miss; the tier decides when to reconnect),
-    RESP2, no health-check pings on the hot path."""
+    RESP2, no health-check pings on the hot path, the set-up of a new connection held to timeout_s."""
+    base = redis.SSLConnection if cfg.tls else redis.Connection
     kw: dict[str, Any] = {
+        "connection_class": bounded_setup(base, cfg.timeout_s),
         "username": cfg.username,
         "password": cfg.password,
         "socket_timeout": cfg.timeout_s,
@@ -79,8 +119,6 @@ class Standalone:
     def __init__(self, cfg: RemoteConfig) -> None:
         ep = cfg.endpoints[0]
         kw = client_kwargs(cfg)
-        if cfg.tls:
-            kw["connection_class"] = redis.SSLConnection
         self.name = ep.name
         self._prefix = cfg.redis_prefix
         self._pool = redis.ConnectionPool(host=ep.host, port=ep.port, db=ep.db, **kw)
