@@ -537,7 +537,7 @@ def test_a_forked_child_reads_the_topology_on_a_thread_of_its_own():
 def test_a_dripping_connection_setup_is_held_to_the_timeout(cluster):
     """redis-py sets a new connection up (CLIENT SETNAME, AUTH, ...) with its per-receive timeout: a
     server dripping that reply held the call that needed the connection for as long as it dripped.
-    The set-up after the TCP connect is held to connect_timeout_s as a whole; then the call is a miss."""
+    The set-up after the TCP connect is held to timeout_s as a whole; then the call is a miss."""
     with FakeResp(lambda cmd: None) as server:
         slow = drip(b"-ERR " + b"x" * 200 + b"\r\n", 0.05, server)
         normal = cluster_of_one(server, lambda n: b"$-1\r\n") if cluster else (lambda cmd: b"+OK\r\n")

@@ -88,10 +88,10 @@ def _shut(sock: Any) -> None:
 def client_kwargs(cfg: RemoteConfig) -> dict[str, Any]:
     """redis-py connection settings: no retries (a failure is a miss; the tier decides when to reconnect),
     RESP2, no health-check pings on the hot path, the set-up of a new connection (AUTH and what follows the
-    TCP connect) held to connect_timeout_s, the option's "handshake timeout"."""
+    TCP connect) held to timeout_s as a whole: no longer than the call that needs it may take."""
     base = redis.SSLConnection if cfg.tls else redis.Connection
     kw: dict[str, Any] = {
-        "connection_class": bounded_setup(base, cfg.connect_timeout_s),
+        "connection_class": bounded_setup(base, cfg.timeout_s),
         "username": cfg.username,
         "password": cfg.password,
         "socket_timeout": cfg.timeout_s,

@@ -158,7 +158,10 @@ class RemoteConfig(Options):
         True, help="check the certificate's host name (off when `tls_verify` is off)"
     )
     connect_timeout_s: float = option(
-        0.5, help="TCP + TLS + AUTH handshake timeout", minimum=0.001, maximum=_HOUR_S
+        0.5,
+        help="TCP connect timeout (the TLS handshake and the set-up commands that follow it are timed by timeout_s)",
+        minimum=0.001,
+        maximum=_HOUR_S,
     )
     timeout_s: float = option(
         2.0,
