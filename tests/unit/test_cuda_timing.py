@@ -87,3 +87,9 @@ def test_interleaved_runs_every_call_each_repetition_in_a_fresh_order(device):
     rounds = [tuple(seen[8 + 4 * r : 12 + 4 * r]) for r in range(6)]
     assert all(sorted(r) == list("abcd") for r in rounds)
     assert len(set(rounds)) > 1  # the order changes between repetitions
+
+
+def test_wall_runs_the_call_after_its_warm_up_and_returns_a_median(device):
+    runs = []
+    seconds = cuda_timing.wall(lambda: runs.append(1), reps=5, warmup=2)
+    assert len(runs) == 7 and seconds >= 0.0

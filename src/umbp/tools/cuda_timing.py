@@ -18,18 +18,7 @@ QUEUE_CYCLES = 50_000_000  # the sleep kernel queued() issues behind: ~25 ms at 
 
 def wall(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
     """Median wall seconds of fn() between two device synchronizations."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(interleaved({"fn": fn}, reps, warmup)["fn"])
 
 
 def interleaved(

@@ -397,9 +397,8 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream, lead: bool = False
     ) -> None:
         """Staging <-> arena on `stream`, one copy-engine copy per run: all in one batch call where the
-        runtime has it and there are enough runs (scattered slots), else run by run. `lead`: a call's
-        first round, whose copy engine is idle: its first runs (up to batchcopy.LEAD_BYTES) go one by one ahead of
-        the batch call, so that bytes move while the host spends the batch call's fixed cost."""
+        runtime has it and there are enough runs (scattered slots), else run by run; `lead`: a call's
+        first round (batchcopy.issue)."""
         arena, staging, size = runs
         if self._copy_one is None:  # CPU tensors, or no CUDA runtime to call: torch copies
             with self._stream(stream):

@@ -237,10 +237,7 @@ class Cluster:
         kw = client_kwargs(cfg)
         if cfg.tls:
             kw["ssl"] = True
-        try:
-            return RedisCluster(startup_nodes=nodes, require_full_coverage=False, **kw)
-        except Exception as exc:  # redis-py parses the nodes' replies: whatever it raises, no cluster
-            raise redis.ConnectionError(f"{exc}") from None
+        return RedisCluster(startup_nodes=nodes, require_full_coverage=False, **kw)  # _read_topology catches
 
     def groups(self, keys: list[str]) -> dict[str, list[Group]]:
         rc = self.client()
