@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -546,3 +548,52 @@ def test_a_dripping_connection_setup_is_held_to_the_timeout(cluster):
             t = tier_for(server, cluster=cluster)
             assert bounded(lambda: get_one(t), 2.5) == [False]
             t.close()
+
+
+@contextlib.contextmanager
+def dripping_tls_handshake() -> Iterator[str]:
+    """A TCP server that answers a TLS ClientHello with a record header promising 16 KiB, then sends
+    that record a byte every 50 ms; yields its rediss:// URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(1 << 16)
+                conn.sendall(b"\x16\x03\x03\x40\x00")
+                while not stop.wait(0.05):
+                    conn.sendall(b"\x02")
+            except OSError:  # the client gave up
+                pass
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        yield f"rediss://127.0.0.1:{listener.getsockname()[1]}/0"
+    finally:
+        stop.set()
+        server.join(5)
+        listener.close()
+
+
+def test_a_dripping_tls_handshake_is_held_to_the_connect_timeout(tmp_path):
+    """The TLS handshake is redis-py's, under the socket timeout connect_timeout_s, which CPython's ssl
+    applies to the handshake as a whole (not per receive): a server dripping its handshake (here ~14
+    min of it) costs the call that needed a new connection connect_timeout_s, then it is a miss."""
+    tls = make_tls_files(tmp_path)
+    with dripping_tls_handshake() as url:
+        opts = {"url": url, "tls_ca_file": str(tls.ca), "timeout_s": 0.5, "connect_timeout_s": 0.5}
+        t = RedisTier(RemoteConfig.from_options({**opts, "quarantine_s": 0, "retry_interval_s": 0}))
+        assert bounded(lambda: get_one(t), 2.5) == [False]
+        assert bounded(lambda: put_one(t), 2.5) == [False]
+        t.close()

@@ -159,7 +159,8 @@ class RemoteConfig(Options):
     )
     connect_timeout_s: float = option(
         0.5,
-        help="TCP connect timeout (the TLS handshake and the set-up commands that follow it are timed by timeout_s)",
+        help="timeout of the TCP connect, and of the TLS handshake as a whole (the set-up commands after it are "
+        "held to timeout_s)",
         minimum=0.001,
         maximum=_HOUR_S,
     )
