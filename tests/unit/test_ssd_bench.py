@@ -52,18 +52,9 @@ def test_bench_ssd_polling_client_and_copy_threads_are_recorded(tmp_path):
     assert cfg["refused"] == "poll" and cfg["copy_threads"] == 1
 
 
-def test_bench_ssd_refuses_zero_copy_threads(tmp_path):
-    with pytest.raises(SystemExit, match="--copy-threads must be at least 1"):
-        main(
-            [
-                "bench",
-                "ssd",
-                "--quick",
-                "--copy-threads",
-                "0",
-                "--out",
-                str(tmp_path / "o.json"),
-                "--dir",
-                str(tmp_path / "d"),
-            ]
-        )
+def test_bench_ssd_refuses_zero_copy_threads(tmp_path, capsys):
+    argv = ["bench", "ssd", "--quick", "--copy-threads", "0", "--out", str(tmp_path / "o.json")]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--dir", str(tmp_path / "d")])
+    assert exc.value.code == 2
+    assert "argument --copy-threads: 0 is out of range: it must be >= 1" in capsys.readouterr().err

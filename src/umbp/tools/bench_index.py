@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any
 
+from umbp.tools.argtypes import whole
 from umbp.tools.benchutil import write_json
 
 TARGET_BYTES, TARGET_US, TARGET_PAUSE_MS = 128, 2.0, 5.0
@@ -43,11 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--old-max",
-        type=int,
+        type=whole(0),
         default=1_000_000,
         help="largest count the reference DictIndex runs at (default %(default)s)",
     )
-    parser.add_argument("--churn", type=int, default=200_000, help="steady-state puts (default %(default)s)")
+    parser.add_argument(
+        "--churn", type=whole(1), default=200_000, help="steady-state puts (default %(default)s)"
+    )
     parser.add_argument("--out", default="umbp-out/bench_index.json", help="JSON path (default: %(default)s)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
 

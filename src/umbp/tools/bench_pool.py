@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from umbp.tools.argtypes import whole
 from umbp.tools.benchutil import Progress, human, timed, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -36,22 +37,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default="umbp-out/bench_pool.json", help="JSON output path (default: %(default)s)"
     )
-    parser.add_argument("--reps", type=int, default=None, help="repetitions per size (default 9, quick 2)")
+    parser.add_argument(
+        "--reps", type=whole(1), default=None, help="repetitions per size (default 9, quick 2)"
+    )
     parser.add_argument(
         "--working-set-mib",
-        type=int,
+        type=whole(1),
         default=None,
         help="bytes moved per pass, in MiB (default: max(256, 4 x L3), quick 16)",
     )
-    parser.add_argument("--batch", type=int, default=32, help="keys per put/get_into call (default 32)")
+    parser.add_argument("--batch", type=whole(1), default=32, help="keys per put/get_into call (default 32)")
     parser.add_argument(
         "--copy-threads",
-        type=int,
+        type=whole(1),
         default=1,
         help="DramPool copy_threads (default 1, the pool's default; the numpy baseline is always 1)",
     )
     parser.add_argument(
-        "--exists-keys", type=int, default=None, help="keys per exists() call (default 100000)"
+        "--exists-keys", type=whole(1), default=None, help="keys per exists() call (default 100000)"
     )
 
 

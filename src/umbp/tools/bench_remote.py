@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from umbp.pool import native
+from umbp.tools.argtypes import whole
 from umbp.tools.benchutil import Progress, human, spread, write_json
 from umbp.tools.local_redis import LocalRedis
 
@@ -56,19 +57,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reps",
-        type=int,
+        type=whole(1),
         default=None,
         help="repetitions per size (default 6, quick 2); an even count balances who goes first",
     )
     parser.add_argument(
         "--working-set-mib",
-        type=int,
+        type=whole(1),
         default=None,
         help="bytes moved per pass, in MiB (default 256, quick 16)",
     )
-    parser.add_argument("--batch", type=int, default=16, help="objects per put/get_into call (default 16)")
     parser.add_argument(
-        "--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per exists() call (default 8192)"
+        "--batch", type=whole(1), default=16, help="objects per put/get_into call (default 16)"
+    )
+    parser.add_argument(
+        "--lookup-keys", type=whole(1), default=LOOKUP_KEYS, help="keys per exists() call (default 8192)"
     )
     parser.add_argument(
         "--no-redis-benchmark", action="store_true", help="skip the redis-benchmark reference"

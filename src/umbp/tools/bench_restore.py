@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from umbp.tools.argtypes import whole
 from umbp.tools.benchutil import write_json
 from umbp.tools.cuda_timing import device_env, interleaved, wall
 
@@ -43,10 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
     parser.add_argument("--tokens", default=None, help=f"comma-separated N (default {TOKENS}; quick 8192)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 21, quick 3)")
+    parser.add_argument("--reps", type=whole(1), default=None, help="timed repetitions (default 21, quick 3)")
     parser.add_argument(
         "--min-round-mib",
-        type=int,
+        type=whole(1),
         default=None,
         help="the engine's min_round_bytes in MiB (default: its own)",
     )

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from umbp.tools.argtypes import whole
 from umbp.tools.benchutil import write_json
 
 TARGET_SHARE = 0.10  # umbp hooks / umbp scheduler's decode step
@@ -53,9 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests", default=None, help="running requests, comma list (default 32,128; quick 8)"
     )
     parser.add_argument(
-        "--prompt", type=int, default=None, help="prompt tokens per request (default 2000; quick 500)"
+        "--prompt", type=whole(1), default=None, help="prompt tokens per request (default 2000; quick 500)"
     )
-    parser.add_argument("--steps", type=int, default=None, help="decode steps timed (default 300; quick 20)")
+    parser.add_argument(
+        "--steps", type=whole(1), default=None, help="decode steps timed (default 300; quick 20)"
+    )
     parser.add_argument(
         "--long",
         action="store_true",

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from umbp.pool import native
+from umbp.tools.argtypes import whole
 from umbp.tools.benchutil import human, spread, timed, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -52,22 +53,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scratch directory on the disk to measure; removed afterwards (default: %(default)s)",
     )
     parser.add_argument(
-        "--working-set-mib", type=int, default=None, help="bytes per pass, in MiB (default 192, quick 8)"
+        "--working-set-mib", type=whole(1), default=None, help="bytes per pass, in MiB (default 192, quick 8)"
     )
     parser.add_argument(
         "--reps",
-        type=int,
+        type=whole(1),
         default=None,
         help="repetitions per size (default 4, quick 1); an even count balances who writes first",
     )
     parser.add_argument(
         "--batch-mib",
-        type=int,
+        type=whole(1),
         default=16,
         help="bytes per put/get_into call, in MiB: 64 KiB objects go 256 to a call, 4 MiB ones 4 "
         "(default 16)",
     )
-    parser.add_argument("--io-mib", type=int, default=8, help="baseline I/O size in MiB (default 8)")
+    parser.add_argument("--io-mib", type=whole(1), default=8, help="baseline I/O size in MiB (default 8)")
     parser.add_argument(
         "--direct-io",
         default="auto",
@@ -76,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--copy-threads",
-        type=int,
+        type=whole(1),
         default=2,
         help="the tier's copy_threads: threads a put's copies are split across (default 2)",
     )
@@ -302,8 +303,6 @@ class _Bench:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    if args.copy_threads < 1:
-        raise SystemExit(f"umbp bench ssd: --copy-threads must be at least 1, got {args.copy_threads}")
     ws = args.working_set_mib or (8 if args.quick else 192)
     io = max(1, args.io_mib) * MiB
     ws_bytes = max(ws * MiB // io, 1) * io  # whole baseline I/Os

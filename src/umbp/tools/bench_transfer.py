@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from umbp.tools import cuda_timing
+from umbp.tools.argtypes import whole
 from umbp.tools.benchutil import write_json
 from umbp.tools.cuda_timing import baseline, device_env, wall
 
@@ -43,9 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", default="umbp-out/bench_transfer.json", help="JSON path (default: %(default)s)"
     )
     parser.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 2)")
+    parser.add_argument("--reps", type=whole(1), default=None, help="timed repetitions (default 7, quick 2)")
     parser.add_argument(
-        "--total-mib", type=int, default=None, help="payload per direction (default 1024, quick 64)"
+        "--total-mib", type=whole(1), default=None, help="payload per direction (default 1024, quick 64)"
     )
     parser.add_argument(
         "--paths",
@@ -54,8 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure only these paths, in this order (comma-separated row labels, e.g. 'auto,dma'; "
         "default: every path, auto last)",
     )
-    parser.add_argument("--batches", type=int, default=4, help="batches the payload is cut into (default 4)")
-    parser.add_argument("--ctas", type=int, default=None, help="kernel grid size (default: one per SM)")
+    parser.add_argument(
+        "--batches", type=whole(1), default=4, help="batches the payload is cut into (default 4)"
+    )
+    parser.add_argument("--ctas", type=whole(1), default=None, help="kernel grid size (default: one per SM)")
     parser.add_argument("--sweep-ctas", default="16,33,66,132", help="grid sizes tried at 16 KiB pages")
     parser.add_argument(
         "--sweep-blocks",

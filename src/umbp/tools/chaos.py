@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from umbp.tools.argtypes import number, whole
 from umbp.tools.chaos_kinds import KINDS, Enospc, Kind, Rig, undefended
 
 DEFAULT_FAULTS = 240  # 8 rounds of the 30 kinds
@@ -466,7 +467,7 @@ def run_campaign(opts: Options) -> Result:
 # ---------------------------------------------------------------- the command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--faults", type=int, default=DEFAULT_FAULTS, help="faults to inject (default %(default)s)"
+        "--faults", type=whole(0), default=DEFAULT_FAULTS, help="faults to inject (default %(default)s)"
     )
     parser.add_argument(
         "--kinds", default="all", help="comma-separated fault kinds (default: all); see docs/faults.md"
@@ -474,12 +475,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arch", default="granite", help="tiny model architecture (a Mamba2 hybrid by default)"
     )
-    parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--conversations", type=whole(1), default=6)
+    parser.add_argument("--turns", type=whole(1), default=4, help="turns per conversation")
+    parser.add_argument("--seed", type=whole(0, 2**32 - 1), default=0)
     parser.add_argument(
         "--tol",
-        type=float,
+        type=number(positive=True),
         default=1e-4,
         help="largest |dlogprob| of a right token (right turns differ by up to ~1e-5 here)",
     )

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from umbp.tools.argtypes import whole
 from umbp.tools.benchutil import write_json
 
 
@@ -25,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="granite",
         help="tiny model architecture (granite, nemotron_h, falcon_h1, zamba2, qwen3_next)",
     )
-    parser.add_argument("--prompt-tokens", type=int, default=840)
-    parser.add_argument("--unit", type=int, default=16, help="vLLM --prefix-match-unit")
-    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per turn")
+    parser.add_argument("--prompt-tokens", type=whole(1), default=840)
+    parser.add_argument("--unit", type=whole(1), default=16, help="vLLM --prefix-match-unit")
+    parser.add_argument("--max-tokens", type=whole(1), default=8, help="tokens generated per turn")
     parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/demo.json", help="JSON result path")
     parser.add_argument("--only", choices=["umbp", "old"], help="run one setting only")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from umbp.tools.argtypes import whole
+
 MAX_TOKENS = 1 << 24
 MAX_BLOCKS = 1 << 22  # blocks walked in all: time and memory are linear in them (2**22: ~2 s, ~0.4 GB)
 MAX_DCP = 1 << 10
@@ -26,8 +28,12 @@ MAX_DCP = 1 << 10
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", required=True, help="comma list: full:B, swa:B:W, state:B")
-    parser.add_argument("--unit", type=int, required=True, help="prefix_match_unit (hash block size)")
-    parser.add_argument("--max-tokens", type=int, required=True, help="most tokens that may be restored")
+    parser.add_argument(
+        "--unit", type=whole(1, MAX_TOKENS), required=True, help="prefix_match_unit (hash block size)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=whole(0, MAX_TOKENS), required=True, help="most tokens that may be restored"
+    )
     parser.add_argument(
         "--present",
         action="append",
@@ -35,11 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="G=t1,t2",
         help="token ends stored for group G (repeatable)",
     )
-    parser.add_argument("--hashed-tokens", type=int, default=None, help="where the request's keys end")
+    parser.add_argument(
+        "--hashed-tokens", type=whole(0, MAX_TOKENS), default=None, help="where the request's keys end"
+    )
     parser.add_argument("--eagle", action="store_true", help="EAGLE block drop on every group")
     parser.add_argument("--eagle-groups", default="", help="comma list of groups that take EAGLE's drop")
     parser.add_argument(
-        "--dcp", type=int, default=1, help="decode_context_parallel_size (block sizes per rank)"
+        "--dcp", type=whole(1, MAX_DCP), default=1, help="decode_context_parallel_size (block sizes per rank)"
     )
 
 
@@ -103,15 +111,8 @@ def parse_eagle_groups(text: str, num_groups: int) -> set[int] | None:
 
 
 def check_sizes(args: argparse.Namespace, groups: list) -> None:
-    """One clear error for sizes past what an explanation can walk in moments (it is linear in them)."""
-    for name, value, lo, hi in (
-        ("--unit", args.unit, 1, MAX_TOKENS),
-        ("--max-tokens", args.max_tokens, 0, MAX_TOKENS),
-        ("--hashed-tokens", args.hashed_tokens, 0, MAX_TOKENS),
-        ("--dcp", args.dcp, 1, MAX_DCP),
-    ):
-        if value is not None and not lo <= value <= hi:
-            raise SystemExit(f"umbp explain: {name} {value} is out of range: it must be from {lo} to {hi}")
+    """One clear error for sizes past what an explanation can walk in moments (it is linear in them;
+    each option alone is bounded by its parser type)."""
     span = max(g.block_size for g in groups) * args.dcp
     if span > MAX_TOKENS:
         raise SystemExit(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import sys
 import time
@@ -23,39 +22,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from umbp.tools.argtypes import number, whole
+
 OUT_IS_DIR = True  # --out is a folder (umbp.cli checks it can be written before the run)
-
-
-def _whole(lo: int, hi: int | None = None):
-    """An argparse type: an integer in [lo, hi]."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(
-                f"{value} is out of range: it must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
-            )
-        return value
-
-    return parse
-
-
-def _number(positive: bool = False):
-    """An argparse type: a finite number >= 0 (> 0 with `positive`)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"{text} must be a finite number {'>' if positive else '>='} 0")
-        return value
-
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,12 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-trace", metavar="PATH", help="write the (generated) trace as JSONL")
     parser.add_argument(
         "--sessions",
-        type=_whole(1, 100_000),
+        type=whole(1, 100_000),
         default=280,
         help="generated sessions (default 280 = 4 per slot)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="generator seed")
-    parser.add_argument("--concurrency", type=_whole(1), default=70, help="sessions in flight (default 70)")
+    parser.add_argument("--seed", type=whole(0, 2**32 - 1), default=0, help="generator seed")
+    parser.add_argument("--concurrency", type=whole(1), default=70, help="sessions in flight (default 70)")
     parser.add_argument(
         "--boundary-page",
         choices=("both", "on", "off"),
@@ -100,30 +69,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run vLLM's OffloadingConnector (CPU backend, same DRAM budget; its copy step simulated) "
         "in umbp's place, per retention value, and print the peer table (docs/replay.md)",
     )
-    parser.add_argument("--gpu-blocks", type=int, help="override the layout's GPU block pool size")
+    parser.add_argument("--gpu-blocks", type=whole(4), help="override the layout's GPU block pool size")
     parser.add_argument(
-        "--dram-gb", type=_number(positive=True), help="override the layout's umbp DRAM per rank (GB)"
+        "--dram-gb", type=number(positive=True), help="override the layout's umbp DRAM per rank (GB)"
     )
     parser.add_argument(
-        "--think-s", type=_number(positive=True), help="generated traces: mean think time between turns (s)"
+        "--think-s", type=number(positive=True), help="generated traces: mean think time between turns (s)"
     )
     parser.add_argument(
-        "--jobs", type=_whole(1), default=1, help="settings run in parallel processes (default 1)"
+        "--jobs", type=whole(1), default=1, help="settings run in parallel processes (default 1)"
     )
     parser.add_argument(
         "--hash-seed",
-        type=_whole(0, 2**32 - 1),
+        type=whole(0, 2**32 - 1),
         default=0,
         help="PYTHONHASHSEED of the processes that run the settings (default 0): vLLM walks sets of "
         "request ids, so a fixed seed makes a run repeat exactly",
     )
     parser.add_argument("--out", default="umbp-out/replay", help="output directory")
     parser.add_argument(
-        "--max-explain", type=_whole(0), default=20, help="umbp explain texts kept per setting"
+        "--max-explain", type=whole(0), default=20, help="umbp explain texts kept per setting"
     )
     parser.add_argument(
         "--require",
-        type=_number(),
+        type=number(),
         metavar="PCT",
         help="exit 1 if a boundary-page-on setting restores less than PCT%% of the oracle's "
         "restorable tokens",

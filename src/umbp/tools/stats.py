@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 from umbp.identity import parse_key
 from umbp.redact import redact_url, scrub, secrets_of, url_secrets
+from umbp.tools.argtypes import whole
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _NAMESPACE = re.compile(r"^[0-9a-f]{32}$")
@@ -45,16 +46,6 @@ _UMBP_LABEL = re.compile(r'\b(group|tier)="([^"]*)"')
 METRICS_MAX_BYTES = 64 << 20  # a /metrics reply past this is not vLLM's
 METRICS_DEADLINE_S = 30.0  # the whole /metrics request: connect, headers and body
 METRICS_TIMEOUT_S = 10.0  # each connect or read of it
-
-
-def _max_keys(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: it must be at least 1")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", default=None, metavar="URL", help="a vLLM /metrics endpoint")
     parser.add_argument("--no-sizes", action="store_true", help="remote: count objects only (no STRLEN)")
     parser.add_argument(
-        "--max-keys", type=_max_keys, default=1_000_000, help="remote: stop after this many objects"
+        "--max-keys", type=whole(1), default=1_000_000, help="remote: stop after this many objects"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
