@@ -223,6 +223,16 @@ def test_no_numeric_option_takes_a_bare_int_or_float():
         ],
         ["explain", "--groups", "full:16", "--unit", "16", "--max-tokens", "9", "--dcp", str(10**9)],
         ["replay", "--dry-run", "--gpu-blocks", "0"],
+        # comma lists and names
+        ["bench", "index", "--objects", "1000000,x"],
+        ["bench", "index", "--objects", "1"],
+        ["bench", "sched", "--requests", "0"],
+        ["bench", "restore", "--tokens", ","],
+        ["bench", "transfer", "--sweep-ctas", "16,-1"],
+        ["bench", "transfer", "--sweep-blocks", "1000x4"],
+        ["chaos", "--kinds", "dram_bitflip,bogus"],
+        ["chaos", "--arch", "bogus"],
+        ["demo", "--arch", "bogus"],
     ],
     ids=" ".join,
 )
@@ -231,6 +241,39 @@ def test_a_numeric_option_out_of_range_is_refused_by_the_parser(capsys, argv):
     with pytest.raises(SystemExit) as exc:
         within(10, lambda: main(argv))
     assert exc.value.code == 2 and f"argument {option}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "pool", "--working-set-mib", str(1 << 40)], "umbp bench pool: --working-set-mib"),
+        (["bench", "ssd", "--working-set-mib", str(1 << 40)], "umbp bench ssd: --working-set-mib"),
+        (["bench", "remote", "--working-set-mib", str(1 << 40)], "umbp bench remote: --working-set-mib"),
+        (["bench", "index", "--objects", str(1 << 40)], f"umbp bench index: --objects {1 << 40}"),
+    ],
+)
+def test_a_run_larger_than_the_free_memory_is_refused_before_it_starts(tmp_path, argv, message):
+    """(MemoryError from numpy, or the OOM killer, before.)"""
+    with pytest.raises(SystemExit, match=message) as exc:
+        within(10, lambda: main([*argv, "--out", str(tmp_path / "o.json")]))
+    assert "of memory;" in str(exc.value) and "is available" in str(exc.value)
+
+
+def test_bench_remote_with_a_bad_url_is_one_error_that_hides_its_password(tmp_path):
+    argv = ["bench", "remote", "--url", "http://:hunter2@127.0.0.1:1/0", "--out", str(tmp_path / "o.json")]
+    with pytest.raises(
+        SystemExit, match="umbp bench remote: remote tier option 'url': .* must start with"
+    ) as exc:
+        within(10, lambda: main(argv))
+    assert "hunter2" not in str(exc.value)
+
+
+@pytest.mark.parametrize("tool", ["demo", "chaos"])
+def test_a_workdir_that_cannot_be_made_is_one_error(tmp_path, tool):
+    (tmp_path / "file").write_text("")
+    workdir = tmp_path / "file" / "models"
+    with pytest.raises(SystemExit, match=f"umbp {tool}: cannot write --workdir {workdir}: .* is a file"):
+        within(10, lambda: main([tool, "--workdir", str(workdir), "--out", str(tmp_path / "o.json")]))
 
 
 GRANITE = {

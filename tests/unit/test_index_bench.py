@@ -30,8 +30,10 @@ def test_bench_index_tiny_writes_json_and_the_last_line(tmp_path, capsys):
     assert float(m.group(3)) == compact["steady"]["us_reserve_commit"]
 
 
-def test_bench_index_rejects_bad_counts():
+def test_bench_index_rejects_bad_counts(capsys):
     import pytest
 
-    with pytest.raises(SystemExit, match="--objects"):
+    with pytest.raises(SystemExit) as exc:
         main(["bench", "index", "--objects", "1"])
+    assert exc.value.code == 2
+    assert "argument --objects: 1 is out of range: it must be >= 2" in capsys.readouterr().err

@@ -40,3 +40,36 @@ def number(positive: bool = False) -> Callable[[str], float]:
 
     parse.__name__ = "number"
     return parse
+
+
+def counts(lo: int, hi: int | None = None, empty: bool = False) -> Callable[[str], list[int]]:
+    """A comma list of integers in [lo, hi] ('1000000,10000000'); at least one unless `empty`."""
+    one = whole(lo, hi)
+
+    def parse(text: str) -> list[int]:
+        values = [one(part.strip()) for part in text.split(",") if part.strip()]
+        if not values and not empty:
+            raise argparse.ArgumentTypeError(f"{text!r}: give at least one integer (a comma list)")
+        return values
+
+    parse.__name__ = "list"
+    return parse
+
+
+def names(known: tuple[str, ...], everything: str | None = None) -> Callable[[str], tuple[str, ...]]:
+    """A comma list of names from `known`, at least one; `everything` (e.g. 'all') stands for all."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        if everything is not None and text.strip() == everything:
+            return known
+        picked = tuple(part.strip() for part in text.split(",") if part.strip())
+        unknown = [p for p in picked if p not in known]
+        if unknown or not picked:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; known: {', '.join(known)}"
+                + (f" (or {everything})" if everything else "")
+            )
+        return picked
+
+    parse.__name__ = "list"
+    return parse

@@ -27,8 +27,8 @@ import sys
 import time
 from typing import Any
 
-from umbp.tools.argtypes import whole
-from umbp.tools.benchutil import write_json
+from umbp.tools.argtypes import counts, whole
+from umbp.tools.benchutil import check_memory, write_json
 
 TARGET_BYTES, TARGET_US, TARGET_PAUSE_MS = 128, 2.0, 5.0
 ALIGN = 4096
@@ -39,6 +39,7 @@ EVICT_CAP = 1024  # max_evict_objects, as the vLLM scheduler sets it
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--objects",
+        type=counts(2, 1 << 40),
         default="1000000",
         help="object counts, comma list (default %(default)s; e.g. 1000000,10000000,30000000)",
     )
@@ -268,11 +269,12 @@ def run(args: argparse.Namespace) -> int:
         kind, n, puts = args.child.split(":")
         print(json.dumps(measure(kind, int(n), int(puts))))
         return 0
-    counts = [int(x) for x in str(args.objects).split(",") if x.strip()]
-    if not counts or min(counts) < 2:
-        raise SystemExit("umbp bench index: --objects takes counts >= 2, e.g. 1000000,10000000")
+    sizes = args.objects
+    old = max((n for n in sizes if n <= args.old_max), default=0)
+    # ~60 B/object for the index, ~500 for the reference it runs beside up to --old-max
+    check_memory("umbp bench index", 64 * max(sizes) + 512 * old, f"--objects {max(sizes)}")
     rows = []
-    for n in counts:
+    for n in sizes:
         if n <= args.old_max:
             rows.append(_child("old", n, min(args.churn, n)))
         rows.append(_child("compact", n, min(args.churn, n)))
@@ -280,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         r["targets_met"] = _verdict(r)
     report = {
         "config": {
-            "objects": counts,
+            "objects": sizes,
             "old_max": args.old_max,
             "churn": args.churn,
             "align": ALIGN,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from umbp.tools.argtypes import whole
-from umbp.tools.benchutil import Progress, human, timed, write_json
+from umbp.tools.benchutil import Progress, check_memory, human, timed, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -277,6 +277,8 @@ def _print_table(report: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    # the source, two destinations and the pool's arena
+    check_memory("umbp bench pool", 4 * cfg["working_set_bytes"], "--working-set-mib (4 copies of it)")
     if not cfg["quick"] and cfg["l3_bytes"] and cfg["working_set_bytes"] < 2 * cfg["l3_bytes"]:
         print(
             "umbp bench pool: warning: the working set is under 2x L3; figures will flatter both sides",

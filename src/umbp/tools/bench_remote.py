@@ -33,7 +33,7 @@ from typing import Any
 
 from umbp.pool import native
 from umbp.tools.argtypes import whole
-from umbp.tools.benchutil import Progress, human, spread, write_json
+from umbp.tools.benchutil import Progress, check_memory, human, spread, write_json
 from umbp.tools.local_redis import LocalRedis
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -409,20 +409,21 @@ def _print_table(report: dict[str, Any]) -> None:
 
 
 def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedis | None]:
+    from umbp.pool.errors import UmbpValueError
     from umbp.pool.remote.tier import RedisTier, RemoteConfig
 
+    def config(url: str) -> RemoteConfig:
+        options = {"url": url, "key_prefix": "umbp-bench:", "quarantine_s": 0, "timeout_s": 30}
+        options.update(write_queue_bytes=2 * cfg["working_set_bytes"], **_auth_options(cfg["auth"]))
+        try:
+            return RemoteConfig.from_options(options)
+        except UmbpValueError as exc:  # the config's messages hide secrets (a password in the URL)
+            raise SystemExit(f"umbp bench remote: {str(exc).removeprefix('umbp: ')}") from None
+
+    rc = config(args.url) if args.url else None  # a bad --url before a server is started
     server = None if args.url else LocalRedis("umbp bench remote", "--url")
     url = args.url or server.url
-    rc = RemoteConfig.from_options(
-        {
-            "url": url,
-            "key_prefix": "umbp-bench:",
-            "quarantine_s": 0,
-            "timeout_s": 30,
-            "write_queue_bytes": 2 * cfg["working_set_bytes"],
-            **_auth_options(cfg["auth"]),
-        }
-    )
+    rc = rc or config(url)
     ep = rc.endpoints[0]
     # redis-benchmark writes and flushes its own keys: only on the bench's private server
     has_rb = (
@@ -446,8 +447,9 @@ def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedi
 
 
 def run(args: argparse.Namespace) -> int:
-
     cfg = _config(args)
+    # the source and destination here, and the values in the local server's memory
+    check_memory("umbp bench remote", 3 * cfg["working_set_bytes"], "--working-set-mib (3 copies of it)")
     tier, server = _open(args, cfg)
     progress = Progress(1 + len(cfg["sizes"]) * cfg["reps"])
     try:

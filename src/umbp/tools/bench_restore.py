@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from umbp.tools.argtypes import whole
+from umbp.tools.argtypes import counts, whole
 from umbp.tools.benchutil import write_json
 from umbp.tools.cuda_timing import device_env, interleaved, wall
 
@@ -43,7 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", default="umbp-out/bench_restore.json", help="JSON path (default: %(default)s)"
     )
     parser.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
-    parser.add_argument("--tokens", default=None, help=f"comma-separated N (default {TOKENS}; quick 8192)")
+    parser.add_argument(
+        "--tokens",
+        type=counts(1, 1 << 21),
+        default=None,
+        help=f"comma-separated N (default {TOKENS}; quick 8192)",
+    )
     parser.add_argument("--reps", type=whole(1), default=None, help="timed repetitions (default 21, quick 3)")
     parser.add_argument(
         "--min-round-mib",
@@ -177,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from umbp.transfer.model_layouts import GRANITE_4_0_H_350M
 
-    tokens = [int(t) for t in (args.tokens or ("8192" if args.quick else TOKENS)).split(",")]
+    tokens = args.tokens or [int(t) for t in ("8192" if args.quick else TOKENS).split(",")]
     reps = args.reps or (3 if args.quick else 21)
     res: dict[str, Any] = {
         "command": "umbp " + " ".join(sys.argv[1:]),

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from umbp.tools.argtypes import whole
+from umbp.tools.argtypes import counts, whole
 from umbp.tools.benchutil import write_json
 
 TARGET_SHARE = 0.10  # umbp hooks / umbp scheduler's decode step
@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="umbp-out/bench_sched.json", help="JSON path (default: %(default)s)")
     parser.add_argument("--layout", default="granite-4.0-h", help="replay layout (default: %(default)s)")
     parser.add_argument(
-        "--requests", default=None, help="running requests, comma list (default 32,128; quick 8)"
+        "--requests",
+        type=counts(1),
+        default=None,
+        help="running requests, comma list (default 32,128; quick 8)",
     )
     parser.add_argument(
         "--prompt", type=whole(1), default=None, help="prompt tokens per request (default 2000; quick 500)"
@@ -291,24 +294,13 @@ def run(args: argparse.Namespace) -> int:
     except LayoutError as exc:
         print(f"umbp bench sched: {exc}", file=sys.stderr)
         return 2
-    try:
-        default = "256" if args.long else ("8" if args.quick else "32,128")
-        counts = [int(n) for n in (args.requests or default).split(",") if n.strip()]
-    except ValueError:
-        counts = []
+    running = args.requests or ([256] if args.long else [8] if args.quick else [32, 128])
     prompt = args.prompt or (131072 if args.long else 500 if args.quick else 2000)
     steps = args.steps or (30 if args.long else 20 if args.quick else 300)
-    if not counts or min(counts) < 1 or prompt < 1 or steps < 1:
-        print(
-            f"umbp bench sched: --requests needs a comma list of counts >= 1 (got {args.requests!r}), "
-            f"--prompt and --steps numbers >= 1 (got {prompt}, {steps})",
-            file=sys.stderr,
-        )
-        return 2
     load0 = os.getloadavg()[0]
     rows = []
     with tempfile.TemporaryDirectory(prefix="umbp-bench-sched-") as tmp:
-        for n in counts:
+        for n in running:
             rows.append(measure(sized_layout(layout, n, prompt, steps), n, prompt, steps, Path(tmp)))
     decode_share = max(r["decode"]["hooks_share"] for r in rows)
     share = LONG_SHARE if args.long else TARGET_SHARE

@@ -33,7 +33,7 @@ from typing import Any
 
 from umbp.pool import native
 from umbp.tools.argtypes import whole
-from umbp.tools.benchutil import human, spread, timed, write_json
+from umbp.tools.benchutil import check_memory, human, spread, timed, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -353,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     cfg = _config(args)
+    check_memory("umbp bench ssd", 2 * cfg["working_set_bytes"], "--working-set-mib (source and destination)")
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     bench = _Bench(cfg)
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from umbp.tools import cuda_timing
-from umbp.tools.argtypes import whole
+from umbp.tools.argtypes import counts, whole
 from umbp.tools.benchutil import write_json
 from umbp.tools.cuda_timing import baseline, device_env, wall
 
@@ -34,6 +34,24 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB)
 TARGET_RATIO, TARGET_BOTH = 0.94, 95.0  # per direction for 16-64 KiB pages; GB/s both ways
 SUSTAIN = 4  # passes of the both-ways row back to back for its sustained figure (see measure)
+
+
+def _block_shapes(text: str) -> list[tuple[int, int]]:
+    """--sweep-blocks: a comma list of BLOCKxWARPS (powers of two: Triton's BLOCK and num_warps)."""
+    shapes = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            block, warps = (int(v) for v in part.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not BLOCKxWARPS (e.g. 1024x4)") from None
+        if not (
+            64 <= block <= 65536 and 1 <= warps <= 32 and not block & (block - 1) and not warps & (warps - 1)
+        ):
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: BLOCK a power of two from 64 to 65536, WARPS from 1 to 32"
+            )
+        shapes.append((block, warps))
+    return shapes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batches", type=whole(1), default=4, help="batches the payload is cut into (default 4)"
     )
     parser.add_argument("--ctas", type=whole(1), default=None, help="kernel grid size (default: one per SM)")
-    parser.add_argument("--sweep-ctas", default="16,33,66,132", help="grid sizes tried at 16 KiB pages")
+    parser.add_argument(
+        "--sweep-ctas",
+        type=counts(1, 1 << 16, empty=True),
+        default="16,33,66,132",
+        help="grid sizes tried at 16 KiB pages",
+    )
     parser.add_argument(
         "--sweep-blocks",
+        type=_block_shapes,
         default="512x4,1024x4,2048x4,2048x8,4096x8",
         help="kernel BLOCKxnum_warps tried at 16 KiB pages",
     )
@@ -372,7 +396,7 @@ def _sweep(args: argparse.Namespace, arena: Any, payload: int, reps: int) -> lis
     groups = _layouts(page, 2 * nobj + 8, "cuda")
     case = Case("sweep", groups, arena, payload, args.batches, seed=1)
     out = []
-    for ctas in (int(c) for c in args.sweep_ctas.split(",") if c):
+    for ctas in args.sweep_ctas:
         r = measure(
             _engine(arena, groups, "zero-copy", ctas),
             case,
@@ -381,8 +405,7 @@ def _sweep(args: argparse.Namespace, arena: Any, payload: int, reps: int) -> lis
             queued=False,
         )
         out.append(dict(ctas=ctas, block=1024, num_warps=4, **r))
-    for cfg in (c for c in args.sweep_blocks.split(",") if c):
-        block, warps = (int(v) for v in cfg.split("x"))
+    for block, warps in args.sweep_blocks:
         eng = _engine(arena, groups, "zero-copy", args.ctas, block=block, num_warps=warps)
         out.append(
             dict(

@@ -68,17 +68,23 @@ def spread(values: Sequence[float]) -> str:
 def check_output(tool: str, path: str | Path, directory: bool = False) -> None:
     """Fail at once, with one clear message, when a tool's --out cannot be written: before minutes of
     benchmarking, not after. `directory`: --out names a folder to write into rather than a file."""
-    folder = Path(path).expanduser() if directory else Path(path).expanduser().parent
     if not directory and Path(path).expanduser().is_dir():
         raise SystemExit(
             f"{tool}: cannot write --out {path}: it is a folder; pass --out with a file name (e.g. "
             f"{Path(path) / 'result.json'})"
         )
+    usable_folder(tool, "--out", path, None if directory else Path(path).expanduser().parent)
+
+
+def usable_folder(tool: str, option: str, path: str | Path, folder: Path | None = None) -> Path:
+    """`folder` (default: `path` expanded), made if missing and written into once; else one clear error
+    naming `option` (a file where a folder should be, no permission, a read-only disk)."""
+    folder = folder if folder is not None else Path(path).expanduser()
     blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         raise SystemExit(
-            f"{tool}: cannot write --out {path}: {blocker} is a file, not a folder; pass --out with a "
-            "path in a writable folder"
+            f"{tool}: cannot write {option} {path}: {blocker} is a file, not a folder; pass {option} with "
+            "a path in a writable folder"
         )
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -86,9 +92,30 @@ def check_output(tool: str, path: str | Path, directory: bool = False) -> None:
             pass
     except OSError as exc:
         raise SystemExit(
-            f"{tool}: cannot write --out {path}: {exc.strerror or exc}; pass --out with a path in a "
+            f"{tool}: cannot write {option} {path}: {exc.strerror or exc}; pass {option} with a path in a "
             "writable folder"
         ) from None
+    return folder
+
+
+def available_memory() -> int | None:
+    """MemAvailable in bytes (Linux), None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(tool: str, need: int, what: str) -> None:
+    """Fail at once when a run would allocate more than the machine has free (`need` bytes for `what`),
+    with one message naming the option to change, instead of a MemoryError or the OOM killer."""
+    free = available_memory()
+    if free is not None and need > free:
+        raise SystemExit(f"{tool}: {what} needs {human(need)} of memory; {human(free)} is available")
 
 
 def write_json(path: str | Path, payload: Any, indent: int = 2) -> Path:

@@ -40,8 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from umbp.tools.argtypes import number, whole
+from umbp.tools.argtypes import names, number, whole
 from umbp.tools.chaos_kinds import KINDS, Enospc, Kind, Rig, undefended
+from umbp.tools.tiny_models import ARCHS
 
 DEFAULT_FAULTS = 240  # 8 rounds of the 30 kinds
 SECRET_ENV = "UMBP_CHAOS_TENANT_SECRET"  # where the campaign puts its random tenant secret
@@ -470,10 +471,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--faults", type=whole(0), default=DEFAULT_FAULTS, help="faults to inject (default %(default)s)"
     )
     parser.add_argument(
-        "--kinds", default="all", help="comma-separated fault kinds (default: all); see docs/faults.md"
+        "--kinds",
+        type=names(tuple(KINDS), "all"),
+        default="all",
+        help="comma-separated fault kinds (default: all); see docs/faults.md",
     )
     parser.add_argument(
-        "--arch", default="granite", help="tiny model architecture (a Mamba2 hybrid by default)"
+        "--arch",
+        default="granite",
+        choices=ARCHS,
+        help="tiny model architecture (a Mamba2 hybrid by default)",
     )
     parser.add_argument("--conversations", type=whole(1), default=6)
     parser.add_argument("--turns", type=whole(1), default=4, help="turns per conversation")
@@ -495,18 +502,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from umbp.tools.benchutil import write_json
+    from umbp.tools.benchutil import usable_folder, write_json
     from umbp.tools.tiny_models import build_tiny_model
 
-    kinds = (
-        tuple(KINDS) if args.kinds == "all" else tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    )
-    workdir = Path(args.workdir).expanduser()
+    workdir = usable_folder("umbp chaos", "--workdir", args.workdir)
     print(f"umbp chaos: building a tiny random-weight {args.arch} model in {workdir} ...", flush=True)
     model_dir = build_tiny_model(args.arch, workdir / args.arch)
     opts = Options(
         faults=args.faults,
-        kinds=kinds,
+        kinds=args.kinds,
         conversations=args.conversations,
         turns=args.turns,
         seed=args.seed,

@@ -17,14 +17,16 @@ import time
 from pathlib import Path
 
 from umbp.tools.argtypes import whole
-from umbp.tools.benchutil import write_json
+from umbp.tools.benchutil import usable_folder, write_json
+from umbp.tools.tiny_models import ARCHS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arch",
         default="granite",
-        help="tiny model architecture (granite, nemotron_h, falcon_h1, zamba2, qwen3_next)",
+        choices=ARCHS,
+        help="tiny model architecture (default granite)",
     )
     parser.add_argument("--prompt-tokens", type=whole(1), default=840)
     parser.add_argument("--unit", type=whole(1), default=16, help="vLLM --prefix-match-unit")
@@ -127,11 +129,11 @@ def umbp_scheduler(llm):
 
 
 def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    workdir = usable_folder("umbp demo", "--workdir", args.workdir)
     from umbp.tools import vllm_harness as H
     from umbp.tools.tiny_models import build_tiny_model
 
-    t0 = time.perf_counter()
-    workdir = Path(args.workdir).expanduser()
     print(f"umbp demo: building a tiny random-weight {args.arch} model in {workdir} ...", flush=True)
     model_dir = build_tiny_model(args.arch, workdir / args.arch)
     if args.restart:
