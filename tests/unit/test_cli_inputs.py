@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fake_resp import FakeResp  # noqa: E402
+from loopback import loopback_server  # noqa: E402
 from umbp.cli import build_parser, main  # noqa: E402
 
 NS = "0123456789abcdef0123456789abcdef"
@@ -571,31 +572,13 @@ def test_a_key_file_must_be_a_small_regular_file(tmp_path, capsys):
 @contextmanager
 def http_server(send: Callable[[socket.socket], None]) -> Iterator[str]:
     """A one-thread HTTP server on 127.0.0.1 that reads each request and hands the socket to `send`."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    stop = threading.Event()
 
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.recv(65536)
-                try:
-                    send(conn)
-                except OSError:
-                    pass
+    def handle(conn: socket.socket, _stop: threading.Event) -> None:
+        conn.recv(65536)
+        send(conn)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
-    finally:
-        stop.set()
-        thread.join(15)
-        listener.close()
+    with loopback_server(handle) as port:
+        yield f"http://127.0.0.1:{port}/metrics"
 
 
 def test_metrics_with_a_sample_that_is_not_a_number(capsys):

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytest.importorskip("redis")
 
 from fake_resp import FakeResp, drip, endless  # noqa: E402
+from loopback import loopback_server  # noqa: E402
 from redis_servers import make_tls_files  # noqa: E402
 from umbp.pool.checksum import checksum  # noqa: E402
 from umbp.pool.remote.format import HEADER_SIZE, pack_header  # noqa: E402
@@ -554,36 +555,15 @@ def test_a_dripping_connection_setup_is_held_to_the_timeout(cluster):
 def dripping_tls_handshake() -> Iterator[str]:
     """A TCP server that answers a TLS ClientHello with a record header promising 16 KiB, then sends
     that record a byte every 50 ms; yields its rediss:// URL."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.1)
-    stop = threading.Event()
 
-    def answer(conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(1 << 16)
-                conn.sendall(b"\x16\x03\x03\x40\x00")
-                while not stop.wait(0.05):
-                    conn.sendall(b"\x02")
-            except OSError:  # the client gave up
-                pass
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.recv(1 << 16)
+        conn.sendall(b"\x16\x03\x03\x40\x00")
+        while not stop.wait(0.05):
+            conn.sendall(b"\x02")
 
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    try:
-        yield f"rediss://127.0.0.1:{listener.getsockname()[1]}/0"
-    finally:
-        stop.set()
-        server.join(5)
-        listener.close()
+    with loopback_server(answer, threaded=True) as port:
+        yield f"rediss://127.0.0.1:{port}/0"
 
 
 def test_a_dripping_tls_handshake_is_held_to_the_connect_timeout(tmp_path):

@@ -42,7 +42,7 @@ from typing import Any
 
 from umbp.tools.argtypes import names, number, whole
 from umbp.tools.chaos_kinds import KINDS, Enospc, Kind, Rig, undefended
-from umbp.tools.tiny_models import ARCHS
+from umbp.tools.tiny_models import add_model_arguments, model_from_arguments
 
 DEFAULT_FAULTS = 240  # 8 rounds of the 30 kinds
 SECRET_ENV = "UMBP_CHAOS_TENANT_SECRET"  # where the campaign puts its random tenant secret
@@ -476,12 +476,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="all",
         help="comma-separated fault kinds (default: all); see docs/faults.md",
     )
-    parser.add_argument(
-        "--arch",
-        default="granite",
-        choices=ARCHS,
-        help="tiny model architecture (a Mamba2 hybrid by default)",
-    )
+    add_model_arguments(parser, "tiny model architecture (a Mamba2 hybrid by default)")
     parser.add_argument("--conversations", type=whole(1), default=6)
     parser.add_argument("--turns", type=whole(1), default=4, help="turns per conversation")
     parser.add_argument("--seed", type=whole(0, 2**32 - 1), default=0)
@@ -497,17 +492,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run the shared tier without a tenant secret (unauthenticated: forged values verify)",
     )
-    parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/chaos.json", help="JSON result path")
 
 
 def run(args: argparse.Namespace) -> int:
-    from umbp.tools.benchutil import usable_folder, write_json
-    from umbp.tools.tiny_models import build_tiny_model
+    from umbp.tools.benchutil import write_json
 
-    workdir = usable_folder("umbp chaos", "--workdir", args.workdir)
-    print(f"umbp chaos: building a tiny random-weight {args.arch} model in {workdir} ...", flush=True)
-    model_dir = build_tiny_model(args.arch, workdir / args.arch)
+    model_dir = model_from_arguments("umbp chaos", args)
     opts = Options(
         faults=args.faults,
         kinds=args.kinds,

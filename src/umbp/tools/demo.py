@@ -17,21 +17,15 @@ import time
 from pathlib import Path
 
 from umbp.tools.argtypes import whole
-from umbp.tools.benchutil import usable_folder, write_json
-from umbp.tools.tiny_models import ARCHS
+from umbp.tools.benchutil import write_json
+from umbp.tools.tiny_models import add_model_arguments, model_from_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--arch",
-        default="granite",
-        choices=ARCHS,
-        help="tiny model architecture (default granite)",
-    )
+    add_model_arguments(parser, "tiny model architecture (default granite)")
     parser.add_argument("--prompt-tokens", type=whole(1), default=840)
     parser.add_argument("--unit", type=whole(1), default=16, help="vLLM --prefix-match-unit")
     parser.add_argument("--max-tokens", type=whole(1), default=8, help="tokens generated per turn")
-    parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
     parser.add_argument("--out", default="umbp-out/demo.json", help="JSON result path")
     parser.add_argument("--only", choices=["umbp", "old"], help="run one setting only")
     parser.add_argument(
@@ -130,12 +124,9 @@ def umbp_scheduler(llm):
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    workdir = usable_folder("umbp demo", "--workdir", args.workdir)
+    model_dir = model_from_arguments("umbp demo", args)  # before vLLM's import: a bad --workdir fails fast
     from umbp.tools import vllm_harness as H
-    from umbp.tools.tiny_models import build_tiny_model
 
-    print(f"umbp demo: building a tiny random-weight {args.arch} model in {workdir} ...", flush=True)
-    model_dir = build_tiny_model(args.arch, workdir / args.arch)
     if args.restart:
         return _run_restart(args, model_dir, t0)
     if args.pd:

@@ -283,6 +283,22 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike[str], seed: int = 0) 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def add_model_arguments(parser: Any, arch_help: str) -> None:
+    """--arch and --workdir, as `umbp demo` and `umbp chaos` take them."""
+    parser.add_argument("--arch", default="granite", choices=ARCHS, help=arch_help)
+    parser.add_argument("--workdir", default="~/.cache/umbp/demo", help="where the tiny model is built")
+
+
+def model_from_arguments(tool: str, args: Any) -> Path:
+    """The tiny model that --arch and --workdir name, built on first use (one clear error when the
+    workdir cannot be made)."""
+    from umbp.tools.benchutil import usable_folder
+
+    workdir = usable_folder(tool, "--workdir", args.workdir)
+    print(f"{tool}: building a tiny random-weight {args.arch} model in {workdir} ...", flush=True)
+    return build_tiny_model(args.arch, workdir / args.arch)
+
+
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
