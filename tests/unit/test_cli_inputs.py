@@ -515,6 +515,18 @@ def test_stats_remote_on_a_server_that_is_not_redis(capsys, table, message):
     assert "Traceback" not in err
 
 
+def test_stats_remote_on_a_server_streaming_an_endless_scan_reply(capsys):
+    """A SCAN page whose names never end: redis-py keeps reading it (its timeout bounds each receive);
+    the reply is cut off at umbp's cap on what redis-py parses, one error, bounded time."""
+    from fake_resp import endless
+
+    with FakeResp(lambda cmd: None) as server:
+        stream = endless(b"*2\r\n$1\r\n0\r\n*999999999\r\n", b"$4\r\nname\r\n" * 4096, 256 << 20, server)
+        server.respond = lambda cmd: stream if cmd[0].upper() == b"SCAN" else b":5\r\n"
+        rc, _, err = umbp(capsys, "stats", "--remote", server.url, seconds=20)
+    assert rc == 2 and "a reply of more than 8 MiB" in err, err
+
+
 def test_clear_ends_on_a_cursor_that_never_returns_to_zero():
     """RedisTier.clear walks the same bounded SCAN: a server answering cursor 7 forever is a counted
     error, not a loop."""

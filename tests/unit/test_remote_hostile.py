@@ -577,3 +577,37 @@ def test_a_dripping_tls_handshake_is_held_to_the_connect_timeout(tmp_path):
         assert bounded(lambda: get_one(t), 2.5) == [False]
         assert bounded(lambda: put_one(t), 2.5) == [False]
         t.close()
+
+
+def _streaming_topology(server: FakeResp) -> Callable[[list[bytes]], Any]:
+    """A one-node cluster whose CLUSTER SLOTS reply is a node address claimed to be ~10 GB long, sent
+    as fast as the client reads it (up to 256 MiB)."""
+    normal = cluster_of_one(server, lambda n: b"$-1\r\n")
+    head = b"*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$9999999999\r\n"
+
+    def respond(cmd: list[bytes]) -> Any:
+        if cmd[0].upper() == b"CLUSTER":
+            return endless(head, b"x" * (1 << 16), 256 * MiB, server)
+        return normal(cmd)
+
+    return respond
+
+
+def test_an_endless_topology_reply_is_cut_off_in_bounded_memory():
+    """redis-py's parser keeps what a node sends until the claimed length has arrived, and its socket
+    timeout bounds each receive, not a reply: a node streaming its CLUSTER SLOTS reply grew the topology
+    thread's memory for as long as it streamed (256 MiB here, then the stream's end). Each reply redis-py
+    parses is held to MAX_REPLY_BYTES; the lookup is a miss."""
+    from umbp.pool.remote.backend import MAX_REPLY_BYTES
+
+    with FakeResp(lambda cmd: None) as server:
+        server.respond = _streaming_topology(server)
+        t = tier_for(server, cluster=True)
+
+        def lookup_then_wait() -> list[bool]:
+            out = t.exists([KEY])
+            time.sleep(1.5)  # the topology thread reads on after the call has given up
+            return out
+
+        assert bounded(lookup_then_wait, 4.0, peak_bytes=4 * MAX_REPLY_BYTES) == [False]
+        t.close()

@@ -74,8 +74,68 @@ def bounded_setup(base: type, seconds: float) -> type:
         return method
 
     methods = {n: guarded(n) for n in ("on_connect", "on_connect_check_health") if hasattr(base, n)}
+    if _CappedParser is not None:
+
+        def __init__(self, *args, **kwargs):
+            kwargs["parser_class"] = _CappedParser
+            super(cls, self).__init__(*args, **kwargs)
+
+        methods["__init__"] = __init__
     cls = type(f"Umbp{base.__name__}", (base,), methods)
     return cls
+
+
+MAX_REPLY_BYTES = 8 << 20
+"""The most one reply read by redis-py's parser may hold. Those replies (set-up, the cluster topology,
+SCAN pages, STRLEN counts, PING) are small: a 1,000-shard CLUSTER SLOTS reply is well under 1 MiB."""
+
+
+def _capped_parser() -> type | None:
+    """redis-py's RESP2 parser, each reply held to MAX_REPLY_BYTES. redis-py's parser keeps what a server
+    sends (a bulk string until its claimed length has arrived, an array's elements as they come) and its
+    socket timeout bounds each receive, not a reply: a node streaming an endless CLUSTER SLOTS reply grew
+    the topology thread's memory for as long as it streamed. The parser's read buffer holds the reply
+    being read (it is emptied after each one), so the socket the buffer reads from checks its size
+    before every receive. None where this redis-py has no such parser: its own then runs uncapped."""
+    try:
+        from redis._parsers import _RESP2Parser
+    except ImportError:
+        return None
+
+    class CappedParser(_RESP2Parser):
+        def on_connect(self, connection):
+            super().on_connect(connection)
+            buffer = getattr(self, "_buffer", None)
+            if hasattr(getattr(buffer, "_buffer", None), "getbuffer") and hasattr(buffer, "_sock"):
+                buffer._sock = _CappedSocket(buffer._sock, buffer)
+
+    return CappedParser
+
+
+class _CappedSocket:
+    """The socket as redis-py's read buffer sees it: a receive past MAX_REPLY_BYTES held is refused
+    (only that buffer reads through this; umbp's own reads use the socket itself)."""
+
+    def __init__(self, sock: Any, buffer: Any) -> None:
+        self._sock, self._buffer = sock, buffer
+
+    def recv(self, n: int) -> bytes:
+        try:
+            with self._buffer._buffer.getbuffer() as held:
+                size = held.nbytes
+        except (AttributeError, ValueError):  # closed meanwhile: the receive below reports it
+            size = 0
+        if size > MAX_REPLY_BYTES:
+            raise redis.ConnectionError(
+                f"umbp: a reply of more than {MAX_REPLY_BYTES >> 20} MiB; dropping the connection"
+            )
+        return self._sock.recv(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+_CappedParser = _capped_parser()
 
 
 def _shut(sock: Any) -> None:
