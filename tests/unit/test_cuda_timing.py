@@ -93,3 +93,25 @@ def test_wall_runs_the_call_after_its_warm_up_and_returns_a_median(device):
     runs = []
     seconds = cuda_timing.wall(lambda: runs.append(1), reps=5, warmup=2)
     assert len(runs) == 7 and seconds >= 0.0
+
+
+def test_submitted_times_the_issue_not_the_wait():
+    """`umbp bench restore`'s host column: the seconds until the transfer call returned its handle, not
+    the wait for its result, so that a call whose host time is its whole time reads as host-bound."""
+    import time
+
+    from umbp.tools.bench_restore import submitted
+
+    class Handle:
+        def result(self):
+            time.sleep(0.2)
+            return "verdicts"
+
+    def issue():
+        time.sleep(0.05)
+        return Handle()
+
+    times: list[float] = []
+    call = submitted(issue, times)
+    assert call() == "verdicts" and call() == "verdicts"
+    assert len(times) == 2 and all(0.05 <= t < 0.2 for t in times)

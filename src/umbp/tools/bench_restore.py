@@ -24,6 +24,8 @@ import argparse
 import math
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -205,14 +207,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def submitted(issue: Callable[[], Any], times: list[float]) -> Callable[[], Any]:
+    """A call of issue() (a transfer) to its result, appending to `times` the host seconds until issue()
+    returned its handle: everything issued. Where that is close to the whole call, the host, not the
+    link, sets the pace (the engine's planning, kernel launches and copy calls)."""
+
+    def call() -> Any:
+        t0 = time.perf_counter()
+        handle = issue()
+        times.append(time.perf_counter() - t0)
+        return handle.result()
+
+    return call
+
+
 def _row(restore: Restore, n: int, reps: int, tflops: float, cfg: dict[str, Any]) -> dict[str, Any]:
     """Every figure of one size from one interleaved set of repetitions (cuda_timing.interleaved)."""
     save_batch, batch, nbytes = restore.prepare(n)
     runs_save, runs_batch, _ = restore.prepare(n, runs=True)
     e = restore.engine
+    host: dict[str, list[float]] = {"restore": [], "save": []}
     calls = pinned_copies(nbytes) | {
-        "restore": lambda: e.load(batch).result(),
-        "save": lambda: e.save(save_batch).result(),
+        "restore": submitted(lambda: e.load(batch), host["restore"]),
+        "save": submitted(lambda: e.save(save_batch), host["save"]),
         "restore runs": lambda: e.load(runs_batch).result(),
         "save runs": lambda: e.save(runs_save).result(),
     }
@@ -242,6 +259,9 @@ def _row(restore: Restore, n: int, reps: int, tflops: float, cfg: dict[str, Any]
         restored_ok=ok,
         saved_ok=saved_ok,
         restore_ms_by_path={p: med[f"restore {p}"] * 1e3 for p in restore.engines},
+        # the timed repetitions' (interleaved() warms each call up first)
+        restore_host_ms=statistics.median(host["restore"][-reps:]) * 1e3,
+        save_host_ms=statistics.median(host["save"][-reps:]) * 1e3,
         prefill_floor_ms=floor_s * 1e3,
         floor_over_restore=floor_s / restore_s,
     )
@@ -307,11 +327,12 @@ def print_table(res: dict[str, Any]) -> None:
             f"{r['tokens']:>7} {r['bytes'] / 1e6:>7.1f} {r['restore_ms']:>10.3f} {r['h2d_copy_ms']:>7.3f} "
             f"{r['link_ratio']:>5.2f} {r['save_ms']:>8.3f} {r['d2h_copy_ms']:>7.3f} {r['save_link_ratio']:>5.2f} "
             f"{r['link_ratio_runs']:>13.2f} {r['save_link_ratio_runs']:>5.2f} {r['prefill_floor_ms']:>9.2f} {r['floor_over_restore']:>12.1f}x "
-            f"{'yes' if r['restored_ok'] and r['saved_ok'] else 'NO'}   (restore by path: {paths} ms)"
+            f"{'yes' if r['restored_ok'] and r['saved_ok'] else 'NO'}   (restore by path: {paths} ms; "
+            f"host: restore {r['restore_host_ms']:.3f} save {r['save_host_ms']:.3f} ms)"
         )
     print(
         f"link = bytes/s over a pinned copy of the same bytes in this run (target >= {TARGET}); restore = "
         "default paths, checksums verified on the GPU, arena slots at random; 'runs': the same with the "
         "slots end to end (as the connector's saves reserve them); floor = dense-GEMM lower bound of any "
-        "prefill."
+        "prefill; host = time until the call had issued everything (near the call's time: host-bound)."
     )
