@@ -10,3 +10,6 @@ python3 bench/probes/restore_ab_gpu.py 8192,16384,32768,131072 41 r32=min_round_
 for i in 2 3; do python3 -m umbp bench restore --out $OUT/restore-$i.json > $OUT/restore-$i.txt 2>&1; done
 python3 bench/probes/restore_timeline_gpu.py 8192,32768 host 2>&1 | grep -v Warn > $OUT/timeline-host.txt
 python3 bench/probes/restore_timeline_gpu.py 8192 queued 2>&1 | grep -v Warn > $OUT/timeline-queued.txt
+# a later call, on another H100 machine, at dd59e08 (the bench's host column): GPU timing tests, one restore run
+#   python3 -m pytest -q -p no:cacheprovider tests/unit/test_cuda_timing.py   # 6 passed
+#   python3 -m umbp bench restore --out $OUT/restore.json > $OUT/restore.txt   # -> restore-host-column.*
