@@ -420,10 +420,10 @@ def _open(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, LocalRedi
         except UmbpValueError as exc:  # the config's messages hide secrets (a password in the URL)
             raise SystemExit(f"umbp bench remote: {str(exc).removeprefix('umbp: ')}") from None
 
-    rc = config(args.url) if args.url else None  # a bad --url before a server is started
+    # a given --url is checked before anything starts: no server of the bench's own then
     server = None if args.url else LocalRedis("umbp bench remote", "--url")
     url = args.url or server.url
-    rc = rc or config(url)
+    rc = config(url)
     ep = rc.endpoints[0]
     # redis-benchmark writes and flushes its own keys: only on the bench's private server
     has_rb = (

@@ -304,14 +304,14 @@ class _Bench:
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     ws = args.working_set_mib or (8 if args.quick else 192)
-    io = max(1, args.io_mib) * MiB
+    io = args.io_mib * MiB
     ws_bytes = max(ws * MiB // io, 1) * io  # whole baseline I/Os
     return {
         "quick": bool(args.quick),
         "dir": args.dir,
         "working_set_bytes": ws_bytes,
         "reps": args.reps or (1 if args.quick else 4),
-        "batch_bytes": max(1, args.batch_mib) * MiB,
+        "batch_bytes": args.batch_mib * MiB,
         "io_bytes": io,
         "direct_io": args.direct_io,
         "sizes": list(SIZES),

@@ -48,13 +48,14 @@ class Group:
         return [keys[i] for i in idx]
 
 
-def bounded_setup(base: type, seconds: float) -> type:
-    """A redis-py connection class whose set-up after the TCP connect (AUTH, CLIENT SETNAME, SELECT: what
-    redis-py sends before the connection is handed out) is held to `seconds` as a whole. redis-py reads
-    those replies with its per-receive socket timeout, so a server dripping one held the call that needed
-    a new connection for as long as it dripped; here a timer shuts the socket down once `seconds` have
-    passed, the read fails, and the call is a miss. (redis-py 5-7 set up in on_connect, 8 in
-    on_connect_check_health, which on_connect calls: one timer either way.)"""
+def bounded_connection(base: type, seconds: float) -> type:
+    """A redis-py connection class bounded where redis-py is not. Time: its set-up after the TCP connect
+    (AUTH, CLIENT SETNAME, SELECT: what redis-py sends before the connection is handed out) is held to
+    `seconds` as a whole. redis-py reads those replies with its per-receive socket timeout, so a server
+    dripping one held the call that needed a new connection for as long as it dripped; here a timer shuts
+    the socket down once `seconds` have passed, the read fails, and the call is a miss. (redis-py 5-7 set
+    up in on_connect, 8 in on_connect_check_health, which on_connect calls: one timer either way.)
+    Memory: every reply redis-py parses on it is held to MAX_REPLY_BYTES (_capped_parser)."""
 
     def guarded(name: str):
         def method(self, *args, **kwargs):
@@ -151,7 +152,7 @@ def client_kwargs(cfg: RemoteConfig) -> dict[str, Any]:
     TCP connect) held to timeout_s as a whole: no longer than the call that needs it may take."""
     base = redis.SSLConnection if cfg.tls else redis.Connection
     kw: dict[str, Any] = {
-        "connection_class": bounded_setup(base, cfg.timeout_s),
+        "connection_class": bounded_connection(base, cfg.timeout_s),
         "username": cfg.username,
         "password": cfg.password,
         "socket_timeout": cfg.timeout_s,
