@@ -1,4 +1,4 @@
-"""Builds umbp's optional C extensions (umbp.pool._native, umbp.transfer._rounds and _checks);
+"""Builds umbp's optional C extensions (umbp.pool._native, umbp.transfer._rounds, _checks and _copies);
 everything else is in pyproject.toml.
 
 The extensions are optional: without a C compiler the install still succeeds and umbp runs its pure-Python
@@ -23,7 +23,7 @@ setup(
                 extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
                 optional=True,
             )
-            for name in ("_rounds", "_checks")
+            for name in ("_rounds", "_checks", "_copies")
         ),
     ]
 )

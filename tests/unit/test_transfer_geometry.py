@@ -470,3 +470,36 @@ def test_launcher_calls_the_compiled_kernel_directly_and_falls_back_for_good(mon
     for _ in range(3):
         broken(1, ("plan",), (True,), ("GUARD",), 4)
     assert len(through_triton) == 3 and not broken.direct
+
+
+def test_a_round_is_the_span_of_its_objects_pieces_in_the_calls_plan():
+    """Each launch of a call runs one round: the pieces of objects a:b of the call's one plan. Groups cut
+    their objects into different numbers of pieces and a Moves may be empty, so the span comes from
+    the segment table: here 2 objects of 3 pieces, none of 1, 3 of 2 (pieces 0-5, 6-11)."""
+    from types import SimpleNamespace
+
+    from umbp.transfer.plans import build_plan
+    from umbp.transfer.shapes import make_shape
+
+    def geom(pieces):
+        return SimpleNamespace(
+            object_bytes=4096, num_blocks=64, template=SimpleNamespace(obj=np.zeros(pieces))
+        )
+
+    groups = {0: geom(3), 1: geom(1), 2: geom(2)}
+    shape = make_shape(((0, 2, 4096), (1, 0, 4096), (2, 3, 4096)), groups, {0: 0, 1: 3, 2: 4})
+    assert [shape.piece(i) for i in range(6)] == [0, 3, 6, 8, 10, 12]
+    batch = [
+        (groups[g], Moves(g, list(range(n)), [0] * n), np.arange(n), np.zeros(n, np.int64))
+        for g, n in ((0, 2), (1, 0), (2, 3))
+    ]
+    plan = build_plan(
+        shape,
+        batch,
+        np.arange(5),
+        [np.zeros(5, np.int64)],
+        False,
+        lambda n: torch.zeros(n, dtype=torch.int64),
+    )
+    assert plan.span(0, 5) == (0, 12) and plan.span(0, 2) == (0, 6)
+    assert plan.span(1, 3) == (3, 8) and plan.span(2, 5) == (6, 12) and plan.span(4, 5) == (10, 12)

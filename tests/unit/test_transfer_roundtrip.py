@@ -556,15 +556,15 @@ def test_a_batch_failing_half_way_leaves_nothing_running(direction: str, monkeyp
     batch = [Moves(0, list(range(256)), [i * obj for i in range(256)], None, obj)]
     engine.save(batch).wait()  # warm: kernels loaded (a module load synchronizes the device), rings made
     engine.load(batch).wait()
-    real_plan, calls = KernelEngine._plan, []
+    real_staging, calls = KernelEngine._staging, []
 
-    def failing_plan(self, *args, **kwargs):
+    def failing_staging(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise torch.cuda.OutOfMemoryError("simulated: no memory for round 1")
-        return real_plan(self, *args, **kwargs)
+        return real_staging(self, *args, **kwargs)
 
-    monkeypatch.setattr(KernelEngine, "_plan", failing_plan)
+    monkeypatch.setattr(KernelEngine, "_staging", failing_staging)
     torch.cuda._sleep(200_000_000)  # ~0.1 s on the caller's stream, which the engine's streams wait for
     with pytest.raises(torch.cuda.OutOfMemoryError):
         getattr(engine, direction)(batch)

@@ -102,7 +102,6 @@ class TransferEngine:
             for g, geom in self.groups.items()
         }
         self._flat_of: tuple | None = None  # (batch, shape, ids, offsets) of the batch checked last
-        self._flat_rounds: dict[int, tuple] = {}  # the same for rounds cut from batches (remember())
 
     def object_bytes(self, group: int) -> int:
         return self.groups[group].object_bytes
@@ -233,32 +232,18 @@ class TransferEngine:
             at += n
         shape = self.shapes.get(key)
         self._flat_of = (out, shape, ids, offs)
-        self._flat_rounds.clear()  # rounds of earlier calls
         return out, shape
 
     def flat(self, batch: list) -> tuple[BatchShape, np.ndarray, np.ndarray]:
-        """(shape, block ids, arena offsets) of a checked batch or a round cut from one, the ids and
-        offsets as one array each in batch order. The batch _checked saw last is not joined again."""
+        """(shape, block ids, arena offsets) of a checked batch, the ids and offsets as one array each
+        in batch order. The batch _checked saw last (the one a call plans) is not joined again."""
         known = self._flat_of
-        if known is None or known[0] is not batch:
-            known = self._flat_rounds.get(id(batch))
         if known is not None and known[0] is batch:
             return known[1], known[2], known[3]
         ids = _joined([ids for _g, _m, ids, _o in batch])
         offs = _joined([offs for _g, _m, _i, offs in batch])
-        return self.remember(batch, ids, offs)
-
-    def remember(
-        self, batch: list, ids: np.ndarray, offs: np.ndarray
-    ) -> tuple[BatchShape, np.ndarray, np.ndarray]:
-        """Keep a round's flat view for flat() (a round is planned in several steps), up to a few rounds
-        of one call (the rounds of the call before are let go)."""
         key = tuple((m.group, i.size, slot_reach(g.object_bytes, m)) for g, m, i, _o in batch)
-        shape = self.shapes.get(key)
-        if len(self._flat_rounds) >= 64:
-            self._flat_rounds.clear()
-        self._flat_rounds[id(batch)] = (batch, shape, ids, offs)  # holds batch: its id is not reused
-        return shape, ids, offs
+        return self.shapes.get(key), ids, offs
 
 
 _SIGN_OR_MISALIGNED = np.int64(-(1 << 63) | 7)

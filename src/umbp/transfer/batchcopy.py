@@ -12,6 +12,11 @@ the zero-copy kernel is better; 16 KiB runs 0.48 / 0.09.
 run by run. `load_one()` is the runtime's plain `cudaMemcpyAsync`, for a run or two: it reaches the copy
 engine without the batch call's fixed cost (~20-30 us of the H200 host's time, in front of a restore's
 first byte), and without torch's stream switch and tensor slicing (~30 us there).
+
+`load_runs()` issues a whole round (its lead runs one by one, then the batch call, as `issue` does) in
+one call to the C extension umbp.transfer._copies, which calls the same runtime functions through their
+addresses: through ctypes, the arrays' conversion and each call's arguments cost ~20 us of a slow host's
+time per batch call and ~5 us per single copy. Without the extension, `issue` does it through ctypes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ import ctypes
 from collections.abc import Callable
 
 import numpy as np
+
+from umbp.pool.native import optional_extension
+
+_copies, _why_not = optional_extension("umbp.transfer._copies")
 
 _ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources are read in stream order (after our kernels)
 
@@ -47,19 +56,25 @@ LEAD_BYTES, LEAD_RUNS = 2 << 20, 4
 _DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses (unified addressing)
 
 
-def load() -> BatchCopy | None:
-    """copy(dsts, srcs, sizes, stream_handle): uint64 arrays of addresses and byte counts, enqueued on the
-    stream (a `torch.cuda.Stream.cuda_stream`); raises RuntimeError with the CUDA error code on failure."""
-    runtime = _runtime()
+def _batch_call(runtime: ctypes.CDLL | None) -> tuple[ctypes._CFuncPtr, bool] | None:
+    """The runtime's cudaMemcpyBatchAsync and whether it takes CUDA 12.8/12.9's failIdx out-parameter
+    before the stream; None where the runtime lacks it."""
     if runtime is None:
         return None
     version = ctypes.c_int()
     if runtime.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 12080:
         return None
     fn = getattr(runtime, "cudaMemcpyBatchAsync", None)
-    if fn is None:
+    return None if fn is None else (fn, version.value < 13000)
+
+
+def load() -> BatchCopy | None:
+    """copy(dsts, srcs, sizes, stream_handle): uint64 arrays of addresses and byte counts, enqueued on the
+    stream (a `torch.cuda.Stream.cuda_stream`); raises RuntimeError with the CUDA error code on failure."""
+    call = _batch_call(_runtime())
+    if call is None:
         return None
-    fail_index = version.value < 13000  # CUDA 12.8/12.9 had a failIdx out-parameter before the stream
+    fn, fail_index = call
     fn.restype = ctypes.c_int
     fn.argtypes = (
         [ctypes.c_void_p] * 3
@@ -97,6 +112,60 @@ def load_one() -> OneCopy | None:
             raise RuntimeError(f"umbp: cudaMemcpyAsync failed with CUDA error {err} ({nbytes} bytes)")
 
     return copy
+
+
+RunsCopy = Callable[[int, np.ndarray, int, np.ndarray, np.ndarray, int, bool, bool], None]
+
+
+def load_runs() -> RunsCopy | None:
+    """copy(dst_base, dst_offs, src_base, src_offs, sizes, stream_handle, batch, lead): run i copies
+    sizes[i] bytes from src_base + src_offs[i] to dst_base + dst_offs[i] (int64 arrays), enqueued on the
+    stream as `issue` enqueues them (`batch`: the batch call may take them; `lead`: the copy engine is
+    idle), in one C call. None without the extension or the runtime's cudaMemcpyAsync."""
+    runtime = _runtime() if _copies is not None else None
+    one = getattr(runtime, "cudaMemcpyAsync", None) if runtime is not None else None
+    if one is None:
+        return None
+    return native_runs(_address(one), _batch_call(runtime))
+
+
+def native_runs(one: int, call: tuple[ctypes._CFuncPtr, bool] | None) -> RunsCopy:
+    """load_runs' copy for these runtime functions (one: cudaMemcpyAsync's address; call: from
+    _batch_call); the tests hand it stand-ins."""
+    assert _copies is not None
+    issue_ = _copies.issue
+    batch_at, fail_index = (_address(call[0]), call[1]) if call is not None else (0, False)
+
+    def copy(
+        dst_base: int,
+        dst: np.ndarray,
+        src_base: int,
+        src: np.ndarray,
+        sizes: np.ndarray,
+        stream: int,
+        batch: bool,
+        lead: bool,
+    ) -> None:
+        at = batch_at if batch else 0
+        issue_(
+            one,
+            at,
+            fail_index,
+            dst_base,
+            dst,
+            src_base,
+            src,
+            sizes,
+            stream,
+            LEAD_BYTES if lead else 0,
+            LEAD_RUNS,
+        )
+
+    return copy
+
+
+def _address(fn: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
 def _runtime() -> ctypes.CDLL | None:

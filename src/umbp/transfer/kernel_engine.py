@@ -90,6 +90,9 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             if cuda
             else None
         )
+        # the caller's stream is looked up by index: by torch.device, each lookup parsed the device
+        # again (~25 us of a slow host's time under a profiler, twice per restore)
+        self._index = index
         self._launch_copy = kernels.Launcher(kernels.copy_objects, index)
         self._launch_fetch = kernels.Launcher(kernels.fetch_words, index)
         self.block, self.num_warps, self.max_staging_bytes = block, num_warps, max_staging_bytes
@@ -108,6 +111,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         # dma copies of scattered runs: one batch call (batchcopy.py) where the CUDA runtime has it
         self._batch_copy = batchcopy.load() if cuda else None
         self._copy_one = batchcopy.load_one() if cuda else None
+        self._runs_copy = batchcopy.load_runs() if self._copy_one is not None else None  # one C call
         self.batch_copy_min_runs = batch_copy_min_runs
         if dma_min_run_bytes is None:  # below the bar zero-copy was faster (H200, docs/transfer.md)
             dma_min_run_bytes = (256 << 10) if self._batch_copy is not None else (4 << 20)
@@ -181,7 +185,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
     def fence(self, handle: Handle) -> None:
         event = getattr(handle, "_event", None)
         if event is not None:  # recorded after the transfer's last copy (a save's gathers precede it)
-            torch.cuda.current_stream(self.device).wait_event(event)
+            torch.cuda.current_stream(self._index).wait_event(event)
 
     # ------------------------------------------------------------------ save
     def _save(self, batch: Batch) -> Handle:
@@ -206,9 +210,10 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             raise
 
     def _save_zero_copy(self, batch: Batch, keep: list[torch.Tensor], out: torch.Tensor) -> None:
-        arena = self.arena_base + self.flat(batch)[2]
-        plan = self._plan(batch, [arena], sums=True, stream=self._main(SAVE))
-        self._copy(plan, None, 0, self._align16(batch, [arena]), checksum=True)
+        offs = self.flat(batch)[2]
+        plan = self._plan(batch, [offs], sums=True, stream=self._main(SAVE))
+        align16 = self._align16(self._wide(batch), offs, self.arena_base)
+        self._copy(plan, (0, plan.n), None, (0, self.arena_base), align16, checksum=True)
         self._sm_copy(plan.sums(), out)
         keep.append(plan.buf)
 
@@ -216,28 +221,30 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, out: torch.Tensor
     ) -> None:
         """Per round: KV pages -> staging (kernel on the gather stream, HBM speed, checksums), then
-        staging -> arena on the save stream (copy engine, one copy per run of adjacent slots), then the
-        round's digests to the host (issued after the copy: they are not what the copy waits for). Round
-        r's gather runs while round r-1's copy does; two staging buffers take turns. The save stream
-        waits for the last digests, so the handle's event covers them."""
+        staging -> arena on the save stream (copy engine, one copy per run of adjacent slots). Round r's
+        gather runs while round r-1's copy does; two staging buffers take turns. One plan serves every
+        round; after the last gather, all digests go to the host at once, and the save stream waits for
+        them, so the handle's event covers them."""
         gather, save = self._side(SAVE), self._main(SAVE)
         self._after(caller, gather)
-        at = 0
+        rounds = self._laid_out(batch, SAVE, cold)
+        rows, wide = _rows(rounds), self._wide(batch)
         with self._stream(gather):  # one switch per call: each costs ~16 us of host time (H200 host)
-            for k, (a, b, layout) in enumerate(self._laid_out(batch, SAVE, cold)):
-                r = self._cut(batch, a, b)
-                stg, rows, runs, slot = self._staging(layout, SAVE)
+            plan = self._plan(batch, [rows], sums=True, stream=gather)
+            for k, (a, b, layout) in enumerate(rounds):
+                stg, runs, slot = self._staging(layout, SAVE)
                 StagingRing.acquire(slot, gather)
-                plan = self._plan(r, [rows], sums=True, stream=gather)
-                self._copy(plan, None, 0, self._align16(r, [rows]), checksum=True, hbm=True)
+                base = stg.data_ptr()
+                align16 = self._align16(wide, rows[a:b], base)
+                self._copy(plan, plan.span(a, b), None, (0, base), align16, checksum=True, hbm=True)
                 gathered = self._event(gather)
                 if gathered is not None:
                     save.wait_event(gathered)
                 self._copy_runs(runs, stg, to_arena=True, stream=save, lead=k == 0)
                 self._release(slot, save)
-                self._sm_copy(plan.sums(), out[at : at + plan.nobj])
-                keep += [stg, plan.buf]
-                at += plan.nobj
+                keep.append(stg)
+            self._sm_copy(plan.sums(), out)
+            keep.append(plan.buf)
             digests = self._event(gather)
             if digests is not None:
                 save.wait_event(digests)
@@ -261,9 +268,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
                 if out is None:
                     self._load_direct(batch, keep)
                 else:
-                    at = 0
-                    for a, b, layout in self._laid_out(batch, LOAD, cold=False):
-                        at = self._load_staged(self._cut(batch, a, b), layout, keep, out, at)
+                    self._load_staged(batch, keep, out)
                 return self._track(LOAD, self._finish(batch, out, keep, None, self._main(LOAD)))
         except BaseException:
             self._drain(keep)
@@ -280,126 +285,130 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             keep.clear()
 
     def _load_direct(self, batch: Batch, keep: list[torch.Tensor]) -> None:
-        arena = self.arena_base + self.flat(batch)[2]
-        plan = self._plan(batch, [arena], sums=False, stream=self._main(LOAD))
-        self._copy(plan, 0, None, self._align16(batch, [arena]))
+        offs = self.flat(batch)[2]
+        plan = self._plan(batch, [offs], sums=False, stream=self._main(LOAD))
+        align16 = self._align16(self._wide(batch), offs, self.arena_base)
+        self._copy(plan, (0, plan.n), (0, self.arena_base), None, align16)
         keep.append(plan.buf)
 
-    def _load_staged(
-        self, batch: Batch, layout: tuple, keep: list[torch.Tensor], out: torch.Tensor, at: int
-    ) -> int:
-        """Verified zero-copy load: arena -> device staging by the kernel (with checksums), then staging
-        -> KV pages for the objects whose checksum matched (compared inside that launch). Returns the
-        index of the next object's verdict in `out`."""
-        stg, rows, _runs, slot = self._staging(layout, LOAD)
-        StagingRing.acquire(slot, self._main(LOAD))
-        arena = self.arena_base + self.flat(batch)[2]
-        verify = any(m.digests is not None for _g, m, _i, _o in batch)
-        plan = self._plan(batch, [arena, rows], sums=True, stream=self._main(LOAD))
-        align16 = self._align16(batch, [rows])
-        self._copy(plan, 0, 1, align16 and self._align16(batch, [arena]), checksum=True)
-        self._scatter(plan, 1, align16, out, at, verify)
-        self._release(slot, self._main(LOAD))
-        keep += [stg, plan.buf]
-        return at + plan.nobj
+    def _load_staged(self, batch: Batch, keep: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Verified zero-copy load, round by round: arena -> device staging by the kernel (with
+        checksums), then staging -> KV pages for the objects whose checksum matched (compared inside
+        that launch; each verdict into `out`). One plan, with both row columns, serves every round."""
+        main, arena = self._main(LOAD), self.arena_base
+        offs = self.flat(batch)[2]
+        rounds = self._laid_out(batch, LOAD, cold=False)
+        rows, wide = _rows(rounds), self._wide(batch)
+        plan = self._plan(batch, [offs, rows], sums=True, stream=main)
+        for a, b, layout in rounds:
+            stg, _runs, slot = self._staging(layout, LOAD)
+            StagingRing.acquire(slot, main)
+            span, base = plan.span(a, b), stg.data_ptr()
+            align16 = self._align16(wide, rows[a:b], base)
+            both16 = align16 and self._align16(wide, offs[a:b], arena)
+            self._copy(plan, span, (0, arena), (1, base), both16, checksum=True)
+            self._copy(plan, span, (1, base), None, align16, guard=out, hbm=True)
+            self._release(slot, main)
+            keep.append(stg)
+        keep.append(plan.buf)
 
     def _load_dma(
         self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, verify: bool, early: Early | None
     ) -> torch.Tensor | None:
         """Per round: arena -> staging on the load stream (copy engine, one copy per run), then on the
         scatter stream the checksums of the staged bytes (when digests are given) and staging -> KV pages
-        for the objects that matched. The host stays one round ahead of its planning: round r+1's copy is
-        issued before round r's verify and scatter are planned, so the copy engine always has a round
-        queued while the host plans (planning a round in between left it idle ~0.3-0.4 ms per round of
-        an 8K-token restore on the H200; bench/probes/restore_timeline_gpu.py). With two staging
-        buffers taking turns, round r+2's copy waits for round r's scatter, which is issued by then.
-        Returns the verdicts' host buffer (None: no digests given). Whatever the first copy does not
-        need (that buffer, the scatter stream's order) comes after it."""
+        for the objects that matched. The host stays one round ahead: round r+1's copy is issued before
+        round r's verify and scatter, so the copy engine always has a round queued while the host works
+        (issuing a round's kernels in between left it idle ~0.3-0.4 ms per round of an 8K-token restore
+        on the H200; bench/probes/restore_timeline_gpu.py). With two staging buffers taking turns, round
+        r+2's copy waits for round r's scatter, which is issued by then. The call's one plan is built
+        after the first copy is issued (nothing of it is needed before the first scatter). Returns the
+        verdicts' host buffer (None: no digests given)."""
         copy, work = self._main(LOAD), self._side(LOAD)
         # both streams after the caller's queued work, as every transfer (early copies: already done)
         queued = self._after(caller, copy) if early is None else self._marker
-        at = 0
         rounds = self._laid_out(batch, LOAD, cold, skip=0 if early is None else early.count)
         a, b, layout = rounds[0]  # its copy first: before the stream switch's host time
-        staged = [((batch, a, b), *self._stage_in(layout, copy, lead=True, early=early))]
+        first = self._stage_in(layout, copy, lead=True, early=early)
         if queued is not None:
             work.wait_event(queued)
         out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
+        rows, wide = _rows(rounds), self._wide(batch)
+        if early is not None:  # the early objects' rows as offsets from the first round's buffer
+            rows = np.concatenate((early.rows - first[0].data_ptr(), rows))
         with self._stream(work):  # copy-stream work is issued on `copy` explicitly (see _save_dma)
+            plan = self._plan(batch, [rows], sums=verify, stream=work)  # its fetch need not wait for a copy
+            staged = [(a, b, *first)]
             for a, b, layout in rounds[1:]:
-                staged.append(((batch, a, b), *self._stage_in(layout, copy)))
-                at = self._verify_scatter(staged.pop(0), work, keep, out, at)
+                staged.append((a, b, *self._stage_in(layout, copy)))
+                self._verify_scatter(staged.pop(0), plan, rows, wide, work, keep, out)
             for round_ in staged:
-                at = self._verify_scatter(round_, work, keep, out, at)
+                self._verify_scatter(round_, plan, rows, wide, work, keep, out)
+            keep.append(plan.buf)
         return out
 
     def _stage_in(self, layout: tuple, copy, lead: bool = False, early: Early | None = None) -> tuple:
-        """Queue a round's copy arena -> staging on `copy`: (staging buffer, object rows, ring slots, the
-        copy's event). The scatter stream waits for that event only when the round's verify and scatter
-        are issued (_verify_scatter): waiting at once would hold the round before's scatter behind this
+        """Queue a round's copy arena -> staging on `copy`: (staging buffer, ring slots, the copy's
+        event). The scatter stream waits for that event only when the round's verify and scatter are
+        issued (_verify_scatter): waiting at once would hold the round before's scatter behind this
         copy. `early`: the first round, whose first objects are already in the early copies' slot (the
         round uses that slot too where it fits; both are let go after the round's scatter)."""
         fits = early is not None and self.ring.pooled and layout[2] <= self._ring_bytes
-        stg, rows, runs, slot = self._staging(layout, LOAD, early.slot if fits else None)
+        stg, runs, slot = self._staging(layout, LOAD, early.slot if fits else None)
         slots = [slot]
-        if early is not None:
-            rows = np.concatenate((early.rows, rows))
-            slots += [] if fits else [early.slot]
+        if early is not None and not fits:
+            slots.append(early.slot)
         if not fits:
             StagingRing.acquire(slot, copy)
         self._copy_runs(runs, stg, to_arena=False, stream=copy, lead=lead)
-        return stg, rows, slots, self._event(copy)
+        return stg, slots, self._event(copy)
 
-    def _verify_scatter(self, staged: tuple, work, keep: list, out, at: int) -> int:
-        """A staged round's checksums (when digests are given) and scatter into the KV pages, on `work`
-        (the current stream) once its copy is done; its staging buffer is free again after them. Returns
-        the index of the next object's verdict in `out`."""
-        part, stg, rows, slots, copied = staged
-        r = self._cut(*part)
-        verify = any(m.digests is not None for _g, m, _i, _o in r)
-        plan = self._plan(r, [rows], sums=verify, stream=work)  # its fetch need not wait for the copy
+    def _verify_scatter(
+        self, staged: tuple, plan: Plan, rows: np.ndarray, wide: bool, work, keep: list, out
+    ) -> None:
+        """A staged round's checksums (when digests are given: `out`, the verdicts' buffer) and scatter
+        into the KV pages of the objects that matched, on `work` (the current stream) once its copy is
+        done; its staging buffer is free again after them."""
+        a, b, stg, slots, copied = staged
         if copied is not None:
             work.wait_event(copied)
-        align16 = self._align16(r, [rows])
-        if verify:
-            self._copy(plan, 0, 0, align16, checksum=True, store=False, hbm=True)
-        self._scatter(plan, 0, align16, out, at, verify)
+        span, base = plan.span(a, b), stg.data_ptr()
+        align16 = self._align16(wide, rows[a:b], base)
+        if out is not None:
+            self._copy(plan, span, (0, base), (0, base), align16, checksum=True, store=False, hbm=True)
+            self._copy(plan, span, (0, base), None, align16, guard=out, hbm=True)
+        else:
+            self._copy(plan, span, (0, base), None, align16, hbm=True)
         done = self._event(work)
         for slot in slots:
             slot[1] = done
             keep.append(slot[0])
-        keep.append(plan.buf)
-        return at + plan.nobj
-
-    def _scatter(self, plan: Plan, column: int, align16: bool, out, at: int, verify: bool) -> None:
-        """Staging (the plan's row column) -> KV pages; verified: only the objects whose checksum (already
-        in the plan) matches, each verdict stored into out[at:]. A round with no digests writes all."""
-        if verify:
-            self._copy(plan, column, None, align16, guard=out[at : at + plan.nobj], hbm=True)
-            return
-        self._copy(plan, column, None, align16, hbm=True)
-        if out is not None:
-            out.numpy()[at : at + plan.nobj] = 1
 
     # ------------------------------------------------------------------ staging
     def _staging(
         self, layout: tuple, direction: int, slot: list | None = None
-    ) -> tuple[torch.Tensor, np.ndarray, tuple[np.ndarray, ...], list]:
+    ) -> tuple[torch.Tensor, tuple[np.ndarray, ...], list]:
         """Device staging laid out like a round's runs of adjacent arena slots (pads between objects
-        included; `layout`: from _laid_out), so that each run is one copy. Returns (16-byte aligned uint8
-        buffer, each object's row address in the round's order, copy runs as arrays (arena offset, staging
-        offset, bytes), its ring slot: see ring.StagingRing)."""
-        pos, runs, total = layout
+        included; `layout`: from _laid_out, whose positions are the plan's rows for this round), so that
+        each run is one copy. Returns (16-byte aligned uint8 buffer, copy runs as arrays (arena offset,
+        staging offset, bytes), its ring slot: see ring.StagingRing)."""
+        _pos, runs, total = layout
         slot = slot or self.ring.take(direction, total)
-        return slot[0], slot[0].data_ptr() + pos, runs, slot
+        return slot[0], runs, slot
 
     def _copy_runs(
         self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream, lead: bool = False
     ) -> None:
         """Staging <-> arena on `stream`, one copy-engine copy per run: all in one batch call where the
         runtime has it and there are enough runs (scattered slots), else run by run; `lead`: a call's
-        first round (batchcopy.issue)."""
+        first round (batchcopy.issue). One C call where the extension is built (batchcopy.load_runs)."""
         arena, staging, size = runs
+        batched = arena.size >= self.batch_copy_min_runs
+        if self._runs_copy is not None:
+            a, s = (self.arena_base, arena), (stg.data_ptr(), staging)
+            dst, src = (a, s) if to_arena else (s, a)
+            self._runs_copy(*dst, *src, size, stream.cuda_stream, batched, lead)
+            return
         if self._copy_one is None:  # CPU tensors, or no CUDA runtime to call: torch copies
             with self._stream(stream):
                 for a, s, n in zip(arena.tolist(), staging.tolist(), size.tolist()):
@@ -411,7 +420,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         a, s = self.arena_base + arena, stg.data_ptr() + staging
         dsts, srcs = (a, s) if to_arena else (s, a)
         handle = stream.cuda_stream if stream is not None else 0  # None: CPU tensors (tests' host copies)
-        batch = self._batch_copy if arena.size >= self.batch_copy_min_runs else None
+        batch = self._batch_copy if batched else None
         batchcopy.issue(dsts, srcs, size, handle, self._copy_one, batch, lead)
 
     def _release(self, slot: list, stream) -> None:
@@ -433,15 +442,20 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
     def _fast(self, batch: Batch) -> bool:
         return all(self.align[m.group] >= 8 for _g, m, _i, _o in batch)
 
-    def _align16(self, batch: Batch, sides: list[np.ndarray]) -> bool:
-        """Every piece 16-byte aligned: the groups' templates and every address in `sides` (each one
-        flat array of the batch's objects: one reduce each, not one per Moves)."""
-        if any(self.align[m.group] < 16 for _g, m, _i, _o in batch):
+    def _wide(self, batch: Batch) -> bool:
+        """Every group of the batch has its pieces 16-byte aligned in its template (once per call)."""
+        return all(self.align[m.group] >= 16 for _g, m, _i, _o in batch)
+
+    @staticmethod
+    def _align16(wide: bool, rows: np.ndarray, base: int) -> bool:
+        """Every piece of a launch 16-byte aligned on one side: the groups' templates (`wide`), the
+        base and every row offset of the launch's objects (one reduce)."""
+        if not wide or base % 16:
             return False
-        return all(not a.size or int(np.bitwise_or.reduce(a)) % 16 == 0 for a in sides)
+        return not rows.size or int(np.bitwise_or.reduce(rows)) % 16 == 0
 
     def _plan(self, batch: Batch, rows: list[np.ndarray], sums: bool, stream) -> Plan:
-        """The launch's plan (plans.build_plan; rows: per column, one address per object in batch
+        """The call's plan (plans.build_plan; rows: per column, one row offset per object in batch
         order), built in place in page-locked memory and brought to the device by _fetch."""
         shape, ids, _offs = self.flat(batch)
         plan = build_plan(shape, batch, ids, rows, sums, self._host_buffer)
@@ -452,29 +466,35 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
     def _copy(
         self,
         plan: Plan,
-        src: int | None,
-        dst: int | None,
+        span: tuple[int, int],
+        src: tuple[int, int] | None,
+        dst: tuple[int, int] | None,
         align16: bool,
         checksum: bool = False,
         guard: torch.Tensor | None = None,
         store: bool = True,
         hbm: bool = False,
     ) -> None:
-        """Run the copy kernel over a plan; src / dst: the plan's row column, or None for the KV pages.
-        guard: verify against the plan's expected digests, verdicts into this int64 host buffer. hbm:
-        neither side is the arena (more programs, see __init__)."""
-        if plan.n == 0:
+        """Run the copy kernel over pieces span[0]:span[1] of a plan (plan.span: a round's objects).
+        src / dst: (the plan's row column, the address its rows are offsets from), or None for the KV
+        pages. guard: verify against the plan's expected digests, verdicts into this int64 host buffer
+        (one per object of the call). hbm: neither side is the arena (more programs, see __init__)."""
+        first, end = span
+        if end <= first:
             return
-        col = [plan.at(c) if c is not None else 0 for c in (src, dst)]
+        (src_col, src_base), (dst_col, dst_base) = src or (0, 0), dst or (0, 0)
         args = (
             plan.buf,
             plan.nseg,
-            plan.n,
+            first,
+            end,
             self.tmpl,
             self.tmpl.shape[1],
             plan.ids_at,
-            col[0],
-            col[1],
+            plan.at(src_col),
+            src_base,
+            plan.at(dst_col),
+            dst_base,
             plan.sums_at(),
             plan.want_at(),
             self.ktab,
@@ -490,7 +510,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             store,
             self.crows,
         )
-        grid = min(plan.n, self.hbm_ctas if hbm else self.ctas)
+        grid = min(end - first, self.hbm_ctas if hbm else self.ctas)
         self._launch_copy(grid, args, constexprs, COPY_CONSTEXPRS, self.num_warps)
 
     def _host_buffer(self, words: int) -> torch.Tensor:
@@ -543,7 +563,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         return DeviceHandle(sizes, event, out, keep, mix, self._tables)
 
     def _caller(self):
-        return torch.cuda.current_stream(self.device) if self.streams is not None else None
+        return torch.cuda.current_stream(self._index) if self.streams is not None else None
 
     def _main(self, direction: int):
         return self.streams[direction] if self.streams is not None else None
@@ -573,3 +593,10 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+
+def _rows(rounds: list[tuple[int, int, tuple]]) -> np.ndarray:
+    """Each object's offset in its round's staging buffer, in batch order (a plan's row column)."""
+    if len(rounds) == 1:
+        return rounds[0][2][0]
+    return np.concatenate([layout[0] for _a, _b, layout in rounds])

@@ -10,8 +10,9 @@ planning it relies on, host side only:
   adjacent slots, and where each object lies in device staging, so that each run is one copy-engine copy.
   `sorted_runs` / `plan_runs` compute the same for one round, step by step: the reference the tests hold
   plan_rounds to. Per-object constants of a batch come from its `BatchShape` (shapes.py).
-* `round_budgets` / `round_bounds` / `slice_batch`: how a batch is cut into rounds that fit a staging
-  buffer, shaped for what the caller waits for (see round_budgets).
+* `round_budgets` / `round_bounds`: how a batch is cut into rounds that fit a staging buffer, shaped
+  for what the caller waits for (see round_budgets). `slice_batch`: a round as a Batch of its own (the
+  engine runs a round as a span of the call's plan instead; tests state rounds this way).
 * `lay_out`: round_bounds and plan_rounds in one call to the C extension umbp.transfer._rounds where it is
   built (identical results), else those numpy functions.
 """
@@ -37,16 +38,24 @@ Layout = tuple[np.ndarray, tuple[np.ndarray, ...], int]  # (pos, (arena, staging
 
 
 class Plan:
-    """A launch's plan (layout: triton_kernels.py): segment table [4, nseg], block ids [nobj], `ncols` row
-    columns [nobj] each, then (verified loads) expected digests as (digest less its length term, skip)
-    pairs [2 * nobj], then (checksumming launches) one zeroed checksum word per object. `sums()`: each
-    object's pieces' checksum terms xored together, i.e. its psum64 less the length term, which the host
-    xors in (completion.DeviceHandle), so the device needs no extra op per group."""
+    """A call's plan (layout: triton_kernels.py): segment table [4, nseg], block ids [nobj], `ncols` row
+    columns [nobj] each (offsets from a base each launch passes), then (verified loads) expected digests
+    as (digest less its length term, skip) pairs [2 * nobj], then (checksumming calls) one zeroed
+    checksum word per object. Every launch of the call reads it, each over the pieces of its round
+    (`span`). `sums()`: each object's pieces' checksum terms xored together, i.e. its psum64 less the
+    length term, which the host xors in (completion.DeviceHandle), so the device needs no extra op per
+    group."""
 
-    def __init__(self, host: torch.Tensor, nseg: int, n: int, nobj: int, ncols: int, want: bool, sums: bool):
-        self.host, self.buf = host, host
-        self.nseg, self.n, self.nobj, self.ncols = nseg, n, nobj, ncols
+    def __init__(self, shape: BatchShape, host: torch.Tensor, ncols: int, want: bool, sums: bool):
+        self.shape, self.host, self.buf = shape, host, host
+        self.nseg, self.n, self.nobj, self.ncols = len(shape.counts), shape.pieces, shape.nobj, ncols
         self.has_want, self.has_sums = want, sums
+
+    def span(self, a: int, b: int) -> tuple[int, int]:
+        """The pieces of objects a:b (a round): the launch's first piece and end."""
+        if a == 0 and b == self.nobj:
+            return 0, self.n
+        return self.shape.piece(a), self.shape.piece(b)
 
     @property
     def ids_at(self) -> int:
@@ -82,13 +91,13 @@ def build_plan(
     sums: bool,
     host: Any,
 ) -> Plan:
-    """Fill a plan for `batch` of this `shape` (ids: its block ids; rows: per column, one address per
+    """Fill a plan for `batch` of this `shape` (ids: its block ids; rows: per column, one row offset per
     object, each in batch order) in `host(words)`, a function returning an int64 tensor of that many
     words. Verified loads (any Moves with digests) get the expected digests; `sums`: checksum words. The
     segment table and the length terms come from the shape, made once per batch shape."""
     nseg, nobj = len(batch), shape.nobj
     want = any(m.digests is not None for _g, m, _i, _o in batch)
-    plan = Plan(None, nseg, shape.pieces, nobj, len(rows), want, sums)  # type: ignore[arg-type]
+    plan = Plan(shape, None, len(rows), want, sums)  # type: ignore[arg-type]
     words = host(plan.words)
     plan.host = plan.buf = words
     w = words.numpy()

@@ -4,9 +4,8 @@ the per-call decisions made before anything is copied (kernel_engine.py issues t
 * `_path`: zero-copy or the copy engines ("dma"), by the bytes per run of adjacent arena slots;
 * `_budgets` / `_laid_out`: how many rounds, of what size, each laid out in device staging
   (plans.lay_out: one C call where the extension is built);
-* `_cut`: one round as a Batch of its own, made only when its kernels are planned.
 
-A mixin of KernelEngine (it reads the engine's `flat`, `remember`, ring size and round knobs): kept apart
+A mixin of KernelEngine (it reads the engine's `flat`, ring size and round knobs): kept apart
 because it decides what is copied when, while the engine decides on which stream and with which launch.
 """
 
@@ -14,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from umbp.transfer.plans import RUN_PAD, c_layout, lay_out, round_budgets, slice_batch
+from umbp.transfer.plans import RUN_PAD, c_layout, lay_out, round_budgets
 from umbp.transfer.staged import Batch
 
 SAVE, LOAD = 0, 1  # directions (the engine's stream index per direction)
@@ -99,19 +98,10 @@ class BatchRounds:
         self, batch: Batch, direction: int, cold: bool, skip: int = 0
     ) -> list[tuple[int, int, tuple]]:
         """The batch's rounds as (first object, end, staging layout), all laid out in one pass
-        (plans.lay_out). A round's own Batch is made only when its kernels are planned (_cut): a
-        restore's first copy needs the layout alone. `skip`: the first objects are in staging already
-        (early.py); the rest is laid out, and the first round starts at object 0 all the same."""
+        (plans.lay_out); a round's launches run its objects' span of the call's one plan. `skip`: the
+        first objects are in staging already (early.py); the rest is laid out, and the first round
+        starts at object 0 all the same."""
         bounds, layouts = self._lay_out(batch, self._budgets(batch, direction, cold, skip), skip)
         if skip:
             bounds = [0] + [b + skip for b in bounds[1:]]
         return list(zip(bounds[:-1], bounds[1:], layouts, strict=True))
-
-    def _cut(self, batch: Batch, a: int, b: int) -> Batch:
-        """Objects a:b of the batch as a round of its own, its ids and offsets views of the batch's."""
-        shape, ids, offs = self.flat(batch)
-        if a == 0 and b == shape.nobj:
-            return batch
-        r = slice_batch(batch, a, b)
-        self.remember(r, ids[a:b], offs[a:b])
-        return r

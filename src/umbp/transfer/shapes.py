@@ -11,6 +11,7 @@ besides the engine's fixed groups.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,14 @@ class BatchShape:
     total_size: int  # bytes of all objects
     total_reach: int  # arena bytes all slots span
     max_reach: int  # the widest slot's reach
+    seg_lists: tuple[tuple[int, ...], ...]  # seg's rows as tuples, for piece()
+
+    def piece(self, obj: int) -> int:
+        """Index of object `obj`'s first piece (obj == nobj: the batch's piece count): where the launch
+        of a round that starts at that object starts."""
+        first_piece, first_obj, per, _column = self.seg_lists
+        s = bisect_right(first_obj, obj) - 1
+        return first_piece[s] + (obj - first_obj[s]) * per[s]
 
 
 def make_shape(key: ShapeKey, groups: Mapping[int, GroupGeometry], toff: Mapping[int, int]) -> BatchShape:
@@ -93,6 +102,7 @@ def make_shape(key: ShapeKey, groups: Mapping[int, GroupGeometry], toff: Mapping
         total_size=int(arrays[0].sum()),
         total_reach=int(arrays[1].sum()),
         max_reach=int(arrays[1].max()) if arrays[1].size else 0,
+        seg_lists=tuple(tuple(row) for row in seg.tolist()),
     )
 
 

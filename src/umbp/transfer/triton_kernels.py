@@ -19,12 +19,15 @@ Where each piece goes is worked out on the device, from two tables:
 * `tmpl`, int64 [4, ntmpl], made once per engine: for each piece k of each group's objects, its KV
   address for block 0, bytes per block, offset inside the object, length (bytes). Group g's pieces start
   at column toff[g].
-* `plan`, int64 words per launch: a segment table [4, nseg] (one segment per group share of the batch:
-  first piece, first object, pieces per object, template column), then per object of the launch its
-  block id and its rows (flat addresses of its bytes in the arena or in staging), for a verified load
-  the digest it expects, then one word per object for its checksum (umbp.transfer.plans). It is built on the host in page-locked memory and brought to the device by
-  `fetch_words` (SM loads and stores, not a copy-engine copy: see kernel_engine.py). Per object, not per piece: a round of
-  16 KiB pages has 8x fewer words to build than a table of pieces (the host's main cost per call).
+* `plan`, int64 words per call: a segment table [4, nseg] (one segment per group share of the batch:
+  first piece, first object, pieces per object, template column), then per object its block id and its
+  rows (offsets of its bytes from a base the launch passes: the arena, or its round's staging buffer),
+  for a verified load the digest it expects, then one word per object for its checksum
+  (umbp.transfer.plans). Each launch runs a range of the plan's pieces: one round of the call. It is
+  built on the host in page-locked memory and brought to the device by `fetch_words` (SM loads and
+  stores, not a copy-engine copy: see kernel_engine.py), once per call. Per object, not per piece: a
+  call of 16 KiB pages has 8x fewer words to build than a table of pieces; one per call, not per round:
+  each plan's build, buffer and fetch launch was ~0.1 ms of a slow host's time per round.
 
 This module imports Triton, so only the kernel path imports it. With TRITON_INTERPRET=1 set before Triton
 is first imported, the kernel runs on CPU tensors (Triton's interpreter; the tests use it).
@@ -145,17 +148,33 @@ def _piece_checksum(src, dst, objw, nw, ktab, STORE: tl.constexpr, CROWS: tl.con
 
 
 @triton.jit(
-    do_not_specialize=["nseg", "n", "ntmpl", "ids_at", "src_at", "dst_at", "sums_at", "want_at", "out"]
+    do_not_specialize=[
+        "nseg",
+        "first",
+        "n",
+        "ntmpl",
+        "ids_at",
+        "src_at",
+        "src_base",
+        "dst_at",
+        "dst_base",
+        "sums_at",
+        "want_at",
+        "out",
+    ]
 )
 def copy_objects(
     plan,
     nseg,
+    first,
     n,
     tmpl,
     ntmpl,
     ids_at,
     src_at,
+    src_base: tl.int64,
     dst_at,
+    dst_base: tl.int64,
     sums_at,
     want_at,
     ktab,
@@ -169,15 +188,19 @@ def copy_objects(
     STORE: tl.constexpr = True,
     CROWS: tl.constexpr = 16,
 ):
-    """n pieces. `*_at`: word offsets in `plan` of the block ids, the source and destination rows (unused
-    on a KV side), the checksums (xored into atomically: several pieces make one object's digest) and
-    the expected digests (pairs: digest less its length term, skip flag). `ktab`: psum64's lane weights K
+    """Pieces first..n-1 of the plan (a round of a call: one plan serves all of a call's launches).
+    `*_at`: word offsets in `plan` of the block ids, the source and destination rows (unused on a KV
+    side), the checksums (xored into atomically: several pieces make one object's digest) and the
+    expected digests (pairs: digest less its length term, skip flag). A row is an offset from the
+    launch's `src_base` / `dst_base` (the arena, or the round's staging buffer: a call's later rounds
+    get their staging only when they are issued, after the plan was built). The bases are typed int64
+    whatever their value, so that one compiled variant serves every launch. `ktab`: psum64's lane weights K
     (umbp.pool.checksum.gf64.lane_table), enough for the largest object. GUARD: an object whose checksum (made by
     an earlier launch over the same plan) is not the one expected moves nothing, and `out[obj]` (int64,
     page-locked host memory: the caller's result, no copy back needed) says whether it was written."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    for p in range(pid, n, tl.num_programs(0)):
+    for p in range(first + pid, n, tl.num_programs(0)):
         s = p * 0
         for j in range(1, nseg):  # piece p's segment: the last starting at or before it (a scan: a batch
             # has one segment per group share, a handful; cached loads, negligible beside an 8 KiB piece)
@@ -186,17 +209,17 @@ def copy_objects(
         per = tl.load(plan + 2 * nseg + s)
         o = q // per
         t = tl.load(plan + 3 * nseg + s) + q - o * per  # template column
-        obj = tl.load(plan + nseg + s) + o  # object index within the launch
+        obj = tl.load(plan + nseg + s) + o  # object index within the call
         at = tl.load(tmpl + 2 * ntmpl + t)
         nw = tl.load(tmpl + 3 * ntmpl + t) // 8
         if SRC_KV:
             src_a = tl.load(tmpl + t) + tl.load(plan + ids_at + obj) * tl.load(tmpl + ntmpl + t)
         else:
-            src_a = tl.load(plan + src_at + obj) + at
+            src_a = src_base + tl.load(plan + src_at + obj) + at
         if DST_KV:
             dst_a = tl.load(tmpl + t) + tl.load(plan + ids_at + obj) * tl.load(tmpl + ntmpl + t)
         else:
-            dst_a = tl.load(plan + dst_at + obj) + at
+            dst_a = dst_base + tl.load(plan + dst_at + obj) + at
         if ALIGN16:
             src_a = tl.multiple_of(src_a, 16)
             dst_a = tl.multiple_of(dst_a, 16)

@@ -1,0 +1,172 @@
+/* umbp.transfer._copies: a round's copy-engine copies (one per run of adjacent arena slots) issued in one
+ * call.
+ *
+ * Why: through ctypes, each cudaMemcpyAsync cost ~5 us of a slow host's time and each
+ * cudaMemcpyBatchAsync ~20 us (converting three arrays of addresses, building the call's arguments),
+ * two or three of them per round of a restore whose copies take ~0.3 ms: host time the copy engine may
+ * wait for. Here the runtime's functions are called through their addresses (found by batchcopy.py via
+ * ctypes in the CUDA runtime torch loaded, so nothing here links against CUDA and the module builds
+ * without it). batchcopy.issue is the Python twin; tests hold both to the same calls.
+ *
+ * issue(one, batch, fail_index, dst_base, dst_offs, src_base, src_offs, sizes, stream, lead_bytes,
+ *       lead_runs) -> None
+ *   one: address of cudaMemcpyAsync; batch: address of cudaMemcpyBatchAsync, or 0 (then every run is
+ *   copied by `one`); fail_index: 1 for the CUDA 12.8/12.9 batch call, which takes a failIdx
+ *   out-parameter before the stream. Run i copies sizes[i] bytes from src_base + src_offs[i] to
+ *   dst_base + dst_offs[i] (int64 buffers, one value per run) on `stream` (a cudaStream_t as an int).
+ *   With a batch call, the first runs up to lead_bytes (at most lead_runs of them, never all; none when
+ *   lead_bytes is 0) go one by one ahead of it, so bytes move while the batch call's fixed cost is spent.
+ *   A failing call raises RuntimeError naming the CUDA error.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*one_fn)(void *dst, const void *src, size_t count, int kind, void *stream);
+typedef int (*batch_fn)(void **dsts, void **srcs, size_t *sizes, size_t count, void *attrs, size_t *attrs_idxs,
+                        size_t num_attrs, void *stream);
+typedef int (*batch_fail_fn)(void **dsts, void **srcs, size_t *sizes, size_t count, void *attrs,
+                             size_t *attrs_idxs, size_t num_attrs, size_t *fail_idx, void *stream);
+
+enum { MEMCPY_DEFAULT = 4, SRC_ORDER_STREAM = 1 }; /* cudaMemcpyDefault, cudaMemcpySrcAccessOrderStream */
+
+/* cudaMemcpyAttributes: sources read in stream order (after the kernels queued before); location hints
+ * left invalid (they matter only for managed memory) */
+struct location {
+    int type, id;
+};
+struct attributes {
+    int src_access_order;
+    struct location src_hint, dst_hint;
+    unsigned int flags;
+};
+
+static int int64s(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (view->itemsize != 8 || (strcmp(f, "l") && strcmp(f, "q") && strcmp(f, "<q") && strcmp(f, "=q") &&
+                                strcmp(f, "<l") && strcmp(f, "=l"))) {
+        PyErr_Format(PyExc_TypeError, "issue: %s must be an int64 buffer", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(issue_doc, "issue(one, batch, fail_index, dst_base, dst_offs, src_base, src_offs, sizes, stream, "
+                        "lead_bytes, lead_runs) -> None\n\n"
+                        "Enqueue one copy per run on a CUDA stream (see the module comment).");
+
+static PyObject *issue(PyObject *self, PyObject *args) {
+    unsigned long long one_addr, batch_addr, stream, dst_base, src_base;
+    int fail_index;
+    long long lead_bytes;
+    Py_ssize_t lead_runs;
+    PyObject *o_dst, *o_src, *o_sizes;
+    if (!PyArg_ParseTuple(args, "KKpKOKOOKLn:issue", &one_addr, &batch_addr, &fail_index, &dst_base, &o_dst,
+                          &src_base, &o_src, &o_sizes, &stream, &lead_bytes, &lead_runs))
+        return NULL;
+    if (!one_addr)
+        return PyErr_Format(PyExc_ValueError, "issue: no cudaMemcpyAsync address");
+    Py_buffer vd, vs, vn;
+    if (int64s(o_dst, &vd, "dst_offs") < 0)
+        return NULL;
+    if (int64s(o_src, &vs, "src_offs") < 0) {
+        PyBuffer_Release(&vd);
+        return NULL;
+    }
+    if (int64s(o_sizes, &vn, "sizes") < 0) {
+        PyBuffer_Release(&vd);
+        PyBuffer_Release(&vs);
+        return NULL;
+    }
+    Py_ssize_t n = vn.len / 8;
+    PyObject *result = NULL;
+    if (vd.len / 8 != n || vs.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "issue: %zd sizes but %zd destinations and %zd sources", n, vd.len / 8,
+                     vs.len / 8);
+        goto done;
+    }
+    const int64_t *doff = vd.buf, *soff = vs.buf, *size = vn.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (size[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "issue: run %zd has a negative size", i);
+            goto done;
+        }
+    Py_ssize_t first = n; /* runs copied one by one */
+    if (batch_addr) {
+        first = 0;
+        Py_ssize_t most = lead_runs < n - 1 ? lead_runs : n - 1;
+        for (long long queued = 0; lead_bytes > 0 && first < most;) {
+            queued += size[first++];
+            if (queued >= lead_bytes)
+                break;
+        }
+    }
+    void **ptrs = NULL;
+    if (first < n) {
+        ptrs = malloc((size_t)(n - first) * 3 * sizeof(void *));
+        if (!ptrs) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    int err = 0, in_batch = 0;
+    Py_ssize_t failed_at = 0, count = n - first;
+    one_fn one = (one_fn)(uintptr_t)one_addr;
+    void *s = (void *)(uintptr_t)stream;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < first && !err; i++) {
+        void *dst = (void *)(uintptr_t)(dst_base + (uint64_t)doff[i]);
+        const void *src = (const void *)(uintptr_t)(src_base + (uint64_t)soff[i]);
+        err = one(dst, src, (size_t)size[i], MEMCPY_DEFAULT, s);
+        failed_at = i;
+    }
+    if (!err && count > 0) {
+        void **dsts = ptrs, **srcs = ptrs + count;
+        size_t *sizes = (size_t *)(ptrs + 2 * count);
+        for (Py_ssize_t k = 0; k < count; k++) {
+            dsts[k] = (void *)(uintptr_t)(dst_base + (uint64_t)doff[first + k]);
+            srcs[k] = (void *)(uintptr_t)(src_base + (uint64_t)soff[first + k]);
+            sizes[k] = (size_t)size[first + k];
+        }
+        struct attributes attrs = {SRC_ORDER_STREAM, {0, 0}, {0, 0}, 0};
+        size_t attrs_idx = 0, fail_idx = 0;
+        if (fail_index)
+            err = ((batch_fail_fn)(uintptr_t)batch_addr)(dsts, srcs, sizes, (size_t)count, &attrs, &attrs_idx, 1,
+                                                         &fail_idx, s);
+        else
+            err = ((batch_fn)(uintptr_t)batch_addr)(dsts, srcs, sizes, (size_t)count, &attrs, &attrs_idx, 1, s);
+        in_batch = err != 0;
+    }
+    Py_END_ALLOW_THREADS;
+    free(ptrs);
+    if (in_batch)
+        PyErr_Format(PyExc_RuntimeError, "umbp: cudaMemcpyBatchAsync failed with CUDA error %d (%zd copies)", err,
+                     count);
+    else if (err)
+        PyErr_Format(PyExc_RuntimeError, "umbp: cudaMemcpyAsync failed with CUDA error %d (%lld bytes)", err,
+                     (long long)size[failed_at]);
+    else
+        result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&vd);
+    PyBuffer_Release(&vs);
+    PyBuffer_Release(&vn);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"issue", issue, METH_VARARGS, issue_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_copies", .m_doc = NULL, .m_size = -1, .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__copies(void) { return PyModule_Create(&module); }
