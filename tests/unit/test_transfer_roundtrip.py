@@ -71,6 +71,15 @@ ENGINES = [
         id="kernel-dma-early-interpret",
         marks=_interp,
     ),
+    # the same split issued by the C extension's one call per round (umbp.transfer._copies), calling
+    # host memmoves through the addresses where CUDA has its runtime's copy functions
+    pytest.param(
+        "kernel",
+        "cpu",
+        dict(DMA, slots="scattered", copies="host-native"),
+        id="kernel-dma-native-split-interpret",
+        marks=_interp,
+    ),
     pytest.param("staged", "cuda", {}, id="staged-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", ZERO, id="kernel-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", DMA, id="kernel-dma-cuda", marks=_cuda),
@@ -190,7 +199,9 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     engine = make_engine(
         arena, groups, backend=backend, piece_bytes=int(rng.choice([1024, 4096, 64 << 10])), **opts
     )
-    calls = _host_copies(engine, early=copies == "host-early") if copies else None
+    calls = (
+        _host_copies(engine, early=copies == "host-early", native=copies == "host-native") if copies else None
+    )
     batch = _plan(groups, rng, arena.capacity_bytes, scattered)
     refs = {(m.group, b): _object(groups[m.group], b) for m in batch for b in m.block_ids}
 
@@ -226,11 +237,13 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
         assert calls["early"] == 2, f"both loads led with early copies: {calls} {why}"
 
 
-def _host_copies(engine, early: bool = False) -> dict[str, int]:
+def _host_copies(engine, early: bool = False, native: bool = False) -> dict[str, int]:
     """Give a CPU kernel engine the CUDA runtime's two copy calls as host memmoves (same signatures),
     with a batch bar of two runs, so that its dma rounds take the lead-then-batch split; counts calls.
     `early`: every object size qualifies for a restore's early copies, and the staging ring is pooled
-    as on CUDA (the first round shares the early copies' buffer); counts the loads that led with them."""
+    as on CUDA (the first round shares the early copies' buffer); counts the loads that led with them.
+    `native`: a round's copies go through the C extension's one call (batchcopy.native_runs), which
+    calls the memmoves through their C addresses, as it calls the runtime's functions on CUDA."""
     import ctypes
 
     from umbp.transfer.ring import StagingRing
@@ -258,7 +271,39 @@ def _host_copies(engine, early: bool = False) -> dict[str, int]:
             ctypes.memmove(d, s, n)
 
     engine._copy_one, engine._batch_copy, engine.batch_copy_min_runs = one, batch, 2
+    if native:
+        engine._runs_copy = _native_host_copies(calls)
     return calls
+
+
+def _native_host_copies(calls: dict[str, int]):
+    """batchcopy.native_runs over host-memmove stand-ins for cudaMemcpyAsync and cudaMemcpyBatchAsync
+    (CUDA 13's signature), counting into `calls`; the stand-ins live as long as the returned copy."""
+    import ctypes
+
+    from umbp.transfer import batchcopy
+
+    if batchcopy._copies is None:
+        pytest.skip("umbp.transfer._copies not built")
+    u64 = ctypes.POINTER(ctypes.c_uint64)
+    vp, size_t = ctypes.c_void_p, ctypes.c_size_t
+
+    def one(dst, src, nbytes, kind, stream):
+        calls["one"] += 1
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    def batch(dsts, srcs, sizes, count, attrs, idxs, nattrs, stream):
+        calls["batch"] += 1
+        for d, s, n in zip(*(ctypes.cast(p, u64)[:count] for p in (dsts, srcs, sizes)), strict=True):
+            ctypes.memmove(d, s, n)
+        return 0
+
+    one_c = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, size_t, ctypes.c_int, vp)(one)
+    batch_c = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, size_t, vp, vp, size_t, vp)(batch)
+    copy = batchcopy.native_runs(batchcopy._address(one_c), (batch_c, False))
+    copy.stand_ins = (one_c, batch_c)  # type: ignore[attr-defined]
+    return copy
 
 
 @_interp

@@ -404,10 +404,11 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         first round (batchcopy.issue). One C call where the extension is built (batchcopy.load_runs)."""
         arena, staging, size = runs
         batched = arena.size >= self.batch_copy_min_runs
+        handle = stream.cuda_stream if stream is not None else 0  # None: CPU tensors (tests' host copies)
         if self._runs_copy is not None:
             a, s = (self.arena_base, arena), (stg.data_ptr(), staging)
             dst, src = (a, s) if to_arena else (s, a)
-            self._runs_copy(*dst, *src, size, stream.cuda_stream, batched, lead)
+            self._runs_copy(*dst, *src, size, handle, batched, lead)
             return
         if self._copy_one is None:  # CPU tensors, or no CUDA runtime to call: torch copies
             with self._stream(stream):
@@ -419,7 +420,6 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             return
         a, s = self.arena_base + arena, stg.data_ptr() + staging
         dsts, srcs = (a, s) if to_arena else (s, a)
-        handle = stream.cuda_stream if stream is not None else 0  # None: CPU tensors (tests' host copies)
         batch = self._batch_copy if batched else None
         batchcopy.issue(dsts, srcs, size, handle, self._copy_one, batch, lead)
 
