@@ -44,7 +44,7 @@ from umbp.transfer.plans import (
     templates,
 )
 from umbp.transfer.ring import StagingRing
-from umbp.transfer.rounds import LOAD, SAVE, BatchRounds
+from umbp.transfer.rounds import LOAD, SAVE, BatchRounds, staging_rows
 from umbp.transfer.staged import Batch, staged_load, staged_save
 
 FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a plan's int64 words)
@@ -228,7 +228,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         gather, save = self._side(SAVE), self._main(SAVE)
         self._after(caller, gather)
         rounds = self._laid_out(batch, SAVE, cold)
-        rows, wide = _rows(rounds), self._wide(batch)
+        rows, wide = staging_rows(rounds), self._wide(batch)
         with self._stream(gather):  # one switch per call: each costs ~16 us of host time (H200 host)
             plan = self._plan(batch, [rows], sums=True, stream=gather)
             for k, (a, b, layout) in enumerate(rounds):
@@ -298,7 +298,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         main, arena = self._main(LOAD), self.arena_base
         offs = self.flat(batch)[2]
         rounds = self._laid_out(batch, LOAD, cold=False)
-        rows, wide = _rows(rounds), self._wide(batch)
+        rows, wide = staging_rows(rounds), self._wide(batch)
         plan = self._plan(batch, [offs, rows], sums=True, stream=main)
         for a, b, layout in rounds:
             stg, _runs, slot = self._staging(layout, LOAD)
@@ -333,7 +333,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         if queued is not None:
             work.wait_event(queued)
         out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
-        rows, wide = _rows(rounds), self._wide(batch)
+        rows, wide = staging_rows(rounds), self._wide(batch)
         if early is not None:  # the early objects' rows as offsets from the first round's buffer
             rows = np.concatenate((early.rows - first[0].data_ptr(), rows))
         with self._stream(work):  # copy-stream work is issued on `copy` explicitly (see _save_dma)
@@ -593,10 +593,3 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         event = torch.cuda.Event()
         event.record(stream)
         return event
-
-
-def _rows(rounds: list[tuple[int, int, tuple]]) -> np.ndarray:
-    """Each object's offset in its round's staging buffer, in batch order (a plan's row column)."""
-    if len(rounds) == 1:
-        return rounds[0][2][0]
-    return np.concatenate([layout[0] for _a, _b, layout in rounds])

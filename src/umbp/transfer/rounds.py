@@ -105,3 +105,11 @@ class BatchRounds:
         if skip:
             bounds = [0] + [b + skip for b in bounds[1:]]
         return list(zip(bounds[:-1], bounds[1:], layouts, strict=True))
+
+
+def staging_rows(rounds: list[tuple[int, int, tuple]]) -> np.ndarray:
+    """Each object's offset in its round's staging buffer, in batch order (from _laid_out's rounds): the
+    row column of a call's plan, whose launches add their round's buffer address."""
+    if len(rounds) == 1:
+        return rounds[0][2][0]
+    return np.concatenate([layout[0] for _a, _b, layout in rounds])
