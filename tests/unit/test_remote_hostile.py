@@ -445,6 +445,29 @@ def test_remove_and_clear_never_raise_on_an_odd_reply(command, reply, counted):
         t.close()
 
 
+@pytest.mark.parametrize(
+    "command, reply",
+    [
+        (b"UNLINK", b":" + b"0" * 40 + b"1\r\n"),  # ~8.8 s of it
+        (b"SCAN", b"*2\r\n$1\r\n0\r\n*0\r\n"),  # ~3.2 s
+    ],
+)
+def test_remove_and_clear_are_held_to_timeout_s_per_reply_against_a_dripping_server(command, reply):
+    """remove and clear read their replies through redis-py, whose socket timeout bounds each receive:
+    a server dripping a reply (a byte every 0.2 s, inside timeout_s=0.5) held the call for as long as it
+    dripped. Each reply is held to timeout_s from the start of its read: the call ends after ~0.5 s,
+    counted, nothing removed on the server's word."""
+    with FakeResp(lambda cmd: None) as server:
+        server.respond = on((command,), drip(reply * 2, 0.2, server))
+        t = tier_for(server)
+        if command == b"UNLINK":
+            assert bounded(lambda: t.remove([KEY]), 1.8) == 0
+        else:
+            assert bounded(lambda: t.clear(), 1.8) is None
+        assert t.stats()["reply_errors"] == 1
+        t.close()
+
+
 def test_reserved_header_bytes_must_be_zero(rotated):
     """The header's reserved bytes are covered by neither the checksum nor, as stored, the tag (a sealed
     value's tag takes them as zero): a value with anything else there is a miss, not a hit."""

@@ -55,7 +55,8 @@ def bounded_connection(base: type, seconds: float) -> type:
     dripping one held the call that needed a new connection for as long as it dripped; here a timer shuts
     the socket down once `seconds` have passed, the read fails, and the call is a miss. (redis-py 5-7 set
     up in on_connect, 8 in on_connect_check_health, which on_connect calls: one timer either way.)
-    Memory: every reply redis-py parses on it is held to MAX_REPLY_BYTES (_capped_parser)."""
+    Memory and time of each reply: every reply redis-py parses on it is held to MAX_REPLY_BYTES and to
+    `seconds` from the start of its read (_capped_parser)."""
 
     def guarded(name: str):
         def method(self, *args, **kwargs):
@@ -74,7 +75,10 @@ def bounded_connection(base: type, seconds: float) -> type:
 
         return method
 
-    methods = {n: guarded(n) for n in ("on_connect", "on_connect_check_health") if hasattr(base, n)}
+    methods: dict[str, Any] = {
+        n: guarded(n) for n in ("on_connect", "on_connect_check_health") if hasattr(base, n)
+    }
+    methods["umbp_reply_seconds"] = seconds  # read by the capped parser's socket
     if _CappedParser is not None:
 
         def __init__(self, *args, **kwargs):
@@ -92,12 +96,15 @@ SCAN pages, STRLEN counts, PING) are small: a 1,000-shard CLUSTER SLOTS reply is
 
 
 def _capped_parser() -> type | None:
-    """redis-py's RESP2 parser, each reply held to MAX_REPLY_BYTES. redis-py's parser keeps what a server
-    sends (a bulk string until its claimed length has arrived, an array's elements as they come) and its
-    socket timeout bounds each receive, not a reply: a node streaming an endless CLUSTER SLOTS reply grew
-    the topology thread's memory for as long as it streamed. The parser's read buffer holds the reply
-    being read (it is emptied after each one), so the socket the buffer reads from checks its size
-    before every receive. None where this redis-py has no such parser: its own then runs uncapped."""
+    """redis-py's RESP2 parser, each reply held to MAX_REPLY_BYTES and to the connection's timeout_s.
+    redis-py's parser keeps what a server sends (a bulk string until its claimed length has arrived, an
+    array's elements as they come) and its socket timeout bounds each receive, not a reply: a node
+    streaming an endless CLUSTER SLOTS reply grew the topology thread's memory for as long as it
+    streamed, and a server dripping a reply (a byte per receive, each inside the timeout) held a remove,
+    a clear or a scan for as long as it dripped. The parser's read buffer holds the reply being read (it
+    is emptied after each one), so the socket the buffer reads from checks its size before every
+    receive, and gives each receive only what is left of the reply's time. None where this redis-py has
+    no such parser: its own then runs uncapped."""
     try:
         from redis._parsers import _RESP2Parser
     except ImportError:
@@ -108,17 +115,36 @@ def _capped_parser() -> type | None:
             super().on_connect(connection)
             buffer = getattr(self, "_buffer", None)
             if hasattr(getattr(buffer, "_buffer", None), "getbuffer") and hasattr(buffer, "_sock"):
-                buffer._sock = _CappedSocket(buffer._sock, buffer)
+                seconds = getattr(connection, "umbp_reply_seconds", None)
+                buffer._sock = _CappedSocket(buffer._sock, buffer, seconds)
+
+        def read_response(self, *args, **kwargs):
+            sock = getattr(getattr(self, "_buffer", None), "_sock", None)
+            if not isinstance(sock, _CappedSocket):
+                return super().read_response(*args, **kwargs)
+            sock.reply_started()  # only while a reply is read: can_read's polls have no deadline
+            try:
+                return super().read_response(*args, **kwargs)
+            finally:
+                sock.reply_ended()
 
     return CappedParser
 
 
 class _CappedSocket:
-    """The socket as redis-py's read buffer sees it: a receive past MAX_REPLY_BYTES held is refused
-    (only that buffer reads through this; umbp's own reads use the socket itself)."""
+    """The socket as redis-py's read buffer sees it: a receive past MAX_REPLY_BYTES held is refused, and
+    while a reply is read each receive waits at most what is left of `seconds` from its start (only
+    that buffer reads through this; umbp's own reads use the socket itself)."""
 
-    def __init__(self, sock: Any, buffer: Any) -> None:
-        self._sock, self._buffer = sock, buffer
+    def __init__(self, sock: Any, buffer: Any, seconds: float | None = None) -> None:
+        self._sock, self._buffer, self._seconds = sock, buffer, seconds
+        self._deadline: float | None = None
+
+    def reply_started(self) -> None:
+        self._deadline = time.monotonic() + self._seconds if self._seconds else None
+
+    def reply_ended(self) -> None:
+        self._deadline = None
 
     def recv(self, n: int) -> bytes:
         try:
@@ -130,7 +156,19 @@ class _CappedSocket:
             raise redis.ConnectionError(
                 f"umbp: a reply of more than {MAX_REPLY_BYTES >> 20} MiB; dropping the connection"
             )
-        return self._sock.recv(n)
+        if self._deadline is None:
+            return self._sock.recv(n)
+        left = self._deadline - time.monotonic()
+        if left <= 0:  # redis-py drops the connection on a timeout, as on this socket's own
+            raise TimeoutError(f"umbp: a reply took longer than {self._seconds} s")
+        before = self._sock.gettimeout()
+        if before is not None and before <= left:
+            return self._sock.recv(n)
+        self._sock.settimeout(left)
+        try:
+            return self._sock.recv(n)
+        finally:
+            self._sock.settimeout(before)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
