@@ -270,9 +270,10 @@ def _host_copies(engine, early: bool = False, native: bool = False) -> dict[str,
         for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
             ctypes.memmove(d, s, n)
 
-    engine._copy_one, engine._batch_copy, engine.batch_copy_min_runs = one, batch, 2
-    if native:
-        engine._runs_copy = _native_host_copies(calls)
+    from umbp.transfer import batchcopy
+
+    engine._copy_one, engine.batch_copy_min_runs = one, 2  # (the early copies call _copy_one)
+    engine._runs_copy = _native_host_copies(calls) if native else batchcopy.python_runs(one, batch)
     return calls
 
 

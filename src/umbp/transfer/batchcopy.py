@@ -13,10 +13,11 @@ run by run. `load_one()` is the runtime's plain `cudaMemcpyAsync`, for a run or 
 engine without the batch call's fixed cost (~20-30 us of the H200 host's time, in front of a restore's
 first byte), and without torch's stream switch and tensor slicing (~30 us there).
 
-`load_runs()` issues a whole round (its lead runs one by one, then the batch call, as `issue` does) in
-one call to the C extension umbp.transfer._copies, which calls the same runtime functions through their
-addresses: through ctypes, the arrays' conversion and each call's arguments cost ~20 us of a slow host's
-time per batch call and ~5 us per single copy. Without the extension, `issue` does it through ctypes.
+`load_runs()` is what the engine calls per round: a whole round's copies (its lead runs one by one, then
+the batch call, as `issue` splits them), in one call to the C extension umbp.transfer._copies, which
+calls the same runtime functions through their addresses (`native_runs`): through ctypes, the arrays'
+conversion and each call's arguments cost ~20 us of a slow host's time per batch call and ~5 us per
+single copy. Without the extension, `python_runs` does the same through `issue` and ctypes.
 """
 
 from __future__ import annotations
@@ -121,12 +122,34 @@ def load_runs() -> RunsCopy | None:
     """copy(dst_base, dst_offs, src_base, src_offs, sizes, stream_handle, batch, lead): run i copies
     sizes[i] bytes from src_base + src_offs[i] to dst_base + dst_offs[i] (int64 arrays), enqueued on the
     stream as `issue` enqueues them (`batch`: the batch call may take them; `lead`: the copy engine is
-    idle), in one C call. None without the extension or the runtime's cudaMemcpyAsync."""
-    runtime = _runtime() if _copies is not None else None
+    idle): in one C call where the extension is built, else through ctypes. None without the runtime's
+    cudaMemcpyAsync."""
+    runtime = _runtime()
     one = getattr(runtime, "cudaMemcpyAsync", None) if runtime is not None else None
     if one is None:
         return None
+    if _copies is None:
+        copy_one = load_one()
+        return python_runs(copy_one, load()) if copy_one is not None else None
     return native_runs(_address(one), _batch_call(runtime))
+
+
+def python_runs(one: OneCopy, batch: BatchCopy | None) -> RunsCopy:
+    """load_runs' copy through `issue` (one: load_one's copy, batch: load's, or stand-ins in tests)."""
+
+    def copy(
+        dst_base: int,
+        dst: np.ndarray,
+        src_base: int,
+        src: np.ndarray,
+        sizes: np.ndarray,
+        stream: int,
+        batched: bool,
+        lead: bool,
+    ) -> None:
+        issue(dst_base + dst, src_base + src, sizes, stream, one, batch if batched else None, lead)
+
+    return copy
 
 
 def native_runs(one: int, call: tuple[ctypes._CFuncPtr, bool] | None) -> RunsCopy:

@@ -111,7 +111,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         # dma copies of scattered runs: one batch call (batchcopy.py) where the CUDA runtime has it
         self._batch_copy = batchcopy.load() if cuda else None
         self._copy_one = batchcopy.load_one() if cuda else None
-        self._runs_copy = batchcopy.load_runs() if self._copy_one is not None else None  # one C call
+        self._runs_copy = batchcopy.load_runs() if cuda else None  # a round's copies in one call
         self.batch_copy_min_runs = batch_copy_min_runs
         if dma_min_run_bytes is None:  # below the bar zero-copy was faster (H200, docs/transfer.md)
             dma_min_run_bytes = (256 << 10) if self._batch_copy is not None else (4 << 20)
@@ -403,14 +403,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         runtime has it and there are enough runs (scattered slots), else run by run; `lead`: a call's
         first round (batchcopy.issue). One C call where the extension is built (batchcopy.load_runs)."""
         arena, staging, size = runs
-        batched = arena.size >= self.batch_copy_min_runs
-        handle = stream.cuda_stream if stream is not None else 0  # None: CPU tensors (tests' host copies)
-        if self._runs_copy is not None:
-            a, s = (self.arena_base, arena), (stg.data_ptr(), staging)
-            dst, src = (a, s) if to_arena else (s, a)
-            self._runs_copy(*dst, *src, size, handle, batched, lead)
-            return
-        if self._copy_one is None:  # CPU tensors, or no CUDA runtime to call: torch copies
+        if self._runs_copy is None:  # CPU tensors, or no CUDA runtime to call: torch copies
             with self._stream(stream):
                 for a, s, n in zip(arena.tolist(), staging.tolist(), size.tolist()):
                     if to_arena:
@@ -418,10 +411,10 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
                     else:
                         stg[s : s + n].copy_(self.arena_tensor[a : a + n], non_blocking=True)
             return
-        a, s = self.arena_base + arena, stg.data_ptr() + staging
-        dsts, srcs = (a, s) if to_arena else (s, a)
-        batch = self._batch_copy if batched else None
-        batchcopy.issue(dsts, srcs, size, handle, self._copy_one, batch, lead)
+        a, s = (self.arena_base, arena), (stg.data_ptr(), staging)
+        dst, src = (a, s) if to_arena else (s, a)
+        handle = stream.cuda_stream if stream is not None else 0  # None: CPU tensors (tests' host copies)
+        self._runs_copy(*dst, *src, size, handle, arena.size >= self.batch_copy_min_runs, lead)
 
     def _release(self, slot: list, stream) -> None:
         slot[1] = self._event(stream)
