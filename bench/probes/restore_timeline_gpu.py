@@ -31,6 +31,8 @@ STEPS = (
     "_finish",
     "_path",
     "_copy_one",  # one copy-engine copy (engines that lead a call's first round with them)
+    "_head",  # a cold save's head copies (engines with head.py)
+    "_head_sums",
 )
 
 
@@ -91,7 +93,7 @@ def host(engine, fn, label: str, spans: dict, reps: int = 31) -> None:
         t2 = time.perf_counter()
         for name, s in spans.items():
             rows.setdefault(name, []).append(sum(b - a for a, b in s) * 1e6)
-        copies = [s[0][1] for name, s in spans.items() if name in ("_copy_runs", "_copy_one")]
+        copies = [s[0][1] for name, s in spans.items() if name in ("_copy_runs", "_copy_one", "_head")]
         first = min(copies, default=t0)
         rows.setdefault("= first copy issued at", []).append((first - t0) * 1e6)
         rows.setdefault("= submit", []).append((t1 - t0) * 1e6)

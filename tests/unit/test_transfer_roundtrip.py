@@ -80,11 +80,21 @@ ENGINES = [
         id="kernel-dma-native-split-interpret",
         marks=_interp,
     ),
+    # a cold save's head (head.py): its first objects copied from their KV pages by the copy calls
+    pytest.param(
+        "kernel",
+        "cpu",
+        dict(DMA, slots="scattered", copies="host", head=True),
+        id="kernel-dma-head-interpret",
+        marks=_interp,
+    ),
     pytest.param("staged", "cuda", {}, id="staged-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", ZERO, id="kernel-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", DMA, id="kernel-dma-cuda", marks=_cuda),
     # every slot apart: each object its own run, all of a round's runs in one batch copy (batchcopy.py)
     pytest.param("kernel", "cuda", dict(DMA, slots="scattered"), id="kernel-dma-scattered-cuda", marks=_cuda),
+    # a head for every layout (its runs' size bar off), not only those with long KV runs
+    pytest.param("kernel", "cuda", dict(DMA, head=True), id="kernel-dma-head-cuda", marks=_cuda),
 ]
 LAYOUTS = [
     "attn-kv-first-bf16",
@@ -193,6 +203,7 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     options = dict(options)
     scattered = options.pop("slots", None) == "scattered"
     copies = options.pop("copies", None)
+    head = options.pop("head", False)
     opts = dict(options, max_staging_bytes=int(rng.choice([1 << 14, 64 << 20]))) if options else {}
     if scattered:
         opts["max_staging_bytes"] = 64 << 20  # whole batches per round: many runs per batch copy
@@ -202,6 +213,7 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     calls = (
         _host_copies(engine, early=copies == "host-early", native=copies == "host-native") if copies else None
     )
+    heads = _with_head(engine, rng) if head else None
     batch = _plan(groups, rng, arena.capacity_bytes, scattered)
     refs = {(m.group, b): _object(groups[m.group], b) for m in batch for b in m.block_ids}
 
@@ -235,6 +247,25 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
         assert calls["one"] and calls["batch"], f"both kinds of copy call were made: {calls} {why}"
     if copies == "host-early" and len(batch[0].block_ids) > 1 and engine.align[batch[0].group] >= 8:
         assert calls["early"] == 2, f"both loads led with early copies: {calls} {why}"
+    nobj = sum(len(m.block_ids) for m in batch)
+    if heads is not None and nobj > 1 and all(engine.align[m.group] >= 8 for m in batch):
+        assert heads and 0 < heads[0] < nobj, f"the save led with a head: {heads} {why}"
+
+
+def _with_head(engine, rng) -> list[int]:
+    """Give every group's objects a save head (head.py) of one to a few objects, whatever their KV runs'
+    length; returns the head sizes of the saves that led with one."""
+    engine.save_head_min_run = 0
+    engine.save_head_bytes = int(rng.integers(1, 4)) * max(g.object_bytes for g in engine.groups.values())
+    heads: list[int] = []
+    real = engine._head
+
+    def counted(batch, count, save, queued):
+        heads.append(count)
+        return real(batch, count, save, queued)
+
+    engine._head = counted
+    return heads
 
 
 def _host_copies(engine, early: bool = False, native: bool = False) -> dict[str, int]:
@@ -372,14 +403,57 @@ def test_early_copies_never_skip_validation_interpret() -> None:
         assert all(torch.equal(a, b) for a, b in zip(storages, snap, strict=True)), why
 
 
+@_interp
+def test_a_cold_save_head_copies_its_objects_from_the_kv_pages_interpret() -> None:
+    """A cold dma save's first objects go from their KV pages to their slots by the copy calls (head.py),
+    the rest in rounds; slots and digests are those of a save without a head, the head's rows in the
+    plan write nothing, and a save queued behind another (its copy engine busy) has no head."""
+    groups = _layouts("cpu")["hybrid-padded-states"]
+    arena = _arena("cpu", 4 << 20)
+    engine = make_engine(arena, groups, backend="kernel", max_staging_bytes=16 << 10, **DMA)
+    plain = make_engine(arena, groups, backend="kernel", save_head_bytes=0, **DMA)
+    calls = _host_copies(engine)
+    _host_copies(plain)
+    engine.save_head_min_run = 0
+    engine.save_head_bytes = 2 * engine.object_bytes(0)
+    heads = []
+    real = engine._head
+    engine._head = lambda batch, count, save, queued: heads.append(count) or real(batch, count, save, queued)
+    span = -(-max(engine.object_bytes(g) for g in groups) // SLOT) * SLOT
+    moves = [Moves(g, [3 * g + k for k in range(3)], [(3 * g + k) * span for k in range(3)]) for g in groups]
+    digests = plain.save(moves).result()
+    want = arena.view(0, arena.capacity_bytes).copy()
+    arena.view(0, arena.capacity_bytes)[:] = 0xA5
+    before = dict(calls)
+    assert engine.save(moves).result() == digests
+    assert heads == [2]
+    assert calls["one"] > before["one"]
+    _same_slots(engine, moves, arena, want)
+    engine._idle = lambda direction: False  # a save queued behind another: no head
+    arena.view(0, arena.capacity_bytes)[:] = 0xA5
+    assert engine.save(moves).result() == digests
+    assert heads == [2]
+    _same_slots(engine, moves, arena, want)
+
+
+def _same_slots(engine, moves: list[Moves], arena: Arena, want: np.ndarray) -> None:
+    for m in moves:
+        n = engine.object_bytes(m.group)
+        for b, off in zip(m.block_ids, m.offsets):
+            assert np.array_equal(arena.view(off, n), want[off : off + n]), (m.group, b)
+
+
 def _engine_for(backend: str, device: str, options: dict, groups: L.Groups, arena: Arena, **extra):
     """An engine of one ENGINES entry (its slot placement option dropped: the caller places slots)."""
     options = dict(options)
     options.pop("slots", None)
     copies = options.pop("copies", None)
+    head = options.pop("head", False)
     engine = make_engine(arena, groups, backend=backend, **(dict(options, **extra) if options else {}))
     if copies:
         _host_copies(engine, early=copies == "host-early")
+    if head:
+        _with_head(engine, np.random.default_rng(0))
     return engine
 
 
@@ -530,7 +604,7 @@ def test_verified_load_rejects_each_class_of_damage(backend: str, device: str, o
         pytest.skip("slot placement does not matter here")
     groups = {0: L.attention(2, 12, 16, 2, 64, device=device)}  # 16 KiB objects: four 4 KiB rows
     arena = _arena(device, 1 << 20)
-    engine = make_engine(arena, groups, backend=backend, **options)
+    engine = _engine_for(backend, device, options, groups, arena)
     n = len(CLASSES) + 1
     offs = [i * 16384 for i in range(n)]
     for st in _storages(groups):

@@ -36,6 +36,7 @@ from umbp.transfer.api import Handle, Moves, TransferEngine
 from umbp.transfer.completion import DeviceHandle
 from umbp.transfer.early import EARLY_AREA, EARLY_BYTES, EARLY_OBJECTS, Early, EarlyCopies, row_step
 from umbp.transfer.geometry import PIECE_BYTES
+from umbp.transfer.head import SAVE_HEAD_BYTES, SaveHead
 from umbp.transfer.plans import (
     Plan,
     TablePool,
@@ -52,7 +53,7 @@ FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a pl
 COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS")
 
 
-class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
+class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
     backend = "kernel"
 
     def __init__(
@@ -72,6 +73,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         tail_round_bytes: int = 4 << 20,
         hbm_ctas: int | None = None,
         batch_copy_min_runs: int = 3,
+        save_head_bytes: int = SAVE_HEAD_BYTES,
     ):
         super().__init__(arena, groups, piece_bytes)
         cuda = self.device.type == "cuda"
@@ -145,6 +147,8 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         # dma rounds: gathers (save) / verify + scatter (load) run on these, so round r's kernels overlap
         # round r-1's (or r+1's) copy-engine transfer on the direction's main stream
         self.aux = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
+        # a cold dma save's first objects: copy-engine copies straight from their KV pages (head.py)
+        self.save_head_bytes = save_head_bytes
         # each ring buffer ends in an area for a restore's early copies (early.py), past the rounds' room
         self.early_bytes, self.early_objects = EARLY_BYTES, EARLY_OBJECTS
         self._early_at = row_step(self._ring_bytes)
@@ -173,6 +177,8 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
                 for g in self.groups:
                     digests = self.save([Moves(g, [block], [offset])]).result()[0]
                     self.load([Moves(g, [block], [offset], digests if verify else None)]).result()
+                    if path == "dma":  # a cold save's head digests: their own kernel variant
+                        self._warm_head_sums(g, block, offset)
         finally:
             self.save_path, self.load_path = paths
             self.synchronize()
@@ -198,8 +204,7 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
             shape = self.flat(batch)[0]
             out = self._host_buffer(shape.nobj)
             if self._path(batch, self.save_path, self.dma_min_run_bytes) == "dma":
-                # streams named explicitly: each `with torch.cuda.stream` costs ~16 us of host time
-                # (H200 host), in front of the first copy
+                # streams named explicitly: each switch costs ~16 us of host time (H200 host)
                 self._save_dma(batch, keep, caller, self._idle(SAVE), out)
                 return self._track(SAVE, self._finish(batch, out, keep, shape.mix, self._main(SAVE)))
             with self._on(SAVE, caller):
@@ -224,25 +229,34 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
         staging -> arena on the save stream (copy engine, one copy per run of adjacent slots). Round r's
         gather runs while round r-1's copy does; two staging buffers take turns. One plan serves every
         round; after the last gather, all digests go to the host at once, and the save stream waits for
-        them, so the handle's event covers them."""
+        them, so the handle's event covers them. A cold save leads with its head (head.py): the first
+        objects copied from their KV pages while the rest is planned; the first round skips them."""
         gather, save = self._side(SAVE), self._main(SAVE)
-        self._after(caller, gather)
-        rounds = self._laid_out(batch, SAVE, cold)
+        queued = self._after(caller, gather)
+        head = self._head_count(batch) if cold else 0
+        if head:
+            self._head(batch, head, save, queued)
+        rounds = self._laid_out(batch, SAVE, cold, skip=head)
         rows, wide = staging_rows(rounds), self._wide(batch)
+        if head:  # the head objects' rows: unused (their digests' launch stores nothing)
+            rows = np.concatenate((np.zeros(head, np.int64), rows))
         with self._stream(gather):  # one switch per call: each costs ~16 us of host time (H200 host)
             plan = self._plan(batch, [rows], sums=True, stream=gather)
             for k, (a, b, layout) in enumerate(rounds):
                 stg, runs, slot = self._staging(layout, SAVE)
                 StagingRing.acquire(slot, gather)
                 base = stg.data_ptr()
+                a = max(a, head)
                 align16 = self._align16(wide, rows[a:b], base)
                 self._copy(plan, plan.span(a, b), None, (0, base), align16, checksum=True, hbm=True)
                 gathered = self._event(gather)
                 if gathered is not None:
                     save.wait_event(gathered)
-                self._copy_runs(runs, stg, to_arena=True, stream=save, lead=k == 0)
+                self._copy_runs(runs, stg, to_arena=True, stream=save, lead=k == 0 and not head)
                 self._release(slot, save)
                 keep.append(stg)
+            if head:
+                self._head_sums(plan, head, wide)
             self._sm_copy(plan.sums(), out)
             keep.append(plan.buf)
             digests = self._event(gather)
@@ -421,10 +435,9 @@ class KernelEngine(BatchRounds, EarlyCopies, TransferEngine):
 
     def _idle(self, direction: int) -> bool:
         """Nothing of this direction is still running on the device: someone likely waits for this batch
-        alone (a restore, a save before eviction), so _rounds shapes its rounds for latency. Per direction:
-        when saves and loads start together, the second call's copy engine is idle too (H200, 16 KiB
-        pages, side by side in one process: both ways 87.5/85.6/87.7 -> 87.3/90.1/88.6 GB/s for 1 GiB
-        each way, one direction alone unchanged; archive/2026-12-01-transfer-13-ramp-per-direction.txt)."""
+        alone (a restore, a save before eviction), so its rounds are shaped for latency. Per direction:
+        when saves and loads start together, the second call's copy engine is idle too (H200, both ways
+        87.5/85.6/87.7 -> 87.3/90.1/88.6 GB/s; archive/2026-12-01-transfer-13-ramp-per-direction.txt)."""
         return passed(self._last[direction])
 
     def _track(self, direction: int, handle: Handle) -> Handle:
