@@ -202,11 +202,11 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         caller = self._caller()
         try:
             shape = self.flat(batch)[0]
-            out = self._host_buffer(shape.nobj)
             if self._path(batch, self.save_path, self.dma_min_run_bytes) == "dma":
                 # streams named explicitly: each switch costs ~16 us of host time (H200 host)
-                self._save_dma(batch, keep, caller, self._idle(SAVE), out)
+                out = self._save_dma(batch, keep, caller, self._idle(SAVE))
                 return self._track(SAVE, self._finish(batch, out, keep, shape.mix, self._main(SAVE)))
+            out = self._host_buffer(shape.nobj)
             with self._on(SAVE, caller):
                 self._save_zero_copy(batch, keep, out)
                 return self._track(SAVE, self._finish(batch, out, keep, shape.mix, self._main(SAVE)))
@@ -222,20 +222,20 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         self._sm_copy(plan.sums(), out)
         keep.append(plan.buf)
 
-    def _save_dma(
-        self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, out: torch.Tensor
-    ) -> None:
+    def _save_dma(self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool) -> torch.Tensor:
         """Per round: KV pages -> staging (kernel on the gather stream, HBM speed, checksums), then
         staging -> arena on the save stream (copy engine, one copy per run of adjacent slots). Round r's
         gather runs while round r-1's copy does; two staging buffers take turns. One plan serves every
         round; after the last gather, all digests go to the host at once, and the save stream waits for
         them, so the handle's event covers them. A cold save leads with its head (head.py): the first
-        objects copied from their KV pages while the rest is planned; the first round skips them."""
+        objects copied from their KV pages while the rest is planned; the first round skips them.
+        Returns the digests' host buffer (taken after the head is issued: nothing before needs it)."""
         gather, save = self._side(SAVE), self._main(SAVE)
         queued = self._after(caller, gather)
         head = self._head_count(batch) if cold else 0
         if head:
             self._head(batch, head, save, queued)
+        out = self._host_buffer(self.flat(batch)[0].nobj)
         rounds = self._laid_out(batch, SAVE, cold, skip=head)
         rows, wide = staging_rows(rounds), self._wide(batch)
         if head:  # the head objects' rows: unused (their digests' launch stores nothing)
@@ -262,6 +262,7 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
             digests = self._event(gather)
             if digests is not None:
                 save.wait_event(digests)
+        return out
 
     # ------------------------------------------------------------------ load
     def _load(self, batch: Batch, early: Early | None = None) -> Handle:
