@@ -11,8 +11,9 @@ load:  arena slots --kernel--> KV pages                                       (n
 Two ways to cross PCIe (`save_path` / `load_path`): "zero-copy" (the kernel reads/writes the mapped arena
 directly; any object size) and "dma" (kernel between KV pages and contiguous device staging, then one
 copy-engine copy per run of adjacent arena slots, all runs of a round in one batch call where the CUDA
-runtime has it (batchcopy.py); good for objects >= 256 KiB or slots in runs). Default "auto" picks by the
-batch's bytes per run of adjacent slots (thresholds from the H200 measurements in docs/transfer.md).
+runtime has it (batchcopy.py); good for objects >= 256 KiB or slots in runs; an idle direction's first
+objects go early: early.py, head.py). Default "auto" picks by the batch's bytes per run of adjacent slots
+(thresholds from the H200 measurements in docs/transfer.md).
 
 Nothing waits on the host until the caller asks (`Handle.done()` polls an event). Verified loads stage
 through device memory (at most `max_staging_bytes` per round) so that a slot whose bytes do not match its
@@ -403,17 +404,14 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
     def _staging(
         self, layout: tuple, direction: int, slot: list | None = None
     ) -> tuple[torch.Tensor, tuple[np.ndarray, ...], list]:
-        """Device staging laid out like a round's runs of adjacent arena slots (pads between objects
-        included; `layout`: from _laid_out, whose positions are the plan's rows for this round), so that
-        each run is one copy. Returns (16-byte aligned uint8 buffer, copy runs as arrays (arena offset,
-        staging offset, bytes), its ring slot: see ring.StagingRing)."""
+        """Device staging laid out like a round's runs of adjacent arena slots, pads included (`layout`:
+        from _laid_out), so that each run is one copy. Returns (16-byte aligned uint8 buffer, copy runs as
+        arrays (arena offset, staging offset, bytes), its ring slot: see ring.StagingRing)."""
         _pos, runs, total = layout
         slot = slot or self.ring.take(direction, total)
         return slot[0], runs, slot
 
-    def _copy_runs(
-        self, runs: tuple[np.ndarray, ...], stg: torch.Tensor, to_arena: bool, stream, lead: bool = False
-    ) -> None:
+    def _copy_runs(self, runs: tuple, stg: torch.Tensor, to_arena: bool, stream, lead: bool = False) -> None:
         """Staging <-> arena on `stream`, one copy-engine copy per run: all in one batch call where the
         runtime has it and there are enough runs (scattered slots), else run by run; `lead`: a call's
         first round (batchcopy.issue). One C call where the extension is built (batchcopy.load_runs)."""
