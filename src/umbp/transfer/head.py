@@ -52,24 +52,18 @@ class Runs:
 
 
 def object_runs(geom: GroupGeometry) -> Runs:
-    """The group's objects as runs of KV memory (see Runs), in object order."""
-    src: list[int] = []
-    stride: list[int] = []
-    obj: list[int] = []
-    nbytes: list[int] = []
-    at = 0
-    for layer in geom.layers:
-        for off in layer.seg_offsets.tolist():
-            start = layer.base + off
-            if src and stride[-1] == layer.block_stride and src[-1] + nbytes[-1] == start:
-                nbytes[-1] += layer.seg_bytes
-            else:
-                src.append(start)
-                stride.append(layer.block_stride)
-                obj.append(at)
-                nbytes.append(layer.seg_bytes)
-            at += layer.seg_bytes
-    return Runs(*(np.array(a, dtype=np.int64) for a in (src, stride, obj, nbytes)))
+    """The group's objects as runs of KV memory (see Runs), in object order: its piece template
+    (geometry.Template) with each piece that continues the one before it, in KV memory and in the
+    object, merged into it."""
+    t = geom.template
+    new = np.ones(t.src.size, dtype=bool)
+    new[1:] = (
+        (t.src[1:] != t.src[:-1] + t.nbytes[:-1])
+        | (t.obj[1:] != t.obj[:-1] + t.nbytes[:-1])
+        | (t.stride[1:] != t.stride[:-1])
+    )
+    starts = np.flatnonzero(new)
+    return Runs(t.src[starts], t.stride[starts], t.obj[starts], np.add.reduceat(t.nbytes, starts))
 
 
 class SaveHead:
@@ -114,7 +108,7 @@ class SaveHead:
         if size is None or size.size < src.size:
             size = self._head_sizes[m.group] = np.tile(runs.nbytes, count)
         size = size[: src.size]
-        if save is not None and queued is not None:
+        if save is not None:
             save.wait_event(queued)
         handle = save.cuda_stream if save is not None else 0  # None: CPU tensors (tests' host copies)
         self._runs_copy(
