@@ -826,9 +826,12 @@ done:
  * loop. Here an object is a row of plain arrays indexed by a uint32 handle (no Python object per row):
  * a 128-bit keyed SipHash digest of the key, its first page, pages, bytes, checksum, pins, state and its
  * LRU links (an array-based doubly linked list: O(1) touch, pin, evict). A key -> handle table uses open
- * addressing with linear probing over uint32 cells (backward-shift deletion, no tombstones). The page
- * allocator stays in Python (it holds one entry per free run, not per object). Optionally the key str
- * itself is kept (keep_keys) for callers that must hand victims' keys on (tier demotion).
+ * addressing with linear probing (backward-shift deletion, no tombstones) over 64-bit cells: the handle + 1
+ * and the low 32 bits of the digest's first word. Those bits are the cell's home (the table has at most 2^32
+ * cells) and a filter: a probe or a deletion passes other keys' cells without reading their rows' digests,
+ * which at millions of objects are cache misses (rows lie apart from their cells in memory). Pages come from
+ * PageRuns below. Optionally the key str itself is kept (keep_keys) for callers that must hand victims' keys
+ * on (tier demotion).
  *
  * Digest collisions: the table compares the full 128-bit digest of a secret-keyed PRF (SipHash-2-4-128,
  * key from os.urandom per index), so two distinct keys alias with probability ~n^2/2^129 (~1e-24 at 30 M),
@@ -836,6 +839,7 @@ done:
  */
 
 #define IT_NIL 0xFFFFFFFFu
+#define IT_MAX_ROWS (1u << 31) /* so the key table (<= 2 cells per row) has <= 2^32 cells: see it_home */
 enum { IT_FREE = 0, IT_PENDING = 1, IT_COMMITTED = 2, IT_PENDING_DOOMED = 3, IT_DOOMED = 4 };
 #define IT_HAS_CK 0x80
 
@@ -883,6 +887,8 @@ static void siphash128(const unsigned char *in, size_t len, uint64_t k0, uint64_
     out[1] = v0 ^ v1 ^ v2 ^ v3;
 }
 
+#define IT_SEEN 64 /* digests remembered (a save's keys are reserved together, then committed one by one) */
+
 typedef struct {
     PyObject_HEAD
     uint64_t k0, k1;     /* SipHash key */
@@ -897,7 +903,9 @@ typedef struct {
     uint32_t *npages, *pins, *prev_, *next_;
     uint8_t *state;
     PyObject **keys;                    /* keep_keys only */
-    uint32_t *table;                    /* handle + 1; 0 = empty */
+    PyObject *seen[IT_SEEN];            /* the str objects hashed lately and their digests, by address: a */
+    uint64_t seen_d[IT_SEEN][2];        /* lookup, reserve and commit of one key object hash it once */
+    uint64_t *table;                    /* (digest's low 32 bits) << 32 | (handle + 1); 0 = empty */
     uint64_t tmask;                     /* table size - 1 */
     uint32_t lru_head, lru_tail;
     int64_t lru_pages, live_bytes;
@@ -911,30 +919,50 @@ static int it_digest(IndexTable *t, PyObject *key, uint64_t d[2]) {
         PyErr_Format(PyExc_TypeError, "umbp: index keys are str, got %.80s", Py_TYPE(key)->tp_name);
         return -1;
     }
+    /* A str never changes, and the entry's reference keeps the object (and so its address) alive. Exact str
+     * only: dropping an entry then runs no Python code (a subclass's __del__ could re-enter the table). */
+    int exact = PyUnicode_CheckExact(key);
+    size_t slot = ((uintptr_t)key >> 4) % IT_SEEN;
+    if (exact && t->seen[slot] == key) {
+        d[0] = t->seen_d[slot][0];
+        d[1] = t->seen_d[slot][1];
+        return 0;
+    }
     s = PyUnicode_AsUTF8AndSize(key, &n);
     if (s == NULL)
         return -1;
     siphash128((const unsigned char *)s, (size_t)n, t->k0, t->k1, d);
+    if (exact) {
+        Py_XSETREF(t->seen[slot], Py_NewRef(key));
+        t->seen_d[slot][0] = d[0];
+        t->seen_d[slot][1] = d[1];
+    }
     return 0;
 }
 
+#define IT_CELL(d0, h) (((d0) << 32) | ((uint64_t)(h) + 1))
+#define IT_HANDLE(c) ((uint32_t)(c) - 1)
+
+/* A cell's home, from its own bits (the table has at most 2^32 cells). */
+static inline uint64_t it_home(const IndexTable *t, uint64_t c) { return (c >> 32) & t->tmask; }
+
 /* The cell holding the row of digest d, or the empty cell where it would go. */
 static uint64_t it_probe(IndexTable *t, const uint64_t d[2]) {
-    uint64_t i = d[0] & t->tmask;
+    uint64_t i = d[0] & t->tmask, tag = d[0] & 0xFFFFFFFFu;
     for (;;) {
-        uint32_t c = t->table[i];
+        uint64_t c = t->table[i];
         if (c == 0)
             return i;
-        uint32_t h = c - 1;
-        if (t->dig[2 * h] == d[0] && t->dig[2 * h + 1] == d[1])
+        uint32_t h = IT_HANDLE(c);
+        if ((c >> 32) == tag && t->dig[2 * h] == d[0] && t->dig[2 * h + 1] == d[1])
             return i;
         i = (i + 1) & t->tmask;
     }
 }
 
 static uint32_t it_find(IndexTable *t, const uint64_t d[2]) {
-    uint32_t c = t->table[it_probe(t, d)];
-    return c ? c - 1 : IT_NIL;
+    uint64_t c = t->table[it_probe(t, d)];
+    return c ? IT_HANDLE(c) : IT_NIL;
 }
 
 static int it_find_key(IndexTable *t, PyObject *key, uint32_t *h) {
@@ -946,18 +974,22 @@ static int it_find_key(IndexTable *t, PyObject *key, uint32_t *h) {
 }
 
 static int it_rehash(IndexTable *t, uint64_t size) {
-    uint32_t *nt = PyMem_RawCalloc(size, sizeof(uint32_t));
+    uint64_t *nt = PyMem_RawCalloc(size, sizeof(uint64_t));
     if (nt == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    uint32_t *old = t->table;
+    uint64_t *old = t->table;
     uint64_t oldsize = old ? t->tmask + 1 : 0;
     t->table = nt;
     t->tmask = size - 1;
     for (uint64_t i = 0; i < oldsize; i++) {
-        if (old[i])
-            t->table[it_probe(t, &t->dig[2 * (old[i] - 1)])] = old[i];
+        if (old[i]) { /* keys are distinct: the first empty cell from the home */
+            uint64_t j = it_home(t, old[i]);
+            while (t->table[j])
+                j = (j + 1) & t->tmask;
+            t->table[j] = old[i];
+        }
     }
     PyMem_RawFree(old);
     return 0;
@@ -978,10 +1010,10 @@ static int it_grow_rows(IndexTable *t, uint64_t want) {
     uint64_t ncap = t->cap ? (uint64_t)t->cap * 2 : 1024;
     if (want > ncap)
         ncap = want;
-    if (ncap > IT_NIL)
-        ncap = IT_NIL;
+    if (ncap > IT_MAX_ROWS)
+        ncap = IT_MAX_ROWS;
     if (ncap <= t->cap) {
-        PyErr_SetString(PyExc_MemoryError, "umbp: the DRAM index holds at most 2**32-1 objects");
+        PyErr_SetString(PyExc_MemoryError, "umbp: the DRAM index holds at most 2**31 objects");
         return -1;
     }
     {
@@ -1026,13 +1058,15 @@ static void it_lru_push(IndexTable *t, uint32_t h) {
 
 /* Drop row h from the key table (backward-shift deletion) and put it on the free-row list. */
 static void it_delete(IndexTable *t, uint32_t h) {
-    uint64_t i = it_probe(t, &t->dig[2 * h]), j = i;
-    for (;;) {
+    uint64_t i = t->dig[2 * h] & t->tmask, j;
+    while (IT_HANDLE(t->table[i]) != h)
+        i = (i + 1) & t->tmask;
+    for (j = i;;) {
         j = (j + 1) & t->tmask;
-        uint32_t c = t->table[j];
+        uint64_t c = t->table[j];
         if (c == 0)
             break;
-        uint64_t home = t->dig[2 * (c - 1)] & t->tmask;
+        uint64_t home = it_home(t, c);
         /* move c back to i unless its home lies cyclically in (i, j] */
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (!stays) {
@@ -1127,6 +1161,8 @@ static void IndexTable_dealloc(IndexTable *t) {
     PyMem_RawFree(t->next_);
     PyMem_RawFree(t->state);
     PyMem_RawFree(t->table);
+    for (size_t i = 0; i < IT_SEEN; i++)
+        Py_XDECREF(t->seen[i]);
     Py_XDECREF(t->slot_type);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
@@ -1145,26 +1181,22 @@ static PyObject *IndexTable_state(IndexTable *t, PyObject *key) {
     }
 }
 
-/* add(key, start, npages, nbytes) -> Slot: a new pending row; the caller checked the key is absent. */
-static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
-    PyObject *key;
-    long long start, nbytes;
-    unsigned int npages;
-    uint64_t d[2];
-    if (!PyArg_ParseTuple(args, "ULIL", &key, &start, &npages, &nbytes) || it_digest(t, key, d) < 0)
-        return NULL;
-    uint64_t cell = it_probe(t, d);
-    if (t->table[cell] != 0) {
-        PyErr_SetString(PyExc_KeyError, "umbp: IndexTable.add of a key already present");
-        return NULL;
-    }
+/* Room for one more row (growing the rows or the key table when due); cell is where digest d goes and moves
+ * when the key table grows. 0, or -1 with MemoryError set. */
+static int it_make_room(IndexTable *t, const uint64_t d[2], uint64_t *cell) {
     if (t->free_head == IT_NIL && t->fresh == t->cap && it_grow_rows(t, 0) < 0)
-        return NULL;
+        return -1;
     if ((uint64_t)(t->used + 1) * 2 > t->tmask + 1) { /* keep the load <= 1/2: short probes */
         if (it_rehash(t, (t->tmask + 1) * 2) < 0)
-            return NULL;
-        cell = it_probe(t, d);
+            return -1;
+        *cell = it_probe(t, d);
     }
+    return 0;
+}
+
+/* A new pending row for digest d at the empty cell (after it_make_room); returns its Slot. */
+static PyObject *it_add_row(IndexTable *t, PyObject *key, const uint64_t d[2], uint64_t cell, long long start,
+                            uint32_t npages, long long nbytes) {
     uint32_t h = t->free_head;
     if (h != IT_NIL)
         t->free_head = t->next_[h];
@@ -1180,17 +1212,39 @@ static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
     t->prev_[h] = t->next_[h] = IT_NIL;
     if (t->keep_keys)
         t->keys[h] = Py_NewRef(key);
-    t->table[cell] = h + 1;
+    t->table[cell] = IT_CELL(d[0] & 0xFFFFFFFFu, h);
     t->used++;
     t->reserved++;
     return it_slot(t, h);
 }
 
+/* add(key, start, npages, nbytes) -> Slot: a new pending row; the caller checked the key is absent. */
+static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
+    PyObject *key;
+    long long start, nbytes;
+    unsigned int npages;
+    uint64_t d[2];
+    if (!PyArg_ParseTuple(args, "ULIL", &key, &start, &npages, &nbytes) || it_digest(t, key, d) < 0)
+        return NULL;
+    uint64_t cell = it_probe(t, d);
+    if (t->table[cell] != 0) {
+        PyErr_SetString(PyExc_KeyError, "umbp: IndexTable.add of a key already present");
+        return NULL;
+    }
+    if (it_make_room(t, d, &cell) < 0)
+        return NULL;
+    return it_add_row(t, key, d, cell, start, npages, nbytes);
+}
+
 /* commit(key, checksum) -> 1 committed, -1 no reservation, or (start, npages) to free (removed meanwhile). */
-static PyObject *IndexTable_commit(IndexTable *t, PyObject *args) {
-    PyObject *key, *ck;
+static PyObject *IndexTable_commit(IndexTable *t, PyObject *const *args, Py_ssize_t nargs) {
     uint32_t h;
-    if (!PyArg_ParseTuple(args, "OO", &key, &ck) || it_find_key(t, key, &h) < 0)
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "umbp: IndexTable.commit(key, checksum)");
+        return NULL;
+    }
+    PyObject *key = args[0], *ck = args[1];
+    if (it_find_key(t, key, &h) < 0)
         return NULL;
     if (h == IT_NIL || (IT_STATE(t, h) != IT_PENDING && IT_STATE(t, h) != IT_PENDING_DOOMED))
         return PyLong_FromLong(-1);
@@ -1471,8 +1525,8 @@ static PyObject *IndexTable_presize(IndexTable *t, PyObject *arg) {
     unsigned long long rows = PyLong_AsUnsignedLongLong(arg);
     if (rows == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (rows > IT_NIL)
-        rows = IT_NIL;
+    if (rows > IT_MAX_ROWS)
+        rows = IT_MAX_ROWS;
     if (rows > t->cap && it_grow_rows(t, rows) < 0)
         return NULL;
     uint64_t size = t->tmask + 1;
@@ -1488,7 +1542,7 @@ static PyObject *IndexTable_presize(IndexTable *t, PyObject *arg) {
 static PyObject *IndexTable_counters(IndexTable *t, PyObject *unused) {
     size_t per_row = 2 * sizeof(uint64_t) + 2 * sizeof(int64_t) + sizeof(uint64_t) + 4 * sizeof(uint32_t) + 1 +
                      (t->keep_keys ? sizeof(PyObject *) : 0);
-    size_t mem = (size_t)t->fresh * per_row + (size_t)(t->tmask + 1) * sizeof(uint32_t); /* rows in use once */
+    size_t mem = (size_t)t->fresh * per_row + (size_t)(t->tmask + 1) * sizeof(uint64_t); /* rows in use once */
     return Py_BuildValue("(nnnnLLn)", t->live, t->reserved, t->pinned, t->deferred, (long long)t->lru_pages,
                          (long long)t->live_bytes, (Py_ssize_t)mem);
 }
@@ -1498,7 +1552,7 @@ static Py_ssize_t IndexTable_len(IndexTable *t) { return t->live; }
 static PyMethodDef IndexTable_methods[] = {
     {"state", (PyCFunction)IndexTable_state, METH_O, NULL},
     {"add", (PyCFunction)IndexTable_add, METH_VARARGS, NULL},
-    {"commit", (PyCFunction)IndexTable_commit, METH_VARARGS, NULL},
+    {"commit", (PyCFunction)(void (*)(void))IndexTable_commit, METH_FASTCALL, NULL},
     {"abort", (PyCFunction)IndexTable_abort, METH_O, NULL},
     {"lookup", (PyCFunction)IndexTable_lookup, METH_VARARGS, NULL},
     {"contains", (PyCFunction)IndexTable_contains, METH_O, NULL},
@@ -1731,21 +1785,33 @@ static void pr_drop(PageRuns *r, uint32_t node) {
     r->nruns--;
 }
 
+/* Take a run of n > 0 pages (best fit) into *start: 1, 0 when no free run is long enough, -1 (no memory). */
+static int pr_take(PageRuns *r, uint64_t n, uint64_t *start) {
+    size_t i = pr_lower(r, n);
+    if (i == r->nlens)
+        return 0;
+    uint32_t node = r->head[i];
+    uint64_t length = r->rlen[node];
+    *start = r->rstart[node];
+    pr_drop(r, node);
+    if (length > n && pr_add(r, *start + n, length - n) < 0)
+        return -1;
+    return 1;
+}
+
 /* alloc(n) -> start page of a fresh run of n pages (best fit), or None if no free run is long enough. */
 static PyObject *PageRuns_alloc(PageRuns *r, PyObject *arg) {
     long long n = PyLong_AsLongLong(arg);
+    uint64_t start;
     if (n == -1 && PyErr_Occurred())
         return NULL;
     if (n <= 0)
         return PyLong_FromLong(0);
-    size_t i = pr_lower(r, (uint64_t)n);
-    if (i == r->nlens)
-        Py_RETURN_NONE;
-    uint32_t node = r->head[i];
-    uint64_t start = r->rstart[node], length = r->rlen[node];
-    pr_drop(r, node);
-    if (length > (uint64_t)n && pr_add(r, start + (uint64_t)n, length - (uint64_t)n) < 0)
+    int got = pr_take(r, (uint64_t)n, &start);
+    if (got < 0)
         return NULL;
+    if (got == 0)
+        Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(start);
 }
 
@@ -1779,6 +1845,132 @@ static PyObject *PageRuns_free(PageRuns *r, PyObject *args) {
     if (pr_free(r, (uint64_t)s, (uint64_t)n) < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* reserve_row(table, key, nbytes, max_used) -> Slot, or None: DramIndex.reserve's common case in one call
+ * and one hash of the key. It answers only an absent str key with an int size that fits the arena and whose
+ * pages fit in a free run without lifting the pages in use above max_used (the high watermark), i.e. when
+ * the Python path would evict nothing. Anything else (a bad argument, a present or busy key, a reservation
+ * that must evict or cannot fit) is None with nothing changed, and the caller takes the full path, which
+ * gives that case its answer or error. Same slot as the full path (same best-fit run). */
+static PyObject *PageRuns_reserve_row(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyObject_TypeCheck(args[0], &IndexTableType)) {
+        PyErr_SetString(PyExc_TypeError, "umbp: PageRuns.reserve_row(table, key, nbytes, max_used)");
+        return NULL;
+    }
+    IndexTable *t = (IndexTable *)args[0];
+    PyObject *key = args[1];
+    int overflow;
+    long long nbytes = PyLong_CheckExact(args[2]) ? PyLong_AsLongLongAndOverflow(args[2], &overflow) : -1;
+    long long max_used = PyLong_AsLongLong(args[3]);
+    if (max_used == -1 && PyErr_Occurred())
+        return NULL;
+    /* the division first: no overflow in the product (the arena's capacity) */
+    if (!PyUnicode_Check(key) || nbytes < 0 || nbytes / t->alignment > r->npages ||
+        nbytes > r->npages * t->alignment)
+        Py_RETURN_NONE;
+    long long npages = nbytes ? (nbytes + t->alignment - 1) / t->alignment : 1;
+    if (r->npages - r->free_pages + npages > max_used)
+        Py_RETURN_NONE;
+    uint64_t d[2], start;
+    if (it_digest(t, key, d) < 0)
+        return NULL;
+    uint64_t cell = it_probe(t, d);
+    if (t->table[cell] != 0)
+        Py_RETURN_NONE;
+    if (it_make_room(t, d, &cell) < 0)
+        return NULL;
+    int got = pr_take(r, (uint64_t)npages, &start);
+    if (got < 0)
+        return NULL;
+    if (got == 0)
+        Py_RETURN_NONE;
+    return it_add_row(t, key, d, cell, (long long)start, (uint32_t)npages, nbytes);
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* reserve_rows(table, keys, nbytes, max_used) -> [Slot], or None: DramIndex.reserve_many's common case in
+ * one call: a list of >= 2 distinct absent str keys, one int size that fits the arena, all of whose pages fit
+ * in one free run (adjacent slots, in key order) without lifting the pages in use above max_used. Anything
+ * else is None with nothing changed, and the caller takes the full path (same slots: the same best-fit run). */
+static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyObject_TypeCheck(args[0], &IndexTableType)) {
+        PyErr_SetString(PyExc_TypeError, "umbp: PageRuns.reserve_rows(table, keys, nbytes, max_used)");
+        return NULL;
+    }
+    IndexTable *t = (IndexTable *)args[0];
+    PyObject *keys = args[1];
+    int overflow;
+    long long nbytes = PyLong_CheckExact(args[2]) ? PyLong_AsLongLongAndOverflow(args[2], &overflow) : -1;
+    long long max_used = PyLong_AsLongLong(args[3]);
+    if (max_used == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = PyList_CheckExact(keys) ? PyList_GET_SIZE(keys) : 0;
+    if (n < 2 || nbytes <= 0 || nbytes / t->alignment > r->npages || nbytes > r->npages * t->alignment ||
+        (uint64_t)n > (uint64_t)(IT_MAX_ROWS - t->used))
+        Py_RETURN_NONE;
+    long long npages = (nbytes + t->alignment - 1) / t->alignment;
+    if (npages > r->npages / n || r->npages - r->free_pages + npages * n > max_used)
+        Py_RETURN_NONE;
+    uint64_t *d = PyMem_RawMalloc((size_t)n * 3 * sizeof(uint64_t)), start;
+    if (d == NULL)
+        return PyErr_NoMemory();
+    uint64_t *first = d + 2 * n; /* the digests' first words, sorted: a repeated key shows as a repeat */
+    PyObject *out = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyUnicode_Check(key))
+            goto none;
+        if (it_digest(t, key, d + 2 * i) < 0)
+            goto done;
+        if (t->table[it_probe(t, d + 2 * i)] != 0)
+            goto none;
+        first[i] = d[2 * i];
+    }
+    qsort(first, (size_t)n, sizeof(uint64_t), cmp_u64);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (first[i] == first[i - 1]) /* a repeated key (or, once in ~2^64, two keys sharing a first word) */
+            goto none;
+    }
+    /* every row and cell before the pages: nothing below fails short of a Slot's allocation */
+    if ((uint64_t)t->used + (uint64_t)n > t->cap && it_grow_rows(t, (uint64_t)t->used + (uint64_t)n) < 0)
+        goto done; /* the rows not in use (free list, then never used) are cap - used */
+    if ((uint64_t)(t->used + n) * 2 > t->tmask + 1) {
+        uint64_t size = t->tmask + 1;
+        while ((uint64_t)(t->used + n) * 2 > size)
+            size *= 2;
+        if (it_rehash(t, size) < 0)
+            goto done;
+    }
+    if ((out = PyList_New(n)) == NULL)
+        goto done;
+    int got = pr_take(r, (uint64_t)(npages * n), &start);
+    if (got <= 0) {
+        Py_CLEAR(out);
+        if (got == 0)
+            goto none;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* rows and cells are there: only a Slot's allocation can fail */
+        uint64_t cell = it_probe(t, d + 2 * i), page = start + (uint64_t)(i * npages);
+        PyObject *slot = it_add_row(t, PyList_GET_ITEM(keys, i), d + 2 * i, cell, (long long)page,
+                                    (uint32_t)npages, nbytes);
+        if (slot == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, slot);
+    }
+    goto done;
+none:
+    out = Py_NewRef(Py_None);
+done:
+    PyMem_RawFree(d);
+    return out;
 }
 
 /* evict_lru(table, target_used, budget, max_victims, want_keys) -> (victims, bytes, [keys] or None):
@@ -1900,6 +2092,8 @@ static PyMethodDef PageRuns_methods[] = {
     {"largest_free", (PyCFunction)PageRuns_largest_free, METH_NOARGS, NULL},
     {"free_runs", (PyCFunction)PageRuns_free_runs, METH_NOARGS, NULL},
     {"evict_lru", (PyCFunction)PageRuns_evict_lru, METH_VARARGS, NULL},
+    {"reserve_row", (PyCFunction)(void (*)(void))PageRuns_reserve_row, METH_FASTCALL, NULL},
+    {"reserve_rows", (PyCFunction)(void (*)(void))PageRuns_reserve_rows, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -197,6 +197,10 @@ class DramIndex:
     def reserve(self, key: str, nbytes: int) -> Slot | None:
         """A slot for a new object, evicting LRU objects if needed; None if it cannot fit now (everything
         else pinned or being written) or the key is busy. The key stays invisible until commit()."""
+        if self.native:  # the common case (absent key, fits without evicting) in one C call, same slot
+            slot = self._alloc.reserve_row(self._table, key, nbytes, self._high_pages)
+            if slot is not None:
+                return slot
         if type(nbytes) is not int or nbytes < 0:  # noqa: E721 - exact type: bool is not a size
             raise BufferSizeError(
                 f"umbp: object '{key}' has invalid size {nbytes!r}; sizes are ints >= 0 bytes"
@@ -227,6 +231,10 @@ class DramIndex:
         adjacent slots is one copy for the transfer engine's DMA path instead of one per object.
         Otherwise exactly reserve() per key. Each slot is still committed, pinned and freed on its own."""
         keys = list(keys)
+        if self.native:  # the common case (see reserve_row) in one C call, same slots
+            slots = self._alloc.reserve_rows(self._table, keys, nbytes, self._high_pages)
+            if slots is not None:
+                return slots
         state = self._table.state
         simple = (
             len(keys) >= 2
