@@ -222,3 +222,27 @@ def test_one_key_in_different_str_objects_is_one_row():
     assert index.commit("ns/b") and index.commit("ns/c")
     assert index.lookup(["ns/a", "ns/b", "ns/c", "ns/d"]) == [True, True, True, False]
     assert index.remove([Key("ns/b")]) == 1 and index.lookup(["ns/b"]) == [False]
+
+
+def test_reserve_many_grows_the_table_as_the_reference_would():
+    """Batches of reservations in one C call past the first row and key-table sizes (1,024 rows, 4,096
+    cells), with removals between so rows come from the free list and from fresh memory in one batch: the
+    same slots, answers and stats as the reference index."""
+    _native_or_skip(True)
+    ref = DictIndex(6000 * ALIGN, 1.0, 1.0, alignment=ALIGN)
+    new = DramIndex(6000 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=True)
+    peak = 0
+    for batch in range(40):
+        keys = [f"b{batch}/{i}" for i in range(37 + batch * 5)]
+        assert new.reserve_many(keys, ALIGN) == ref.reserve_many(keys, ALIGN)
+        peak = max(peak, len(new) + new.stats()["reserved"])
+        for i, k in enumerate(keys):
+            if i % 3 == 1:
+                new.abort(k)
+                ref.abort(k)
+            else:
+                assert new.commit(k, batch) == ref.commit(k, batch)
+        gone = [f"b{batch - 1}/{i}" for i in range(0, 100, 2)]
+        assert new.remove(gone) == ref.remove(gone)
+        assert _snapshot(new) == _snapshot(ref)
+    assert len(new) > 1024 and peak > 2048  # rows past the first 1,024; the 4,096-cell key table doubled

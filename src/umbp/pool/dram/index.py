@@ -366,7 +366,9 @@ class DramIndex:
     def clear(self) -> int:
         """Remove every object and cancel every reservation; returns how many objects were removed."""
         removed, freed = self._table.clear()
-        self._free_runs(freed)
+        # in page order: which free run the next reservation gets then follows from the pages alone, not
+        # from the order the table happens to keep its rows in (the reference index does the same)
+        self._free_runs(sorted(freed))
         return removed
 
     def drain_evicted(self) -> list[Any]:
