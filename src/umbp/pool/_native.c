@@ -1853,24 +1853,38 @@ static PyObject *PageRuns_free(PageRuns *r, PyObject *args) {
  * the Python path would evict nothing. Anything else (a bad argument, a present or busy key, a reservation
  * that must evict or cannot fit) is None with nothing changed, and the caller takes the full path, which
  * gives that case its answer or error. Same slot as the full path (same best-fit run). */
-static PyObject *PageRuns_reserve_row(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
+/* The arguments of reserve_row / reserve_rows: (table, key or keys, nbytes, max_used). 1 with *npages
+ * (>= 1 per object) when nbytes is an int in [0, capacity], 0 when it is not (the full path's case), -1 on
+ * an error. */
+static int rr_args(PageRuns *r, PyObject *const *args, Py_ssize_t nargs, const char *name, IndexTable **t,
+                   long long *nbytes, long long *npages, long long *max_used) {
     if (nargs != 4 || !PyObject_TypeCheck(args[0], &IndexTableType)) {
-        PyErr_SetString(PyExc_TypeError, "umbp: PageRuns.reserve_row(table, key, nbytes, max_used)");
-        return NULL;
+        PyErr_Format(PyExc_TypeError, "umbp: PageRuns.%s(table, keys, nbytes, max_used)", name);
+        return -1;
     }
-    IndexTable *t = (IndexTable *)args[0];
-    PyObject *key = args[1];
+    *t = (IndexTable *)args[0];
     int overflow;
-    long long nbytes = PyLong_CheckExact(args[2]) ? PyLong_AsLongLongAndOverflow(args[2], &overflow) : -1;
-    long long max_used = PyLong_AsLongLong(args[3]);
-    if (max_used == -1 && PyErr_Occurred())
-        return NULL;
+    long long align = (*t)->alignment;
+    long long n = PyLong_CheckExact(args[2]) ? PyLong_AsLongLongAndOverflow(args[2], &overflow) : -1;
+    *max_used = PyLong_AsLongLong(args[3]);
+    if (*max_used == -1 && PyErr_Occurred())
+        return -1;
     /* the division first: no overflow in the product (the arena's capacity) */
-    if (!PyUnicode_Check(key) || nbytes < 0 || nbytes / t->alignment > r->npages ||
-        nbytes > r->npages * t->alignment)
-        Py_RETURN_NONE;
-    long long npages = nbytes ? (nbytes + t->alignment - 1) / t->alignment : 1;
-    if (r->npages - r->free_pages + npages > max_used)
+    if (n < 0 || n / align > r->npages || n > r->npages * align)
+        return 0;
+    *nbytes = n;
+    *npages = n ? (n + align - 1) / align : 1;
+    return 1;
+}
+
+static PyObject *PageRuns_reserve_row(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
+    IndexTable *t;
+    long long nbytes, npages, max_used;
+    int ok = rr_args(r, args, nargs, "reserve_row", &t, &nbytes, &npages, &max_used);
+    if (ok < 0)
+        return NULL;
+    PyObject *key = args[1];
+    if (!ok || !PyUnicode_Check(key) || r->npages - r->free_pages + npages > max_used)
         Py_RETURN_NONE;
     uint64_t d[2], start;
     if (it_digest(t, key, d) < 0)
@@ -1898,22 +1912,15 @@ static int cmp_u64(const void *a, const void *b) {
  * in one free run (adjacent slots, in key order) without lifting the pages in use above max_used. Anything
  * else is None with nothing changed, and the caller takes the full path (same slots: the same best-fit run). */
 static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyObject_TypeCheck(args[0], &IndexTableType)) {
-        PyErr_SetString(PyExc_TypeError, "umbp: PageRuns.reserve_rows(table, keys, nbytes, max_used)");
+    IndexTable *t;
+    long long nbytes, npages, max_used;
+    int ok = rr_args(r, args, nargs, "reserve_rows", &t, &nbytes, &npages, &max_used);
+    if (ok < 0)
         return NULL;
-    }
-    IndexTable *t = (IndexTable *)args[0];
     PyObject *keys = args[1];
-    int overflow;
-    long long nbytes = PyLong_CheckExact(args[2]) ? PyLong_AsLongLongAndOverflow(args[2], &overflow) : -1;
-    long long max_used = PyLong_AsLongLong(args[3]);
-    if (max_used == -1 && PyErr_Occurred())
-        return NULL;
     Py_ssize_t n = PyList_CheckExact(keys) ? PyList_GET_SIZE(keys) : 0;
-    if (n < 2 || nbytes <= 0 || nbytes / t->alignment > r->npages || nbytes > r->npages * t->alignment ||
-        (uint64_t)n > (uint64_t)(IT_MAX_ROWS - t->used))
+    if (!ok || n < 2 || nbytes == 0 || (uint64_t)n > (uint64_t)(IT_MAX_ROWS - t->used))
         Py_RETURN_NONE;
-    long long npages = (nbytes + t->alignment - 1) / t->alignment;
     if (npages > r->npages / n || r->npages - r->free_pages + npages * n > max_used)
         Py_RETURN_NONE;
     uint64_t *d = PyMem_RawMalloc((size_t)n * 3 * sizeof(uint64_t)), start;
