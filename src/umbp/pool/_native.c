@@ -1879,7 +1879,7 @@ static int rr_args(PageRuns *r, PyObject *const *args, Py_ssize_t nargs, const c
 
 static PyObject *PageRuns_reserve_row(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
     IndexTable *t;
-    long long nbytes, npages, max_used;
+    long long nbytes = 0, npages = 0, max_used = 0;
     int ok = rr_args(r, args, nargs, "reserve_row", &t, &nbytes, &npages, &max_used);
     if (ok < 0)
         return NULL;
@@ -1913,7 +1913,7 @@ static int cmp_u64(const void *a, const void *b) {
  * else is None with nothing changed, and the caller takes the full path (same slots: the same best-fit run). */
 static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
     IndexTable *t;
-    long long nbytes, npages, max_used;
+    long long nbytes = 0, npages = 0, max_used = 0;
     int ok = rr_args(r, args, nargs, "reserve_rows", &t, &nbytes, &npages, &max_used);
     if (ok < 0)
         return NULL;
