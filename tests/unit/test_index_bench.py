@@ -22,6 +22,7 @@ def test_bench_index_tiny_writes_json_and_the_last_line(tmp_path, capsys):
             "index_pauses_cpu",
         }
         assert r["fill"]["worst_op_cpu_ms"] >= 0 and r["fill"]["involuntary_switches"] >= 0
+        assert r["saves"]["batch"] == 16 and r["saves"]["us_per_key"] > 0
     compact = report["results"][1]
     assert compact["table_bytes_per_object"] > 0
     last = capsys.readouterr().out.splitlines()[-1]

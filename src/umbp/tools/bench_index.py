@@ -3,7 +3,9 @@
 The vLLM scheduler process owns the DRAM tier's index (umbp.pool.dram.index.DramIndex); a 1.8 TB tier of small
 pages holds 10-30 M objects. Measured per object count, each in a fresh child process (so RSS deltas are
 its own): a fill with reserve+commit, then a steady state where every new object evicts an old one, with
-lookups of 256 keys and pin/unpin of 16 keys between puts, then a run of evictions alone. Reported: mean
+lookups of 256 keys and pin/unpin of 16 keys between puts, then saves as the vLLM scheduler makes them
+(reserve_many of SAVE_BATCH keys, then their commits; each evicting too), then a run of evictions alone.
+Reported: mean
 us per op, bytes per object (RSS delta / objects, and the C table's own arrays), the longest single
 operation and the longest garbage collection (gc.callbacks) in each phase. The reference DictIndex (one
 Python object per stored object, the index umbp used before) runs beside it up to --old-max objects: at
@@ -34,6 +36,7 @@ TARGET_BYTES, TARGET_US, TARGET_PAUSE_MS = 128, 2.0, 5.0
 ALIGN = 4096
 BATCH = 1 << 16  # keys are built a batch at a time: 30 M key strings would cost more than the index
 EVICT_CAP = 1024  # max_evict_objects, as the vLLM scheduler sets it
+SAVE_BATCH = 16  # keys per reserve_many in the saves phase: a 256-token save of 16-token blocks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,6 +185,30 @@ def _churn(index: Any, n: int, puts: int, clock: _GcClock) -> dict[str, Any]:
     }
 
 
+def _saves(index: Any, lo: int, puts: int) -> dict[str, Any]:
+    """The scheduler's path for a request's new blocks: one reserve_many of SAVE_BATCH keys, then a commit
+    per key (umbp.vllm.scheduler_saves), past the watermark so each batch evicts as many."""
+    pc = time.perf_counter
+    total, worst, done = 0.0, 0.0, 0
+    for start in range(lo, lo + puts, BATCH):
+        keys = _keys(start, min(lo + puts, start + BATCH))
+        for i in range(0, len(keys), SAVE_BATCH):
+            batch = keys[i : i + SAVE_BATCH]
+            t0 = pc()
+            index.reserve_many(batch, ALIGN)
+            for k in batch:
+                index.commit(k)
+            dt = pc() - t0
+            total += dt
+            worst = dt if dt > worst else worst
+            done += len(batch)
+    return {
+        "batch": SAVE_BATCH,
+        "us_per_key": round(total / done * 1e6, 3),
+        "worst_batch_ms": round(worst * 1e3, 3),
+    }
+
+
 def _evictions(index: Any, count: int) -> dict[str, Any]:
     pc = time.perf_counter
     worst, t_start = 0.0, pc()
@@ -204,6 +231,7 @@ def measure(kind: str, n: int, puts: int) -> dict[str, Any]:
     rss = _rss() - rss0
     table = index.stats().get("index_table_bytes")
     churn = _churn(index, n, puts, clock)
+    saves = _saves(index, n + puts, puts)
     evict = _evictions(index, min(puts, n // 2))
     return {
         "index": kind,
@@ -213,6 +241,7 @@ def measure(kind: str, n: int, puts: int) -> dict[str, Any]:
         "native": getattr(index, "native", False),
         "fill": fill,
         "steady": churn,
+        "saves": saves,
         "evict": evict,
     }
 
@@ -230,6 +259,7 @@ def _verdict(row: dict[str, Any]) -> dict[str, bool]:
         row["fill"]["worst_gc_ms"],
         row["steady"]["worst_gc_ms"],
         row["evict"]["worst_op_ms"],
+        row["saves"]["worst_batch_ms"],
         *row["steady"]["worst_op_ms"].values(),
     ]
     cpu_pauses = [row["fill"].get("worst_op_cpu_ms", 0.0), row["steady"].get("worst_put_cpu_ms", 0.0)]
@@ -247,7 +277,7 @@ def _verdict(row: dict[str, Any]) -> dict[str, bool]:
 def _print(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'index':<8}{'objects':>11}{'B/obj rss':>10}{'B/obj tbl':>10}{'fill us':>9}{'put us':>8}"
-        f"{'look us':>8}{'pin us':>8}{'evict us':>9}{'fill op ms':>11}{'put op ms':>10}{'gc ms':>9}"
+        f"{'look us':>8}{'pin us':>8}{'save us':>8}{'evict us':>9}{'fill op ms':>11}{'put op ms':>10}{'gc ms':>9}"
         f"{'op cpu ms':>10}{'preempted':>10}"
     )
     for r in rows:
@@ -257,7 +287,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['index']:<8}{r['objects']:>11,}{r['rss_bytes_per_object']:>10}{tbl:>10}"
             f"{f['us_reserve_commit']:>9}{s['us_reserve_commit']:>8}{s['us_lookup_per_key']:>8}"
-            f"{s['us_pin_unpin_per_key']:>8}{e['us_evict']:>9}{f['worst_op_ms']:>11}"
+            f"{s['us_pin_unpin_per_key']:>8}{r['saves']['us_per_key']:>8}{e['us_evict']:>9}{f['worst_op_ms']:>11}"
             f"{s['worst_op_ms']['put']:>10}{gc_ms:>9}"
             f"{max(f['worst_op_cpu_ms'], s['worst_put_cpu_ms']):>10}"
             f"{f['involuntary_switches'] + s['involuntary_switches']:>10}"
