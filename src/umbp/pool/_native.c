@@ -940,7 +940,7 @@ static int it_digest(IndexTable *t, PyObject *key, uint64_t d[2]) {
     return 0;
 }
 
-#define IT_CELL(d0, h) (((d0) << 32) | ((uint64_t)(h) + 1))
+#define IT_CELL(d0, h) (((d0) << 32) | ((uint64_t)(h) + 1)) /* the shift keeps d0's low 32 bits */
 #define IT_HANDLE(c) ((uint32_t)(c) - 1)
 
 /* A cell's home, from its own bits (the table has at most 2^32 cells). */
@@ -1194,6 +1194,17 @@ static int it_make_room(IndexTable *t, const uint64_t d[2], uint64_t *cell) {
     return 0;
 }
 
+/* Rows and key-table cells (load <= 1/2) for `rows` rows in all (<= IT_MAX_ROWS), made now: adding rows up
+ * to that count then never grows anything. 0, or -1 with MemoryError set. */
+static int it_room_for(IndexTable *t, uint64_t rows) {
+    if (rows > t->cap && it_grow_rows(t, rows) < 0) /* the rows not in use (free list, never used): cap - used */
+        return -1;
+    uint64_t size = t->tmask + 1;
+    while (size < 2 * rows)
+        size *= 2;
+    return size > t->tmask + 1 ? it_rehash(t, size) : 0;
+}
+
 /* A new pending row for digest d at the empty cell (after it_make_room); returns its Slot. */
 static PyObject *it_add_row(IndexTable *t, PyObject *key, const uint64_t d[2], uint64_t cell, long long start,
                             uint32_t npages, long long nbytes) {
@@ -1212,7 +1223,7 @@ static PyObject *it_add_row(IndexTable *t, PyObject *key, const uint64_t d[2], u
     t->prev_[h] = t->next_[h] = IT_NIL;
     if (t->keep_keys)
         t->keys[h] = Py_NewRef(key);
-    t->table[cell] = IT_CELL(d[0] & 0xFFFFFFFFu, h);
+    t->table[cell] = IT_CELL(d[0], h);
     t->used++;
     t->reserved++;
     return it_slot(t, h);
@@ -1525,14 +1536,7 @@ static PyObject *IndexTable_presize(IndexTable *t, PyObject *arg) {
     unsigned long long rows = PyLong_AsUnsignedLongLong(arg);
     if (rows == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (rows > IT_MAX_ROWS)
-        rows = IT_MAX_ROWS;
-    if (rows > t->cap && it_grow_rows(t, rows) < 0)
-        return NULL;
-    uint64_t size = t->tmask + 1;
-    while (size < 2 * (uint64_t)rows)
-        size *= 2;
-    if (size > t->tmask + 1 && it_rehash(t, size) < 0)
+    if (it_room_for(t, rows > IT_MAX_ROWS ? IT_MAX_ROWS : rows) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1847,12 +1851,6 @@ static PyObject *PageRuns_free(PageRuns *r, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* reserve_row(table, key, nbytes, max_used) -> Slot, or None: DramIndex.reserve's common case in one call
- * and one hash of the key. It answers only an absent str key with an int size that fits the arena and whose
- * pages fit in a free run without lifting the pages in use above max_used (the high watermark), i.e. when
- * the Python path would evict nothing. Anything else (a bad argument, a present or busy key, a reservation
- * that must evict or cannot fit) is None with nothing changed, and the caller takes the full path, which
- * gives that case its answer or error. Same slot as the full path (same best-fit run). */
 /* The arguments of reserve_row / reserve_rows: (table, key or keys, nbytes, max_used). 1 with *npages
  * (>= 1 per object) when nbytes is an int in [0, capacity], 0 when it is not (the full path's case), -1 on
  * an error. */
@@ -1877,6 +1875,12 @@ static int rr_args(PageRuns *r, PyObject *const *args, Py_ssize_t nargs, const c
     return 1;
 }
 
+/* reserve_row(table, key, nbytes, max_used) -> Slot, or None: DramIndex.reserve's common case in one call
+ * and one hash of the key. It answers only an absent str key with an int size that fits the arena and whose
+ * pages fit in a free run without lifting the pages in use above max_used (the high watermark), i.e. when
+ * the Python path would evict nothing. Anything else (a bad argument, a present or busy key, a reservation
+ * that must evict or cannot fit) is None with nothing changed, and the caller takes the full path, which
+ * gives that case its answer or error. Same slot as the full path (same best-fit run). */
 static PyObject *PageRuns_reserve_row(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
     IndexTable *t;
     long long nbytes = 0, npages = 0, max_used = 0;
@@ -1944,15 +1948,8 @@ static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ss
             goto none;
     }
     /* every row and cell before the pages: nothing below fails short of a Slot's allocation */
-    if ((uint64_t)t->used + (uint64_t)n > t->cap && it_grow_rows(t, (uint64_t)t->used + (uint64_t)n) < 0)
-        goto done; /* the rows not in use (free list, then never used) are cap - used */
-    if ((uint64_t)(t->used + n) * 2 > t->tmask + 1) {
-        uint64_t size = t->tmask + 1;
-        while ((uint64_t)(t->used + n) * 2 > size)
-            size *= 2;
-        if (it_rehash(t, size) < 0)
-            goto done;
-    }
+    if (it_room_for(t, (uint64_t)t->used + (uint64_t)n) < 0)
+        goto done;
     if ((out = PyList_New(n)) == NULL)
         goto done;
     int got = pr_take(r, (uint64_t)(npages * n), &start);

@@ -83,7 +83,7 @@ class BatchRounds:
         tail), saves ramp (early first copy); else the rounds are even."""
         shape = self.flat(batch)[0]
         total = shape.total_reach + RUN_PAD * shape.nobj  # each object's slot plus a run's alignment pad
-        if skip:  # objects already copied (early.py)
+        if skip:  # objects moved another way (early.py's copies, head.py's head)
             total -= int(shape.reach[:skip].sum()) + RUN_PAD * skip
         kind = "even" if not cold else ("taper" if direction == LOAD else "ramp")
         budgets = round_budgets(total, self._ring_bytes, kind, self.min_round_bytes, self.tail_round_bytes)
@@ -99,8 +99,8 @@ class BatchRounds:
     ) -> list[tuple[int, int, tuple]]:
         """The batch's rounds as (first object, end, staging layout), all laid out in one pass
         (plans.lay_out); a round's launches run its objects' span of the call's one plan. `skip`: the
-        first objects are in staging already (early.py); the rest is laid out, and the first round
-        starts at object 0 all the same."""
+        first objects move another way (a restore's early copies, early.py, or a save's head, head.py);
+        the rest is laid out, and the first round starts at object 0 all the same."""
         bounds, layouts = self._lay_out(batch, self._budgets(batch, direction, cold, skip), skip)
         if skip:
             bounds = [0] + [b + skip for b in bounds[1:]]
