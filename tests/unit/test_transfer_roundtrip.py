@@ -252,11 +252,13 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
         assert heads and 0 < heads[0] < nobj, f"the save led with a head: {heads} {why}"
 
 
-def _with_head(engine, rng) -> list[int]:
-    """Give every group's objects a save head (head.py) of one to a few objects, whatever their KV runs'
-    length; returns the head sizes of the saves that led with one."""
+def _with_head(engine, rng, head_bytes: int | None = None) -> list[int]:
+    """Give every group's objects a save head (head.py) of `head_bytes` (default: one to a few of the
+    largest objects), whatever their KV runs' length; returns the head sizes of the saves that led with one."""
     engine.save_head_min_run = 0
-    engine.save_head_bytes = int(rng.integers(1, 4)) * max(g.object_bytes for g in engine.groups.values())
+    if head_bytes is None:
+        head_bytes = int(rng.integers(1, 4)) * max(g.object_bytes for g in engine.groups.values())
+    engine.save_head_bytes = head_bytes
     heads: list[int] = []
     real = engine._head
 
@@ -414,11 +416,7 @@ def test_a_cold_save_head_copies_its_objects_from_the_kv_pages_interpret() -> No
     plain = make_engine(arena, groups, backend="kernel", save_head_bytes=0, **DMA)
     calls = _host_copies(engine)
     _host_copies(plain)
-    engine.save_head_min_run = 0
-    engine.save_head_bytes = 2 * engine.object_bytes(0)
-    heads = []
-    real = engine._head
-    engine._head = lambda batch, count, save, queued: heads.append(count) or real(batch, count, save, queued)
+    heads = _with_head(engine, None, head_bytes=2 * engine.object_bytes(0))
     span = -(-max(engine.object_bytes(g) for g in groups) // SLOT) * SLOT
     moves = [Moves(g, [3 * g + k for k in range(3)], [(3 * g + k) * span for k in range(3)]) for g in groups]
     digests = plain.save(moves).result()
