@@ -40,7 +40,7 @@ def stages(tokens: list[int]) -> None:
     import torch
 
     from umbp.tools import bench_restore as B
-    from umbp.tools.cuda_timing import queued as _queued, wall as _wall
+    from umbp.tools.cuda_timing import engine_streams, queued as _queued, wall as _wall
     from umbp.transfer import make_engine
     from umbp.transfer import plans as P
 
@@ -65,7 +65,7 @@ def stages(tokens: list[int]) -> None:
                 ("save", lambda e=e: e.save(save_batch), d2h),
             ):
                 sub, wall = _submit_and_wall(fn, reps)
-                q, _ahead = _queued(lambda fn=fn: [fn()], reps)
+                q, _ahead = _queued(lambda fn=fn: [fn()], reps, hold=engine_streams(e))
                 print(
                     f"{what} {name:<26} wall {wall * 1e3:7.3f} ms (link {ref / wall:.3f})  host {sub * 1e3:6.3f} ms  "
                     f"queued {q * 1e3:7.3f} ms (link {ref / q:.3f})"

@@ -107,14 +107,18 @@ def one(engine, fn, label: str, queued: bool = False) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from umbp.tools.cuda_timing import QUEUE_CYCLES
+    from umbp.tools.cuda_timing import QUEUE_CYCLES, engine_streams
 
     for _ in range(3):
         fn().result()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        if queued:
+        if queued:  # the engine's streams held too: a load's copies do not wait for the caller's stream
             torch.cuda._sleep(QUEUE_CYCLES)
+            slept = torch.cuda.Event()
+            slept.record()
+            for stream in engine_streams(engine):
+                stream.wait_event(slept)
         with record_function("call"):
             h = fn()
         with record_function("wait"):

@@ -115,3 +115,17 @@ def test_submitted_times_the_issue_not_the_wait():
     call = submitted(issue, times)
     assert call() == "verdicts" and call() == "verdicts"
     assert len(times) == 2 and all(0.05 <= t < 0.2 for t in times)
+
+
+def test_held_streams_wait_for_the_sleep(device):
+    """An engine's own streams named in `hold` wait for the event after the sleep, every repetition: a
+    load's copies, not ordered after the caller's stream, would otherwise run during the sleep and out of
+    the figure."""
+    waits = []
+
+    class _Stream:
+        def wait_event(self, event) -> None:
+            waits.append(event)
+
+    cuda_timing.queued(lambda: [_Handle(done=False)], reps=3, warmup=0, hold=(_Stream(), _Stream()))
+    assert len(waits) == 6 and all(isinstance(e, _Event) for e in waits)

@@ -659,6 +659,57 @@ def test_many_transfers_in_flight(options: dict) -> None:
 
 
 @pytest.mark.skipif(not CUDA or INTERPRET, reason="no CUDA")
+@pytest.mark.parametrize("options", [ZERO, DMA], ids=["zero-copy", "dma"])
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+def test_a_load_writes_kv_pages_after_the_callers_queued_work(options: dict, verify: bool) -> None:
+    """A load's copies into staging need not wait for the caller's stream (they read only the arena), but
+    its writes into the KV pages must: work queued there before the call (here a sleep, then a fill of
+    the very pages the load restores) runs first, and the pages end with the slots' bytes. Granite's
+    400 KiB pages: on the dma path the restore finds its direction idle and leads with early copies."""
+    groups = L.granite_hybrid(24, device="cuda")[0]
+    for s in _storages(groups):
+        s.random_(0, 256)
+    g = min(groups)
+    obj = _object(groups[g], 0).size
+    arena = _arena("cuda", 12 * obj)
+    engine = make_engine(arena, groups, backend="kernel", **options)
+    blocks, offs = [1, 2, 3, 4, 5, 6], [i * obj for i in range(6)]
+    want = [_object(groups[g], b) for b in blocks]
+    digests = engine.save([Moves(g, blocks, offs)]).result()[0]
+    engine.load([Moves(g, blocks, offs, digests if verify else None)]).result()  # warm: kernels loaded
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s on the caller's stream, then the pages overwritten
+    for s in _storages(groups):
+        s.fill_(0xA5)
+    ok = engine.load([Moves(g, blocks, offs, digests if verify else None)]).result()[0]
+    assert list(ok) == [True] * len(blocks)
+    for b, w in zip(blocks, want):
+        assert np.array_equal(_object(groups[g], b), w), f"block {b} holds the caller's later fill"
+
+
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="no CUDA")
+@pytest.mark.parametrize("options", [ZERO, DMA], ids=["zero-copy", "dma"])
+def test_each_save_follows_its_own_callers_stream(options: dict) -> None:
+    """Saves called from two streams in turn: each reads the pages as work queued on its own caller's
+    stream leaves them (a sleep, then a fill), so the engine finds the caller's stream on every call
+    (it keeps the stream objects it has seen, by handle)."""
+    groups = {0: L.attention(2, 24, 16, 2, 64, device="cuda")}
+    obj = _object(groups[0], 0).size
+    arena = _arena("cuda", 8 * obj)
+    engine = make_engine(arena, groups, backend="kernel", **options)
+    engine.save([Moves(0, [1], [0])]).result()  # warm: kernels loaded
+    sides = (torch.cuda.Stream(), torch.cuda.Stream())
+    for k in range(4):
+        with torch.cuda.stream(sides[k % 2]):
+            torch.cuda._sleep(50_000_000)
+            for s in _storages(groups):
+                s.fill_(k + 1)
+            handle = engine.save([Moves(0, [1], [0])])
+        handle.result()
+        assert (arena.view(0, obj) == k + 1).all(), f"save {k} read the pages before its caller's fill"
+
+
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="no CUDA")
 @pytest.mark.parametrize("direction", ["save", "load"])
 def test_a_batch_failing_half_way_leaves_nothing_running(direction: str, monkeypatch) -> None:
     """A batch that raises after its first round was queued (out of memory for a buffer, say): the

@@ -215,7 +215,7 @@ def measure(
         nbytes = case.payload * {"both": 2, "both_sustained": 2 * SUSTAIN}.get(mode, 1)
         out[mode] = nbytes / wall(waited(issues[mode]), reps) / 1e9
         if queued and mode in QUEUED:
-            seconds, ahead = cuda_timing.queued(issues[mode], reps)
+            seconds, ahead = cuda_timing.queued(issues[mode], reps, hold=cuda_timing.engine_streams(engine))
             out[mode + "_queued"], out[mode + "_queued_ahead"] = nbytes / seconds / 1e9, ahead
     out["sample_ok"] = float(check_sample(engine, case, verified))
     return out

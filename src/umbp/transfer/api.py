@@ -5,8 +5,9 @@ A batch is a list of `Moves`: for one KV-cache group, which blocks go to / come 
 arena's checksum, so a later load can verify the slot); `load` copies slots back into blocks, and when
 expected digests are given it writes only the objects whose bytes match (a mismatch is reported, never
 written into the KV cache). Both return a handle at once; on CUDA the work runs on the engine's own
-streams (one per direction, so saves and loads overlap each other and the forward), ordered after the
-work already queued on the caller's current stream.
+streams (one per direction, so saves and loads overlap each other and the forward): a save reads KV
+pages, and a load writes them, after the work already queued on the caller's current stream. A load
+reads its arena slots as they are when it is called (the arena is host memory, written before).
 """
 
 from __future__ import annotations

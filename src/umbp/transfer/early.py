@@ -5,8 +5,9 @@ front of its first copy adds to the restore's time. Validating the whole batch, 
 in staging and the batch-copy call took ~85 us of the H200 host's time before the first byte moved, 0.1
 of the 0.84 ms that an 8K-token Granite restore's bytes take on the link. Copying the first few large
 objects of the batch's first Moves needs far less: their arena offsets checked (an integer, 8-byte
-aligned, inside the arena: the copy reads nothing else), the copy stream ordered after the caller's
-queued work, a staging buffer, and one `cudaMemcpyAsync` each. So those objects go first, into an area
+aligned, inside the arena: the copy reads nothing else), a staging buffer, and one `cudaMemcpyAsync`
+each; not even the caller's stream (a copy into our own staging need not wait for the caller's queued
+work: only the scatter into KV pages does, see KernelEngine._load_dma). So those objects go first, into an area
 at the end of the staging buffer of the batch's first round; the batch is then validated as any other
 (a bad batch raises before anything writes a KV page: the early copies only filled our own staging),
 and the rest is laid out and copied while they run. The first round's verify and scatter read the
@@ -76,8 +77,7 @@ class EarlyCopies:
             return None
         if not offsets or not self._idle(LOAD):
             return None
-        copy = self._main(LOAD)
-        self._after(self._caller(), copy)
+        copy = self._main(LOAD)  # not ordered after the caller's stream: see KernelEngine._load_dma
         if self.ring.pooled:  # the first round's ring slot: its end area is kept for these copies
             slot = self.ring.take(LOAD, self._ring_bytes)
             base = slot[0].data_ptr() + self._early_at

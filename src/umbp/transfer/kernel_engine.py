@@ -25,7 +25,6 @@ touching a group whose pieces are not 8-byte aligned runs on the staged path ins
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
@@ -48,13 +47,14 @@ from umbp.transfer.plans import (
 from umbp.transfer.ring import StagingRing
 from umbp.transfer.rounds import LOAD, SAVE, BatchRounds, staging_rows
 from umbp.transfer.staged import Batch, staged_load, staged_save
+from umbp.transfer.streams import EngineStreams
 
 FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a plan's int64 words)
 # the copy kernel's constexprs, in its signature's order (triton_kernels.copy_objects)
 COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS")
 
 
-class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
+class KernelEngine(BatchRounds, EarlyCopies, SaveHead, EngineStreams, TransferEngine):
     backend = "kernel"
 
     def __init__(
@@ -144,10 +144,7 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         span = (longest + ROW_BYTES - 8) // ROW_BYTES + 1
         self.crows = min(16, 1 << (span - 1).bit_length())
         self.tmpl, self.toff = templates(self.groups, self.device)
-        self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
-        # dma rounds: gathers (save) / verify + scatter (load) run on these, so round r's kernels overlap
-        # round r-1's (or r+1's) copy-engine transfer on the direction's main stream
-        self.aux = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if cuda else None
+        self._init_streams(cuda)
         # a cold dma save's first objects: copy-engine copies straight from their KV pages (head.py)
         self.save_head_bytes = save_head_bytes
         # each ring buffer ends in an area for a restore's early copies (early.py), past the rounds' room
@@ -161,7 +158,6 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         self._last_layouts: tuple[Batch, tuple[tuple[int, ...], int], tuple] | None = None
         self._last_order: tuple[Batch, np.ndarray] | None = None  # _run_count's sort, for _layouts
         self._last: dict[int, torch.cuda.Event | None] = {SAVE: None, LOAD: None}  # each direction's newest
-        self._marker = torch.cuda.Event() if cuda else None  # see _after
 
     def warm_up(self, block: int, offset: int, verify: bool = True) -> None:
         """Compile and load the kernel variants transfers use before serving: a variant first met
@@ -273,14 +269,13 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         keep: list[torch.Tensor] = []
         dma = early is not None or self._path(batch, self.load_path, self.dma_min_run_bytes) == "dma"
         verify = any(m.digests is not None for _g, m, _i, _o in batch)
-        caller = self._caller()
         try:
             if dma:  # streams named explicitly (see _save); the handle completes after the last scatter
                 cold = early is not None or self._idle(LOAD)
-                out = self._load_dma(batch, keep, caller, cold, verify, early)
+                out = self._load_dma(batch, keep, cold, verify, early)
                 return self._track(LOAD, self._finish(batch, out, keep, None, self._side(LOAD)))
             out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
-            with self._on(LOAD, caller):
+            with self._on(LOAD, self._caller()):
                 if out is None:
                     self._load_direct(batch, keep)
                 else:
@@ -329,7 +324,7 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         keep.append(plan.buf)
 
     def _load_dma(
-        self, batch: Batch, keep: list[torch.Tensor], caller, cold: bool, verify: bool, early: Early | None
+        self, batch: Batch, keep: list[torch.Tensor], cold: bool, verify: bool, early: Early | None
     ) -> torch.Tensor | None:
         """Per round: arena -> staging on the load stream (copy engine, one copy per run), then on the
         scatter stream the checksums of the staged bytes (when digests are given) and staging -> KV pages
@@ -338,16 +333,18 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         (issuing a round's kernels in between left it idle ~0.3-0.4 ms per round of an 8K-token restore
         on the H200; bench/probes/restore_timeline_gpu.py). With two staging buffers taking turns, round
         r+2's copy waits for round r's scatter, which is issued by then. The call's one plan is built
-        after the first copy is issued (nothing of it is needed before the first scatter). Returns the
-        verdicts' host buffer (None: no digests given)."""
+        after the first copy is issued (nothing of it is needed before the first scatter).
+
+        Only the scatter stream is ordered after the work queued on the caller's stream: the scatters
+        write KV pages that work may still read, while the copies read arena slots (host memory, filled
+        before the call) into the engine's own staging, which the ring orders. So the first copy does not
+        wait for the caller's stream lookup and event (host time in front of it). Returns the verdicts'
+        host buffer (None: no digests given)."""
         copy, work = self._main(LOAD), self._side(LOAD)
-        # both streams after the caller's queued work, as every transfer (early copies: already done)
-        queued = self._after(caller, copy) if early is None else self._marker
         rounds = self._laid_out(batch, LOAD, cold, skip=0 if early is None else early.count)
         a, b, layout = rounds[0]  # its copy first: before the stream switch's host time
         first = self._stage_in(layout, copy, lead=True, early=early)
-        if queued is not None:
-            work.wait_event(queued)
+        self._after(self._caller(), work)
         out = self._host_buffer(self.flat(batch)[0].nobj) if verify else None
         rows, wide = staging_rows(rounds), self._wide(batch)
         if early is not None:  # the early objects' rows as offsets from the first round's buffer
@@ -547,14 +544,6 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         elif n:
             self._launch_fetch(-(-n // FETCH_BLOCK), (src, dst, n), (FETCH_BLOCK,), ("BLOCK",), 4)
 
-    def _on(self, direction: int, caller) -> AbstractContextManager:
-        """Run on this direction's stream, after the work already queued on the caller's stream."""
-        if self.streams is None:
-            return nullcontext()
-        s = self.streams[direction]
-        s.wait_stream(caller)
-        return torch.cuda.stream(s)
-
     def _finish(
         self, batch: Batch, out: torch.Tensor | None, keep: list[torch.Tensor], mix: np.ndarray | None, stream
     ) -> Handle:
@@ -566,35 +555,3 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, TransferEngine):
         event = torch.cuda.Event()
         event.record(stream)
         return DeviceHandle(sizes, event, out, keep, mix, self._tables)
-
-    def _caller(self):
-        return torch.cuda.current_stream(self._index) if self.streams is not None else None
-
-    def _main(self, direction: int):
-        return self.streams[direction] if self.streams is not None else None
-
-    def _side(self, direction: int):
-        return self.aux[direction] if self.aux is not None else None
-
-    def _after(self, caller, stream) -> torch.cuda.Event | None:
-        """Order `stream` after the work queued on the caller's stream so far; returns the marker event
-        for more streams to wait on (None on CPU). One event per engine, recorded again by each call: a
-        wait takes the record current when it is issued, and creating an event per call cost host time
-        in front of the first copy."""
-        if stream is None:
-            return None
-        self._marker.record(caller)
-        stream.wait_event(self._marker)
-        return self._marker
-
-    @staticmethod
-    def _stream(stream) -> AbstractContextManager:
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-    @staticmethod
-    def _event(stream) -> torch.cuda.Event | None:
-        if stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
