@@ -246,3 +246,45 @@ def test_reserve_many_grows_the_table_as_the_reference_would():
         assert new.remove(gone) == ref.remove(gone)
         assert _snapshot(new) == _snapshot(ref)
     assert len(new) > 1024 and peak > 2048  # rows past the first 1,024; the 4,096-cell key table doubled
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["reserve", "reserve_many"])
+# 64 one-page slots: 8 stored (the one-call C paths), 64 (the full path evicts a run the batch fits in),
+# 62 (evicting frees two pages apart from the two never used: reserve_many falls back to one per key)
+@pytest.mark.parametrize("stored", [8, 64, 62], ids=["one-call", "evicting", "evicting-per-key"])
+def test_running_out_of_memory_in_a_reservation_leaks_nothing(many, stored):
+    """Out of memory at any one allocation inside reserve() or reserve_many() (CPython's allocation
+    hooks fail the k-th, for every k until a call succeeds): the call raises MemoryError or succeeds,
+    every page in use belongs to a row, and a failed call leaves none of its keys reserved (they reserve
+    at once afterwards). The one-call C paths make every Slot before changing anything; the full path
+    (here: evicting) gives back the rows and pages it took, and so does reserve_many's fallback of one
+    reserve() per key."""
+    _native_or_skip(True)
+    testcapi = pytest.importorskip("_testcapi")
+    failures = 0
+    for k in range(1, 400):
+        index = DramIndex(64 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=True)
+        for i in range(stored):
+            assert index.reserve(f"old/{i}", ALIGN) is not None and index.commit(f"old/{i}")
+        keys = [f"new/{j}" for j in range(4 if many else 1)]
+        call = index.reserve_many if many else index.reserve
+        arg = keys if many else keys[0]
+        got = None
+        testcapi.set_nomemory(k, k + 1)
+        try:  # nothing of the test's own allocates inside the window
+            got = call(arg, ALIGN)
+        except MemoryError:
+            pass
+        finally:
+            testcapi.remove_mem_hooks()
+        got = got if many or got is None else [got]
+        assert sum(n for *_rest, n, _state in index.allocations()) == index.stats()["used_bytes"], k
+        if got is not None:
+            assert all(slot is not None for slot in got) and index.stats()["reserved"] == len(keys)
+            break
+        failures += 1
+        assert index.stats()["reserved"] == 0 and all(index.state(key) == "absent" for key in keys), k
+        assert all(slot is not None for slot in index.reserve_many(keys, ALIGN)), k
+    else:
+        pytest.fail("no call succeeded")
+    assert failures >= 2  # every call allocates its Slot and offset: failures reached the index itself

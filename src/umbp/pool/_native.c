@@ -1083,14 +1083,15 @@ static void it_delete(IndexTable *t, uint32_t h) {
     t->used--;
 }
 
-static PyObject *it_slot(IndexTable *t, uint32_t h) {
+/* A Slot (offset, nbytes, checksum or None) for a row starting at page `start`. */
+static PyObject *it_new_slot(IndexTable *t, long long start, long long nbytes, int has_ck, uint64_t cksum) {
     PyTypeObject *tp = (PyTypeObject *)t->slot_type;
     PyObject *s = tp->tp_alloc(tp, 3);
     if (s == NULL)
         return NULL;
-    PyObject *off = PyLong_FromLongLong(t->start[h] * t->alignment);
-    PyObject *nb = PyLong_FromLongLong(t->nbytes[h]);
-    PyObject *ck = (t->state[h] & IT_HAS_CK) ? PyLong_FromUnsignedLongLong(t->cksum[h]) : Py_NewRef(Py_None);
+    PyObject *off = PyLong_FromLongLong(start * t->alignment);
+    PyObject *nb = PyLong_FromLongLong(nbytes);
+    PyObject *ck = has_ck ? PyLong_FromUnsignedLongLong(cksum) : Py_NewRef(Py_None);
     if (off == NULL || nb == NULL || ck == NULL) {
         Py_XDECREF(off); Py_XDECREF(nb); Py_XDECREF(ck); Py_DECREF(s);
         return NULL;
@@ -1099,6 +1100,10 @@ static PyObject *it_slot(IndexTable *t, uint32_t h) {
     PyTuple_SET_ITEM(s, 1, nb);
     PyTuple_SET_ITEM(s, 2, ck);
     return s;
+}
+
+static PyObject *it_slot(IndexTable *t, uint32_t h) {
+    return it_new_slot(t, t->start[h], t->nbytes[h], (t->state[h] & IT_HAS_CK) != 0, t->cksum[h]);
 }
 
 #define IT_STATE(t, h) ((t)->state[h] & 0x7f)
@@ -1205,9 +1210,10 @@ static int it_room_for(IndexTable *t, uint64_t rows) {
     return size > t->tmask + 1 ? it_rehash(t, size) : 0;
 }
 
-/* A new pending row for digest d at the empty cell (after it_make_room); returns its Slot. */
-static PyObject *it_add_row(IndexTable *t, PyObject *key, const uint64_t d[2], uint64_t cell, long long start,
-                            uint32_t npages, long long nbytes) {
+/* A new pending row for digest d at the empty cell (after it_make_room). Allocates nothing, so it cannot
+ * fail: callers make the row's Slot first, and a reservation that runs out of memory changes nothing. */
+static void it_put_row(IndexTable *t, PyObject *key, const uint64_t d[2], uint64_t cell, long long start,
+                       uint32_t npages, long long nbytes) {
     uint32_t h = t->free_head;
     if (h != IT_NIL)
         t->free_head = t->next_[h];
@@ -1226,7 +1232,6 @@ static PyObject *it_add_row(IndexTable *t, PyObject *key, const uint64_t d[2], u
     t->table[cell] = IT_CELL(d[0], h);
     t->used++;
     t->reserved++;
-    return it_slot(t, h);
 }
 
 /* add(key, start, npages, nbytes) -> Slot: a new pending row; the caller checked the key is absent. */
@@ -1244,7 +1249,10 @@ static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
     }
     if (it_make_room(t, d, &cell) < 0)
         return NULL;
-    return it_add_row(t, key, d, cell, start, npages, nbytes);
+    PyObject *slot = it_new_slot(t, start, nbytes, 0, 0);
+    if (slot != NULL)
+        it_put_row(t, key, d, cell, start, npages, nbytes);
+    return slot;
 }
 
 /* commit(key, checksum) -> 1 committed, -1 no reservation, or (start, npages) to free (removed meanwhile). */
@@ -1711,40 +1719,50 @@ static size_t pr_lower(const PageRuns *r, uint64_t n) { /* first index with lens
         r->field = p;                                                                                   \
     } while (0)
 
-static int pr_add(PageRuns *r, uint64_t start, uint64_t length) {
+/* Room for one more run: its node, its length class and its hash cells. pr_take and pr_free make it before
+ * they drop a run, so the pr_add after the drop cannot fail: one that runs out of memory changes nothing. */
+static int pr_room(PageRuns *r) {
     if ((r->nruns + 1) * 2 > r->mask + 1 && pr_rehash(r, (r->mask + 1) * 2) < 0)
         return -1;
-    uint32_t node = r->nfree;
-    if (node != IT_NIL) {
-        r->nfree = r->next[node];
-    } else {
-        if (r->nfresh == r->ncap) {
-            uint64_t n = (uint64_t)r->ncap * 2;
-            if (n >= IT_NIL) {
-                PyErr_SetString(PyExc_MemoryError, "umbp: too many free page runs");
-                return -1;
-            }
-            PR_GROW(rstart, uint64_t, n);
-            PR_GROW(rlen, uint64_t, n);
-            PR_GROW(prev, uint32_t, n);
-            PR_GROW(next, uint32_t, n);
-            r->ncap = (uint32_t)n;
+    if (r->nfree == IT_NIL && r->nfresh == r->ncap) {
+        uint64_t n = (uint64_t)r->ncap * 2;
+        if (n >= IT_NIL) {
+            PyErr_SetString(PyExc_MemoryError, "umbp: too many free page runs");
+            return -1;
         }
-        node = r->nfresh++;
+        PR_GROW(rstart, uint64_t, n);
+        PR_GROW(rlen, uint64_t, n);
+        PR_GROW(prev, uint32_t, n);
+        PR_GROW(next, uint32_t, n);
+        r->ncap = (uint32_t)n;
     }
+    if (r->nlens == r->lcap) {
+        size_t n = r->lcap * 2;
+        PR_GROW(lens, uint64_t, n);
+        PR_GROW(head, uint32_t, n);
+        PR_GROW(tail, uint32_t, n);
+        r->lcap = n;
+    }
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+static int pr_add(PageRuns *r, uint64_t start, uint64_t length) {
+    if (pr_room(r) < 0)
+        return -1;
+    uint32_t node = r->nfree;
+    if (node != IT_NIL)
+        r->nfree = r->next[node];
+    else
+        node = r->nfresh++;
     r->rstart[node] = start;
     r->rlen[node] = length;
     pr_put(r, 0, node);
     pr_put(r, 1, node);
     size_t i = pr_lower(r, length);
     if (i == r->nlens || r->lens[i] != length) {
-        if (r->nlens == r->lcap) {
-            size_t n = r->lcap * 2;
-            PR_GROW(lens, uint64_t, n);
-            PR_GROW(head, uint32_t, n);
-            PR_GROW(tail, uint32_t, n);
-            r->lcap = n;
-        }
         size_t k = r->nlens - i;
         memmove(r->lens + i + 1, r->lens + i, k * sizeof(uint64_t));
         memmove(r->head + i + 1, r->head + i, k * sizeof(uint32_t));
@@ -1763,9 +1781,6 @@ static int pr_add(PageRuns *r, uint64_t start, uint64_t length) {
     r->free_pages += (long long)length;
     r->nruns++;
     return 0;
-nomem:
-    PyErr_NoMemory();
-    return -1;
 }
 
 static void pr_drop(PageRuns *r, uint32_t node) {
@@ -1789,11 +1804,24 @@ static void pr_drop(PageRuns *r, uint32_t node) {
     r->nruns--;
 }
 
-/* Take a run of n > 0 pages (best fit) into *start: 1, 0 when no free run is long enough, -1 (no memory). */
+/* Where pr_take would take n > 0 pages from, into *start, changing nothing: 1, or 0 when no free run is long
+ * enough. A reservation makes its Slots from it before taking the pages (see it_put_row). */
+static int pr_peek(const PageRuns *r, uint64_t n, uint64_t *start) {
+    size_t i = pr_lower(r, n);
+    if (i == r->nlens)
+        return 0;
+    *start = r->rstart[r->head[i]];
+    return 1;
+}
+
+/* Take a run of n > 0 pages (best fit) into *start: 1, 0 when no free run is long enough, -1 (no memory,
+ * nothing changed). */
 static int pr_take(PageRuns *r, uint64_t n, uint64_t *start) {
     size_t i = pr_lower(r, n);
     if (i == r->nlens)
         return 0;
+    if (pr_room(r) < 0) /* before the drop: see pr_room */
+        return -1;
     uint32_t node = r->head[i];
     uint64_t length = r->rlen[node];
     *start = r->rstart[node];
@@ -1811,16 +1839,18 @@ static PyObject *PageRuns_alloc(PageRuns *r, PyObject *arg) {
         return NULL;
     if (n <= 0)
         return PyLong_FromLong(0);
-    int got = pr_take(r, (uint64_t)n, &start);
-    if (got < 0)
-        return NULL;
-    if (got == 0)
+    if (!pr_peek(r, (uint64_t)n, &start))
         Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(start);
+    PyObject *out = PyLong_FromUnsignedLongLong(start); /* before the take: out of memory changes nothing */
+    if (out != NULL && pr_take(r, (uint64_t)n, &start) < 0)
+        Py_CLEAR(out);
+    return out;
 }
 
 /* The run [start, start + length) back to the free space, merged with free neighbours: 0, or -1 (no memory). */
 static int pr_free(PageRuns *r, uint64_t start, uint64_t length) {
+    if (pr_room(r) < 0) /* before the drops: see pr_room */
+        return -1;
     uint32_t left = pr_find(r, 1, start);
     if (left != IT_NIL) {
         start = r->rstart[left];
@@ -1898,12 +1928,17 @@ static PyObject *PageRuns_reserve_row(PageRuns *r, PyObject *const *args, Py_ssi
         Py_RETURN_NONE;
     if (it_make_room(t, d, &cell) < 0)
         return NULL;
-    int got = pr_take(r, (uint64_t)npages, &start);
-    if (got < 0)
-        return NULL;
-    if (got == 0)
+    if (!pr_peek(r, (uint64_t)npages, &start))
         Py_RETURN_NONE;
-    return it_add_row(t, key, d, cell, (long long)start, (uint32_t)npages, nbytes);
+    PyObject *slot = it_new_slot(t, (long long)start, nbytes, 0, 0); /* before any change: see it_put_row */
+    if (slot == NULL)
+        return NULL;
+    if (pr_take(r, (uint64_t)npages, &start) < 0) { /* the run pr_peek saw, or out of memory */
+        Py_DECREF(slot);
+        return NULL;
+    }
+    it_put_row(t, key, d, cell, (long long)start, (uint32_t)npages, nbytes);
+    return slot;
 }
 
 static int cmp_u64(const void *a, const void *b) {
@@ -1947,27 +1982,28 @@ static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ss
         if (first[i] == first[i - 1]) /* a repeated key (or, once in ~2^64, two keys sharing a first word) */
             goto none;
     }
-    /* every row and cell before the pages: nothing below fails short of a Slot's allocation */
+    /* room for every row and cell first (growing them changes no answer); then the Slots, then the pages */
     if (it_room_for(t, (uint64_t)t->used + (uint64_t)n) < 0)
         goto done;
+    if (!pr_peek(r, (uint64_t)(npages * n), &start))
+        goto none;
     if ((out = PyList_New(n)) == NULL)
         goto done;
-    int got = pr_take(r, (uint64_t)(npages * n), &start);
-    if (got <= 0) {
-        Py_CLEAR(out);
-        if (got == 0)
-            goto none;
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) { /* rows and cells are there: only a Slot's allocation can fail */
-        uint64_t cell = it_probe(t, d + 2 * i), page = start + (uint64_t)(i * npages);
-        PyObject *slot = it_add_row(t, PyList_GET_ITEM(keys, i), d + 2 * i, cell, (long long)page,
-                                    (uint32_t)npages, nbytes);
+    for (Py_ssize_t i = 0; i < n; i++) { /* every Slot before any change: out of memory changes nothing */
+        PyObject *slot = it_new_slot(t, (long long)(start + (uint64_t)(i * npages)), nbytes, 0, 0);
         if (slot == NULL) {
             Py_CLEAR(out);
-            break;
+            goto done;
         }
         PyList_SET_ITEM(out, i, slot);
+    }
+    if (pr_take(r, (uint64_t)(npages * n), &start) < 0) { /* the run pr_peek saw, or out of memory */
+        Py_CLEAR(out);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* rows and cells have room (it_room_for): nothing fails here */
+        uint64_t cell = it_probe(t, d + 2 * i), page = start + (uint64_t)(i * npages);
+        it_put_row(t, PyList_GET_ITEM(keys, i), d + 2 * i, cell, (long long)page, (uint32_t)npages, nbytes);
     }
     goto done;
 none:

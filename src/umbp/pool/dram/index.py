@@ -223,7 +223,11 @@ class DramIndex:
         if start is None:
             self.reserve_failures += 1
             return None
-        return self._table.add(key, start, npages, nbytes)
+        try:
+            return self._table.add(key, start, npages, nbytes)
+        except BaseException:  # out of memory: nothing reserved (the C table adds no row), the pages back
+            self._alloc.free(start, npages)
+            raise
 
     def reserve_many(self, keys: Sequence[str], nbytes: int) -> list[Slot | None]:
         """Slots for several new objects of one size, adjacent in the arena when one free run can take
@@ -244,17 +248,42 @@ class DramIndex:
             and all(state(k) == 0 for k in keys)
         )
         if not simple:  # reserve() gives each odd case its own answer or error
-            return [self.reserve(k, nbytes) for k in keys]
+            return self._reserve_each(keys, nbytes)
         npages = -(-nbytes // self.alignment)
         total = npages * len(keys)
         start = None
+        # made before the pages are taken (between that and the try, an allocation failing would leak
+        # them); filled in place, which allocates nothing
+        add, slots = self._table.add, [None] * len(keys)
         if total <= self._alloc.free_pages + self._table.lru_pages:
             self._make_room(total)
             start = self._alloc.alloc(total)
         if start is None:
-            return [self.reserve(k, nbytes) for k in keys]
-        add = self._table.add
-        return [add(key, start + i * npages, npages, nbytes) for i, key in enumerate(keys)]
+            return self._reserve_each(keys, nbytes)
+        try:
+            for i, key in enumerate(keys):
+                slots[i] = add(key, start + i * npages, npages, nbytes)
+        except BaseException:  # out of memory part-way: the rows made so far dropped, every page back
+            for key, slot in zip(keys, slots):
+                if slot is not None:
+                    self._table.abort(key)
+            self._alloc.free(start, total)
+            raise
+        return slots
+
+    def _reserve_each(self, keys: list[str], nbytes: int) -> list[Slot | None]:
+        """reserve() per key. Out of memory part-way gives back the reservations made so far (the caller
+        gets no slot to commit or abort them by); any other error keeps them, as the reference does."""
+        slots: list[Slot | None] = [None] * len(keys)  # filled in place: storing allocates nothing
+        try:
+            for i, key in enumerate(keys):
+                slots[i] = self.reserve(key, nbytes)
+        except MemoryError:
+            for key, slot in zip(keys, slots):
+                if slot is not None:
+                    self.abort(key)
+            raise
+        return slots
 
     def _make_room(self, npages: int) -> None:
         """Past the high watermark, evict least-recently-used objects down to the low one (at most
