@@ -288,3 +288,58 @@ def test_running_out_of_memory_in_a_reservation_leaks_nothing(many, stored):
     else:
         pytest.fail("no call succeeded")
     assert failures >= 2  # every call allocates its Slot and offset: failures reached the index itself
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["reserve", "reserve_many"])
+@pytest.mark.parametrize("evicting", [False, True], ids=["one-call", "evicting"])
+def test_a_collection_inside_a_reservation_cannot_give_two_keys_one_slot(many, evicting):
+    """Making a Slot is a tracked allocation, which can start a garbage collection, and a collection runs
+    finalizers: any Python code, here one that reserves in the same index. With a collection at nearly
+    every allocation and such a finalizer freed by each, every slot handed out is where its key's row
+    is, no two overlap, and every key is found (a reservation looks at the table and the free runs only
+    after it has made its Slots). Evicting: an arena of 256 pages, every key committed at once, so most
+    reservations take the full path (IndexTable.add)."""
+    _native_or_skip(True)
+    index = DramIndex((256 if evicting else 4096) * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=True)
+    got: dict[str, tuple[int, int]] = {}
+
+    def keep(keys, slots):
+        for key, slot in zip(keys, slots):
+            assert slot is not None, key
+            got[key] = (slot.offset, slot.nbytes)
+            if evicting:
+                assert index.commit(key)
+
+    class Reentrant:
+        count = 0
+
+        def __init__(self):
+            self.cycle = self  # freed only by a collection
+
+        def __del__(self):
+            Reentrant.count += 1
+            key = f"inner/{Reentrant.count}"
+            keep([key], [index.reserve(key, ALIGN)])
+            if Reentrant.count < 2000:
+                Reentrant()  # garbage for the next collection, which may come inside a C call
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1)  # a collection every other tracked allocation
+    try:
+        for i in range(300):
+            Reentrant()
+            keys = [f"outer/{i}/{j}" for j in range(3 if many else 1)]
+            keep(keys, index.reserve_many(keys, ALIGN) if many else [index.reserve(keys[0], ALIGN)])
+    finally:
+        gc.set_threshold(*threshold)
+        gc.collect()
+    assert Reentrant.count > 100  # finalizers did run, in the middle of the test's reservations
+    rows = {key: (offset, n) for key, offset, n, _state in index.allocations()}
+    assert {k: got[k][0] for k in rows} == {k: v[0] for k, v in rows.items()}
+    assert len(rows) == (min(len(got), 256) if evicting else len(got))  # no row lost, none extra
+    if evicting:
+        assert index.lookup(list(rows)) == [True] * len(rows)
+    spans = sorted(rows.values())
+    assert all(a + n <= b for (a, n), (b, _m) in zip(spans, spans[1:])), "two rows share pages"
+    assert index.stats()["reserved"] == (0 if evicting else len(got))

@@ -1106,6 +1106,20 @@ static PyObject *it_slot(IndexTable *t, uint32_t h) {
     return it_new_slot(t, t->start[h], t->nbytes[h], (t->state[h] & IT_HAS_CK) != 0, t->cksum[h]);
 }
 
+/* A reservation's Slots are made before it looks at the table or the free runs: a Slot is a GC-tracked
+ * object, making one can start a garbage collection, and a collection runs finalizers, any Python code,
+ * which may reserve or free in this very index. A Slot made for pages not yet chosen holds offset 0 until
+ * it_slot_at sets it: an int, whose making starts no collection. */
+static int it_slot_at(IndexTable *t, PyObject *slot, long long start) {
+    PyObject *off = PyLong_FromLongLong(start * t->alignment);
+    if (off == NULL)
+        return -1;
+    PyObject *old = PyTuple_GET_ITEM(slot, 0);
+    PyTuple_SET_ITEM(slot, 0, off);
+    Py_DECREF(old);
+    return 0;
+}
+
 #define IT_STATE(t, h) ((t)->state[h] & 0x7f)
 
 static PyObject *it_run(IndexTable *t, uint32_t h) {
@@ -1211,7 +1225,8 @@ static int it_room_for(IndexTable *t, uint64_t rows) {
 }
 
 /* A new pending row for digest d at the empty cell (after it_make_room). Allocates nothing, so it cannot
- * fail: callers make the row's Slot first, and a reservation that runs out of memory changes nothing. */
+ * fail, and runs no Python code: callers make the row's Slot first (see it_slot_at), and a reservation
+ * that runs out of memory changes nothing. */
 static void it_put_row(IndexTable *t, PyObject *key, const uint64_t d[2], uint64_t cell, long long start,
                        uint32_t npages, long long nbytes) {
     uint32_t h = t->free_head;
@@ -1240,19 +1255,23 @@ static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
     long long start, nbytes;
     unsigned int npages;
     uint64_t d[2];
-    if (!PyArg_ParseTuple(args, "ULIL", &key, &start, &npages, &nbytes) || it_digest(t, key, d) < 0)
+    if (!PyArg_ParseTuple(args, "ULIL", &key, &start, &npages, &nbytes))
         return NULL;
+    PyObject *slot = it_new_slot(t, start, nbytes, 0, 0); /* first: see it_slot_at */
+    if (slot == NULL || it_digest(t, key, d) < 0)
+        goto fail;
     uint64_t cell = it_probe(t, d);
     if (t->table[cell] != 0) {
         PyErr_SetString(PyExc_KeyError, "umbp: IndexTable.add of a key already present");
-        return NULL;
+        goto fail;
     }
     if (it_make_room(t, d, &cell) < 0)
-        return NULL;
-    PyObject *slot = it_new_slot(t, start, nbytes, 0, 0);
-    if (slot != NULL)
-        it_put_row(t, key, d, cell, start, npages, nbytes);
+        goto fail;
+    it_put_row(t, key, d, cell, start, npages, nbytes);
     return slot;
+fail:
+    Py_XDECREF(slot);
+    return NULL;
 }
 
 /* commit(key, checksum) -> 1 committed, -1 no reservation, or (start, npages) to free (removed meanwhile). */
@@ -1719,7 +1738,7 @@ static size_t pr_lower(const PageRuns *r, uint64_t n) { /* first index with lens
         r->field = p;                                                                                   \
     } while (0)
 
-/* Room for one more run: its node, its length class and its hash cells. pr_take and pr_free make it before
+/* Room for one more run: its node, its length class and its hash cells. pr_take_at and pr_free make it before
  * they drop a run, so the pr_add after the drop cannot fail: one that runs out of memory changes nothing. */
 static int pr_room(PageRuns *r) {
     if ((r->nruns + 1) * 2 > r->mask + 1 && pr_rehash(r, (r->mask + 1) * 2) < 0)
@@ -1804,31 +1823,24 @@ static void pr_drop(PageRuns *r, uint32_t node) {
     r->nruns--;
 }
 
-/* Where pr_take would take n > 0 pages from, into *start, changing nothing: 1, or 0 when no free run is long
- * enough. A reservation makes its Slots from it before taking the pages (see it_put_row). */
-static int pr_peek(const PageRuns *r, uint64_t n, uint64_t *start) {
+/* The best-fit free run for n > 0 pages, changing nothing: its length class (r->nlens when no free run is
+ * long enough), and where it starts in *start. pr_take_at takes the pages; callers make what can fail (a
+ * Slot's offset, an int) in between, so that running out of memory changes nothing. */
+static size_t pr_fit(const PageRuns *r, uint64_t n, uint64_t *start) {
     size_t i = pr_lower(r, n);
-    if (i == r->nlens)
-        return 0;
-    *start = r->rstart[r->head[i]];
-    return 1;
+    *start = i < r->nlens ? r->rstart[r->head[i]] : 0;
+    return i;
 }
 
-/* Take a run of n > 0 pages (best fit) into *start: 1, 0 when no free run is long enough, -1 (no memory,
+/* Take n pages from the front of the first run of length class i (pr_fit's answer): 0, or -1 (no memory,
  * nothing changed). */
-static int pr_take(PageRuns *r, uint64_t n, uint64_t *start) {
-    size_t i = pr_lower(r, n);
-    if (i == r->nlens)
-        return 0;
-    if (pr_room(r) < 0) /* before the drop: see pr_room */
+static int pr_take_at(PageRuns *r, size_t i, uint64_t n) {
+    if (pr_room(r) < 0) /* before the drop: see pr_room (growing the length arrays keeps class i) */
         return -1;
     uint32_t node = r->head[i];
-    uint64_t length = r->rlen[node];
-    *start = r->rstart[node];
+    uint64_t start = r->rstart[node], length = r->rlen[node];
     pr_drop(r, node);
-    if (length > n && pr_add(r, *start + n, length - n) < 0)
-        return -1;
-    return 1;
+    return length > n ? pr_add(r, start + n, length - n) : 0; /* cannot fail: pr_room made room */
 }
 
 /* alloc(n) -> start page of a fresh run of n pages (best fit), or None if no free run is long enough. */
@@ -1839,10 +1851,11 @@ static PyObject *PageRuns_alloc(PageRuns *r, PyObject *arg) {
         return NULL;
     if (n <= 0)
         return PyLong_FromLong(0);
-    if (!pr_peek(r, (uint64_t)n, &start))
+    size_t fit = pr_fit(r, (uint64_t)n, &start);
+    if (fit == r->nlens)
         Py_RETURN_NONE;
     PyObject *out = PyLong_FromUnsignedLongLong(start); /* before the take: out of memory changes nothing */
-    if (out != NULL && pr_take(r, (uint64_t)n, &start) < 0)
+    if (out != NULL && pr_take_at(r, fit, (uint64_t)n) < 0)
         Py_CLEAR(out);
     return out;
 }
@@ -1905,6 +1918,11 @@ static int rr_args(PageRuns *r, PyObject *const *args, Py_ssize_t nargs, const c
     return 1;
 }
 
+/* Whether `pages` more pages in use would lift the pages in use above max_used (the high watermark). */
+static int rr_over(const PageRuns *r, long long pages, long long max_used) {
+    return r->npages - r->free_pages + pages > max_used;
+}
+
 /* reserve_row(table, key, nbytes, max_used) -> Slot, or None: DramIndex.reserve's common case in one call
  * and one hash of the key. It answers only an absent str key with an int size that fits the arena and whose
  * pages fit in a free run without lifting the pages in use above max_used (the high watermark), i.e. when
@@ -1918,27 +1936,34 @@ static PyObject *PageRuns_reserve_row(PageRuns *r, PyObject *const *args, Py_ssi
     if (ok < 0)
         return NULL;
     PyObject *key = args[1];
-    if (!ok || !PyUnicode_Check(key) || r->npages - r->free_pages + npages > max_used)
-        Py_RETURN_NONE;
-    uint64_t d[2], start;
-    if (it_digest(t, key, d) < 0)
-        return NULL;
-    uint64_t cell = it_probe(t, d);
-    if (t->table[cell] != 0)
-        Py_RETURN_NONE;
-    if (it_make_room(t, d, &cell) < 0)
-        return NULL;
-    if (!pr_peek(r, (uint64_t)npages, &start))
-        Py_RETURN_NONE;
-    PyObject *slot = it_new_slot(t, (long long)start, nbytes, 0, 0); /* before any change: see it_put_row */
+    if (!ok || !PyUnicode_Check(key) || rr_over(r, npages, max_used))
+        Py_RETURN_NONE; /* (the watermark again below, after the Slot: this one only spares making it) */
+    PyObject *slot = it_new_slot(t, 0, nbytes, 0, 0); /* before looking at anything: see it_slot_at */
     if (slot == NULL)
         return NULL;
-    if (pr_take(r, (uint64_t)npages, &start) < 0) { /* the run pr_peek saw, or out of memory */
-        Py_DECREF(slot);
-        return NULL;
-    }
+    uint64_t d[2], start;
+    if (rr_over(r, npages, max_used))
+        goto none;
+    if (it_digest(t, key, d) < 0)
+        goto fail;
+    uint64_t cell = it_probe(t, d);
+    if (t->table[cell] != 0)
+        goto none;
+    if (it_make_room(t, d, &cell) < 0)
+        goto fail;
+    size_t fit = pr_fit(r, (uint64_t)npages, &start);
+    if (fit == r->nlens)
+        goto none;
+    if (it_slot_at(t, slot, (long long)start) < 0 || pr_take_at(r, fit, (uint64_t)npages) < 0)
+        goto fail;
     it_put_row(t, key, d, cell, (long long)start, (uint32_t)npages, nbytes);
     return slot;
+none:
+    Py_DECREF(slot);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(slot);
+    return NULL;
 }
 
 static int cmp_u64(const void *a, const void *b) {
@@ -1958,15 +1983,27 @@ static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ss
         return NULL;
     PyObject *keys = args[1];
     Py_ssize_t n = PyList_CheckExact(keys) ? PyList_GET_SIZE(keys) : 0;
-    if (!ok || n < 2 || nbytes == 0 || (uint64_t)n > (uint64_t)(IT_MAX_ROWS - t->used))
-        Py_RETURN_NONE;
-    if (npages > r->npages / n || r->npages - r->free_pages + npages * n > max_used)
-        Py_RETURN_NONE;
-    uint64_t *d = PyMem_RawMalloc((size_t)n * 3 * sizeof(uint64_t)), start;
-    if (d == NULL)
-        return PyErr_NoMemory();
+    if (!ok || n < 2 || nbytes == 0 || npages > r->npages / n || rr_over(r, npages * n, max_used))
+        Py_RETURN_NONE; /* (the watermark again below, after the Slots: this one only spares making them) */
+    PyObject *slots = PyList_New(n), *out = NULL; /* the Slots before looking at anything: see it_slot_at */
+    if (slots == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *slot = it_new_slot(t, 0, nbytes, 0, 0);
+        if (slot == NULL) {
+            Py_DECREF(slots);
+            return NULL;
+        }
+        PyList_SET_ITEM(slots, i, slot);
+    }
+    uint64_t *d = NULL, start;
+    if ((uint64_t)n > (uint64_t)(IT_MAX_ROWS - t->used) || rr_over(r, npages * n, max_used))
+        goto none;
+    if ((d = PyMem_RawMalloc((size_t)n * 3 * sizeof(uint64_t))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     uint64_t *first = d + 2 * n; /* the digests' first words, sorted: a repeated key shows as a repeat */
-    PyObject *out = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
         if (!PyUnicode_Check(key))
@@ -1982,33 +2019,30 @@ static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ss
         if (first[i] == first[i - 1]) /* a repeated key (or, once in ~2^64, two keys sharing a first word) */
             goto none;
     }
-    /* room for every row and cell first (growing them changes no answer); then the Slots, then the pages */
+    /* room for every row and cell (growing them changes no answer), the Slots' offsets, then the pages:
+     * what can fail comes before anything changes */
     if (it_room_for(t, (uint64_t)t->used + (uint64_t)n) < 0)
         goto done;
-    if (!pr_peek(r, (uint64_t)(npages * n), &start))
+    size_t fit = pr_fit(r, (uint64_t)(npages * n), &start);
+    if (fit == r->nlens)
         goto none;
-    if ((out = PyList_New(n)) == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) { /* every Slot before any change: out of memory changes nothing */
-        PyObject *slot = it_new_slot(t, (long long)(start + (uint64_t)(i * npages)), nbytes, 0, 0);
-        if (slot == NULL) {
-            Py_CLEAR(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (it_slot_at(t, PyList_GET_ITEM(slots, i), (long long)(start + (uint64_t)(i * npages))) < 0)
             goto done;
-        }
-        PyList_SET_ITEM(out, i, slot);
     }
-    if (pr_take(r, (uint64_t)(npages * n), &start) < 0) { /* the run pr_peek saw, or out of memory */
-        Py_CLEAR(out);
+    if (pr_take_at(r, fit, (uint64_t)(npages * n)) < 0)
         goto done;
-    }
     for (Py_ssize_t i = 0; i < n; i++) { /* rows and cells have room (it_room_for): nothing fails here */
         uint64_t cell = it_probe(t, d + 2 * i), page = start + (uint64_t)(i * npages);
         it_put_row(t, PyList_GET_ITEM(keys, i), d + 2 * i, cell, (long long)page, (uint32_t)npages, nbytes);
     }
+    out = slots;
+    slots = NULL;
     goto done;
 none:
     out = Py_NewRef(Py_None);
 done:
+    Py_XDECREF(slots);
     PyMem_RawFree(d);
     return out;
 }
