@@ -343,3 +343,137 @@ def test_a_collection_inside_a_reservation_cannot_give_two_keys_one_slot(many, e
     spans = sorted(rows.values())
     assert all(a + n <= b for (a, n), (b, _m) in zip(spans, spans[1:])), "two rows share pages"
     assert index.stats()["reserved"] == (0 if evicting else len(got))
+
+
+def _stored(index, n: int, pinned: int = 0, removed: int = 0) -> list[str]:
+    """n committed one-page keys; the first `pinned` pinned, the first `removed` of those removed (doomed)."""
+    keys = [f"k/{i}" for i in range(n)]
+    for k in keys:
+        assert index.reserve(k, ALIGN) is not None and index.commit(k)
+    index.pin(keys[:pinned])
+    index.remove(keys[:removed])
+    return keys
+
+
+def _pages(index) -> tuple:
+    """What a call that failed must leave as it was: counters, rows, the pages in use."""
+    return _snapshot(index)[:3]
+
+
+@pytest.mark.parametrize("use_native", TABLES)
+@pytest.mark.parametrize("bad", [5, "\ud800"], ids=["not-str", "not-utf8"])
+def test_a_bad_key_changes_nothing_in_pin_unpin_or_remove(use_native, bad):
+    """A bad key anywhere in pin / unpin / remove raises before anything changes: found half-way, it left
+    the keys before it pinned (a pin the caller never got back could never be undone, and those pages
+    would never be evicted) or their pages in no row and never handed back."""
+    _native_or_skip(use_native)
+    index = DramIndex(64 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=use_native)
+    keys = _stored(index, 6, pinned=4, removed=2)  # k/0, k/1 doomed, k/2, k/3 pinned
+    before = _pages(index)
+    for call, arg in (
+        (index.pin, [keys[4], bad]),
+        (index.unpin, [keys[0], keys[2], bad]),
+        (index.unpin, iter([keys[1], bad])),
+        (index.remove, [keys[5], keys[3], bad]),
+    ):
+        with pytest.raises((TypeError, UnicodeEncodeError)):
+            call(arg)
+        assert _pages(index) == before, call.__name__
+    index.unpin(keys[:4])  # every pin there was, once: the doomed keys' pages come back
+    stats = index.stats()
+    assert stats["pinned"] == 0 and stats["used_bytes"] == 4 * ALIGN and len(index) == 4
+
+
+@pytest.mark.parametrize("op", ["pin", "unpin", "remove", "clear"])
+def test_running_out_of_memory_in_pin_unpin_or_remove_changes_nothing(op):
+    """Out of memory at any one allocation inside the C table's pin / unpin / remove / clear and the
+    allocator's hand-back of the freed runs (as in the reservation test above): a failed call leaves
+    counters, rows and pages as they were (the table hashes its keys, makes its Slots, runs and answer,
+    and the allocator makes room, before anything changes); the call that succeeds hands back every page
+    it freed. (Through DramIndex, the interpreter's own allocations between the two calls remain.)"""
+    _native_or_skip(True)
+    testcapi = pytest.importorskip("_testcapi")
+    failures = 0
+    for k in range(1, 400):
+        index = DramIndex(64 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=True)
+        keys = _stored(index, 12, pinned=8, removed=4)
+        table, alloc = index._table, index._alloc
+        arg = {"pin": keys[2:10], "unpin": keys[:6], "remove": keys[3:11]}.get(op)
+        call = getattr(table, op)
+        before = _pages(index)
+        got = None
+        testcapi.set_nomemory(k, k + 1)
+        try:  # nothing of the test's own allocates inside the window
+            alloc.room_for(len(arg) if arg is not None else len(table))
+            got = call(arg) if arg is not None else call()
+            if op != "pin":
+                alloc.free_many(got[0 if op == "unpin" else 1])
+        except MemoryError:
+            pass
+        finally:
+            testcapi.remove_mem_hooks()
+        rows = index.allocations()
+        assert sum(n for *_rest, n, _state in rows) == index.stats()["used_bytes"], (op, k)
+        if got is not None:
+            break
+        failures += 1
+        assert _pages(index) == before, (op, k)
+    else:
+        pytest.fail("no call succeeded")
+    assert failures >= 1, op  # the failures reached the index's own allocations (small tuples and lists
+    # come from free lists, so fewer calls allocate than make objects)
+    assert _pages(index) != before
+
+
+@pytest.mark.parametrize("use_native", TABLES)
+@pytest.mark.parametrize("op", ["remove", "clear"])
+def test_a_collection_inside_a_removal_cannot_free_pages_it_pins(use_native, op):
+    """A removal makes a run tuple per freed row, and a collection started there runs finalizers: here one
+    that pins the very keys being removed. Every pin it gets must keep its pages (the row doomed, not
+    freed): pages freed under a pin would go to the next reservation while a reader still copies them.
+    Each removal runs with a collection due at every tracked allocation and the free list of 2-tuples
+    drained (a tuple from it is no allocation, and starts no collection)."""
+    _native_or_skip(use_native)
+    index = DramIndex(4096 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=use_native)
+    held: dict[str, int] = {}
+    batch: list[str] = []
+
+    class Reentrant:
+        count = turn = 0
+
+        def __init__(self):
+            self.cycle = self  # freed only by a collection
+
+        def __del__(self):
+            Reentrant.count += 1
+            Reentrant.turn += 1
+            if Reentrant.turn < 4:
+                Reentrant()  # for the next collection: the first may come before the removal starts
+            if Reentrant.turn >= 2:
+                for key, slot in zip(batch, index.pin(batch)):
+                    if slot is not None:
+                        held.setdefault(key, slot.offset)
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    try:
+        for i in range(300):
+            batch[:] = [f"k/{i}/{j}" for j in range(3)]
+            for key in batch:
+                assert index.reserve(key, ALIGN) is not None and index.commit(key)
+            hog = [(j, -j) for j in range(2500)]
+            Reentrant.turn = 0
+            Reentrant()
+            gc.set_threshold(1)
+            if op == "clear":
+                index.clear()
+            else:
+                index.remove(batch)
+            gc.set_threshold(*threshold)
+            del hog
+    finally:
+        gc.set_threshold(*threshold)
+        gc.collect()
+    assert Reentrant.count > 100 and held
+    rows = {key: offset for key, offset, _n, _state in index.allocations()}
+    assert {k: rows.get(k) for k in held} == held, "pages freed under a pin"

@@ -1075,12 +1075,49 @@ static void it_delete(IndexTable *t, uint32_t h) {
         }
     }
     t->table[i] = 0;
-    if (t->keep_keys)
-        Py_CLEAR(t->keys[h]);
+    PyObject *key = NULL;
+    if (t->keep_keys) {
+        key = t->keys[h];
+        t->keys[h] = NULL;
+    }
     t->state[h] = IT_FREE;
     t->next_[h] = t->free_head;
     t->free_head = h;
     t->used--;
+    Py_XDECREF(key); /* last, the row gone: a str subclass's __del__ may use the table */
+}
+
+/* While a method changes several rows and makes Python objects as it goes (Slots, runs, keys), garbage
+ * collection is held off: a collection runs finalizers, any Python code, which could read or change this
+ * table half-way through, e.g. pin a row between its leaving the LRU and its deletion, and be handed pages
+ * about to be freed. What the method makes meanwhile is collected later. */
+static int it_gc_hold(void) {
+    return PyGC_Disable();
+}
+
+static void it_gc_release(int was_enabled) {
+    if (was_enabled)
+        PyGC_Enable();
+}
+
+/* The digests of a sequence's keys, computed before a method changes anything: a bad key (not a str, or a
+ * str UTF-8 cannot encode) then raises with the table as it was; found half-way, it left the keys before
+ * it pinned, or their pages in no row and never handed back. `extra` more words are allocated after the
+ * 2 * n digest words for the caller. NULL with an error set, or a PyMem_RawMalloc block. */
+static uint64_t *it_digests(IndexTable *t, PyObject *seq, size_t extra) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uint64_t *d = PyMem_RawMalloc(((size_t)n * 2 + extra + 1) * sizeof(uint64_t));
+    if (d == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (it_digest(t, PySequence_Fast_GET_ITEM(seq, i), d + 2 * i) < 0) {
+            PyMem_RawFree(d);
+            return NULL;
+        }
+    }
+    return d;
 }
 
 /* A Slot (offset, nbytes, checksum or None) for a row starting at page `start`. */
@@ -1257,7 +1294,12 @@ static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
     uint64_t d[2];
     if (!PyArg_ParseTuple(args, "ULIL", &key, &start, &npages, &nbytes))
         return NULL;
-    PyObject *slot = it_new_slot(t, start, nbytes, 0, 0); /* first: see it_slot_at */
+    /* the table keeps exact str keys: dropping one then runs no Python code (a subclass's __del__ could) */
+    PyObject *exact = PyUnicode_CheckExact(key) ? Py_NewRef(key) : PyUnicode_FromObject(key), *slot = NULL;
+    if (exact == NULL)
+        return NULL;
+    key = exact;
+    slot = it_new_slot(t, start, nbytes, 0, 0); /* first: see it_slot_at */
     if (slot == NULL || it_digest(t, key, d) < 0)
         goto fail;
     uint64_t cell = it_probe(t, d);
@@ -1268,8 +1310,10 @@ static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
     if (it_make_room(t, d, &cell) < 0)
         goto fail;
     it_put_row(t, key, d, cell, start, npages, nbytes);
+    Py_DECREF(exact);
     return slot;
 fail:
+    Py_DECREF(exact);
     Py_XDECREF(slot);
     return NULL;
 }
@@ -1292,13 +1336,18 @@ static PyObject *IndexTable_commit(IndexTable *t, PyObject *const *args, Py_ssiz
             return NULL;
         t->cksum[h] = v;
     }
-    t->reserved--;
-    if (IT_STATE(t, h) == IT_PENDING_DOOMED) {
-        t->deferred--;
+    if (IT_STATE(t, h) == IT_PENDING_DOOMED) { /* removed meanwhile: its pages go back */
+        int gc = it_gc_hold();                  /* (the run made first: on failure nothing changed) */
         PyObject *run = it_run(t, h);
-        it_delete(t, h);
+        if (run != NULL) {
+            t->reserved--;
+            t->deferred--;
+            it_delete(t, h);
+        }
+        it_gc_release(gc);
         return run;
     }
+    t->reserved--;
     t->state[h] = IT_COMMITTED | (ck != Py_None ? IT_HAS_CK : 0);
     it_lru_push(t, h);
     t->live++;
@@ -1313,12 +1362,15 @@ static PyObject *IndexTable_abort(IndexTable *t, PyObject *key) {
         return NULL;
     if (h == IT_NIL || (IT_STATE(t, h) != IT_PENDING && IT_STATE(t, h) != IT_PENDING_DOOMED))
         Py_RETURN_NONE;
-    t->reserved--;
-    if (IT_STATE(t, h) == IT_PENDING_DOOMED)
-        t->deferred--;
-    PyObject *run = it_run(t, h);
-    if (run != NULL)
+    int gc = it_gc_hold();
+    PyObject *run = it_run(t, h); /* first: on failure nothing changed */
+    if (run != NULL) {
+        t->reserved--;
+        if (IT_STATE(t, h) == IT_PENDING_DOOMED)
+            t->deferred--;
         it_delete(t, h);
+    }
+    it_gc_release(gc);
     return run;
 }
 
@@ -1368,87 +1420,45 @@ static PyObject *IndexTable_slot_of(IndexTable *t, PyObject *key) {
     return it_slot(t, h);
 }
 
-/* pin(keys) -> [Slot | None] */
+/* pin(keys) -> [Slot | None]. All or nothing: every key is hashed and every Slot made before the first pin,
+ * so a bad key or a failed allocation leaves no key pinned (a pin the caller never got could never be
+ * undone: its pages would stay out of reach of eviction for good). */
 static PyObject *IndexTable_pin(IndexTable *t, PyObject *keys) {
     PyObject *seq = PySequence_Fast(keys, "umbp: pin() takes a sequence of keys");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = PyList_New(n);
+    uint64_t *d = it_digests(t, seq, 0);
+    PyObject *out = d != NULL ? PyList_New(n) : NULL;
+    int gc = it_gc_hold(); /* from the Slots to the pins nothing else may change the rows */
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        uint32_t h;
-        PyObject *item = NULL;
-        if (it_find_key(t, PySequence_Fast_GET_ITEM(seq, i), &h) < 0) {
+        uint32_t h = it_find(t, d + 2 * i);
+        PyObject *item = h != IT_NIL && IT_STATE(t, h) == IT_COMMITTED ? it_slot(t, h) : Py_NewRef(Py_None);
+        if (item == NULL)
             Py_CLEAR(out);
-            break;
-        }
-        if (h == IT_NIL || IT_STATE(t, h) != IT_COMMITTED) {
-            item = Py_NewRef(Py_None);
-        } else {
-            if (t->pins[h] == 0) {
-                it_lru_unlink(t, h);
-                t->pinned++;
-            }
-            t->pins[h]++;
-            item = it_slot(t, h);
-            if (item == NULL) {
-                Py_CLEAR(out);
-                break;
-            }
-        }
-        PyList_SET_ITEM(out, i, item);
+        else
+            PyList_SET_ITEM(out, i, item);
     }
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) { /* allocates nothing: cannot fail */
+        if (PyList_GET_ITEM(out, i) == Py_None)
+            continue;
+        uint32_t h = it_find(t, d + 2 * i);
+        if (t->pins[h] == 0) {
+            it_lru_unlink(t, h);
+            t->pinned++;
+        }
+        t->pins[h]++;
+    }
+    it_gc_release(gc);
+    PyMem_RawFree(d);
     Py_DECREF(seq);
     return out;
 }
 
-/* unpin(keys) -> ([(start, npages) to free], first key without a pin or None). Stops at that key. */
-static PyObject *IndexTable_unpin(IndexTable *t, PyObject *keys) {
-    PyObject *it = PyObject_GetIter(keys), *freed = PyList_New(0), *bad = NULL, *k;
-    if (it == NULL || freed == NULL)
-        goto fail;
-    while ((k = PyIter_Next(it)) != NULL) {
-        uint32_t h;
-        if (it_find_key(t, k, &h) < 0) {
-            Py_DECREF(k);
-            goto fail;
-        }
-        int st = h == IT_NIL ? IT_FREE : IT_STATE(t, h);
-        if ((st != IT_COMMITTED && st != IT_DOOMED) || t->pins[h] == 0) {
-            bad = k;
-            break;
-        }
-        Py_DECREF(k);
-        if (--t->pins[h] == 0) {
-            t->pinned--;
-            if (st == IT_COMMITTED) {
-                it_lru_push(t, h); /* a read is a use: most recently used */
-            } else {
-                PyObject *run = it_run(t, h);
-                if (run == NULL || PyList_Append(freed, run) < 0) {
-                    Py_XDECREF(run);
-                    goto fail;
-                }
-                Py_DECREF(run);
-                t->deferred--;
-                it_delete(t, h);
-            }
-        }
-    }
-    if (PyErr_Occurred())
-        goto fail;
-    Py_DECREF(it);
-    PyObject *res = Py_BuildValue("(NO)", freed, bad ? bad : Py_None);
-    Py_XDECREF(bad);
-    return res;
-fail:
-    Py_XDECREF(it);
-    Py_XDECREF(freed);
-    return NULL;
-}
-
-/* Remove row h if committed (1) or doom it if pending (0); appends runs to free to `freed`. */
-static int it_remove_row(IndexTable *t, uint32_t h, PyObject *freed) {
+/* Remove row h: a committed row is removed (1), its pages handed back now if unpinned (see it_frees_now),
+ * else by its last unpin; a pending row is doomed (0), its pages handed back by its commit or abort.
+ * Allocates nothing and cannot fail: the caller made the run it hands back first (it_runs_ahead). */
+static int it_remove_row(IndexTable *t, uint32_t h) {
     int st = IT_STATE(t, h);
     if (st == IT_PENDING) {
         t->state[h] = IT_PENDING_DOOMED;
@@ -1465,61 +1475,189 @@ static int it_remove_row(IndexTable *t, uint32_t h, PyObject *freed) {
         return 1;
     }
     it_lru_unlink(t, h);
-    PyObject *run = it_run(t, h);
-    if (run == NULL || PyList_Append(freed, run) < 0) {
-        Py_XDECREF(run);
-        return -1;
-    }
-    Py_DECREF(run);
     it_delete(t, h);
     return 1;
 }
 
-/* remove(keys) -> (removed, [(start, npages) to free]) */
-static PyObject *IndexTable_remove(IndexTable *t, PyObject *keys) {
-    PyObject *it = PyObject_GetIter(keys), *freed = PyList_New(0), *k;
-    Py_ssize_t removed = 0;
-    if (it == NULL || freed == NULL)
-        goto fail;
-    while ((k = PyIter_Next(it)) != NULL) {
-        uint32_t h;
-        int r = it_find_key(t, k, &h);
-        Py_DECREF(k);
-        if (r < 0)
-            goto fail;
-        if (h != IT_NIL) {
-            if ((r = it_remove_row(t, h, freed)) < 0)
-                goto fail;
-            removed += r;
-        }
-    }
-    if (PyErr_Occurred())
-        goto fail;
-    Py_DECREF(it);
-    return Py_BuildValue("(nN)", removed, freed);
-fail:
-    Py_XDECREF(it);
-    Py_XDECREF(freed);
-    return NULL;
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
 }
 
-/* clear() -> (removed, [(start, npages) to free]): every committed row removed, every pending one doomed. */
-static PyObject *IndexTable_clear(IndexTable *t, PyObject *unused) {
-    PyObject *freed = PyList_New(0);
-    Py_ssize_t removed = 0;
-    if (freed == NULL)
-        return NULL;
-    for (uint32_t h = 0; h < t->fresh; h++) {
-        if (IT_STATE(t, h) == IT_FREE)
-            continue;
-        int r = it_remove_row(t, h, freed);
-        if (r < 0) {
-            Py_DECREF(freed);
-            return NULL;
-        }
-        removed += r;
+/* Whether removing row h hands its pages back now. */
+static int it_frees_now(IndexTable *t, uint32_t h) {
+    return IT_STATE(t, h) == IT_COMMITTED && t->pins[h] == 0;
+}
+
+/* Whether an unpin of row h may hand its pages back (a removed row's pin; the last one does). */
+static int it_doomed(IndexTable *t, uint32_t h) {
+    return IT_STATE(t, h) == IT_DOOMED && t->pins[h] > 0;
+}
+
+/* Pages handed back must reach the caller, and making a run's tuple can fail; so remove and unpin make
+ * them before they change anything: runs[i] for each key i whose row `frees` (NULL for the others), the
+ * list to hand them back in, with room for all of them (filled with PyList_SET_ITEM, its length set at the
+ * end: appending can fail too), and the method's 2-tuple answer. 0, or -1 with an error set and nothing
+ * made. */
+static int it_runs_ahead(IndexTable *t, const uint64_t *d, Py_ssize_t n, int (*frees)(IndexTable *, uint32_t),
+                         PyObject ***runs, PyObject **freed, PyObject **res) {
+    Py_ssize_t count = 0;
+    *freed = NULL;
+    if ((*res = PyTuple_New(2)) == NULL)
+        return -1;
+    *runs = PyMem_RawCalloc((size_t)n + 1, sizeof(PyObject *));
+    if (*runs == NULL) {
+        PyErr_NoMemory();
+        goto fail;
     }
-    return Py_BuildValue("(nN)", removed, freed);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t h = it_find(t, d + 2 * i);
+        if (h == IT_NIL || !frees(t, h))
+            continue;
+        if (((*runs)[i] = it_run(t, h)) == NULL)
+            goto fail;
+        count++;
+    }
+    if ((*freed = PyList_New(count)) != NULL)
+        return 0;
+fail:
+    for (Py_ssize_t i = 0; *runs != NULL && i < n; i++)
+        Py_XDECREF((*runs)[i]);
+    PyMem_RawFree(*runs);
+    *runs = NULL;
+    Py_CLEAR(*res);
+    return -1;
+}
+
+/* it_runs_ahead's list with the runs actually handed back (`used` of them), and the unused runs dropped. */
+static PyObject *it_runs_done(PyObject **runs, Py_ssize_t n, PyObject *freed, Py_ssize_t used) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_XDECREF(runs[i]);
+    PyMem_RawFree(runs);
+    Py_SET_SIZE(freed, used); /* (the items past it were never set) */
+    return freed;
+}
+
+/* remove(keys) -> (removed, [(start, npages) to free]). All or nothing: every key hashed, every run and the
+ * answer made first (it_digests, it_runs_ahead; `removed` counted as the distinct committed rows). */
+static PyObject *IndexTable_remove(IndexTable *t, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "umbp: remove() takes an iterable of keys"), *freed, **runs, *res = NULL;
+    Py_ssize_t n = seq != NULL ? PySequence_Fast_GET_SIZE(seq) : 0, removed = 0, used = 0;
+    uint64_t *d = seq != NULL ? it_digests(t, seq, (size_t)n) : NULL;
+    if (d == NULL) {
+        Py_XDECREF(seq);
+        return NULL;
+    }
+    uint64_t *rows = d + 2 * n;
+    int gc = it_gc_hold(); /* the rows as it_runs_ahead saw them until the last one is removed */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t h = it_find(t, d + 2 * i);
+        if (h != IT_NIL && IT_STATE(t, h) == IT_COMMITTED)
+            rows[removed++] = h;
+    }
+    qsort(rows, (size_t)removed, sizeof(uint64_t), cmp_u64);
+    Py_ssize_t distinct = 0;
+    for (Py_ssize_t i = 0; i < removed; i++)
+        distinct += i == 0 || rows[i] != rows[i - 1];
+    PyObject *count = PyLong_FromSsize_t(distinct);
+    if (count != NULL && it_runs_ahead(t, d, n, it_frees_now, &runs, &freed, &res) == 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t h = it_find(t, d + 2 * i);
+            if (h == IT_NIL)
+                continue;
+            int now = it_frees_now(t, h);
+            it_remove_row(t, h);
+            if (now) {
+                PyList_SET_ITEM(freed, used++, runs[i]);
+                runs[i] = NULL;
+            }
+        }
+        PyTuple_SET_ITEM(res, 0, Py_NewRef(count));
+        PyTuple_SET_ITEM(res, 1, it_runs_done(runs, n, freed, used));
+    }
+    Py_XDECREF(count);
+    it_gc_release(gc);
+    PyMem_RawFree(d);
+    Py_XDECREF(seq);
+    return res;
+}
+
+/* clear() -> (removed, [(start, npages) to free] in page order): every committed row removed, every pending
+ * one doomed. The answer made first: on failure nothing changed. */
+static PyObject *IndexTable_clear(IndexTable *t, PyObject *unused) {
+    int gc = it_gc_hold(); /* from the count of the runs to the last row removed */
+    Py_ssize_t m = 0;
+    for (uint32_t h = 0; h < t->fresh; h++)
+        m += it_frees_now(t, h);
+    uint64_t *v = PyMem_RawMalloc(((size_t)m * 2 + 1) * sizeof(uint64_t));
+    PyObject *res = v != NULL ? Py_BuildValue("(nN)", t->live, PyList_New(m)) : PyErr_NoMemory();
+    if (res == NULL) {
+        it_gc_release(gc);
+        PyMem_RawFree(v);
+        return NULL;
+    }
+    Py_ssize_t k = 0;
+    for (uint32_t h = 0; h < t->fresh; h++) {
+        if (it_frees_now(t, h)) {
+            v[2 * k] = (uint64_t)t->start[h];
+            v[2 * k++ + 1] = t->npages[h];
+        }
+    }
+    qsort(v, (size_t)m, 2 * sizeof(uint64_t), cmp_u64); /* page order: see DramIndex.clear */
+    PyObject *freed = PyTuple_GET_ITEM(res, 1);
+    for (Py_ssize_t i = 0; res != NULL && i < m; i++) {
+        PyObject *run = Py_BuildValue("(KK)", (unsigned long long)v[2 * i], (unsigned long long)v[2 * i + 1]);
+        if (run == NULL)
+            Py_CLEAR(res);
+        else
+            PyList_SET_ITEM(freed, i, run);
+    }
+    for (uint32_t h = 0; res != NULL && h < t->fresh; h++) {
+        if (IT_STATE(t, h) != IT_FREE)
+            it_remove_row(t, h);
+    }
+    it_gc_release(gc);
+    PyMem_RawFree(v);
+    return res;
+}
+
+/* unpin(keys) -> ([(start, npages) to free], first key without a pin or None). Stops at that key. Every key
+ * hashed, every run and the answer made first (it_digests, it_runs_ahead). */
+static PyObject *IndexTable_unpin(IndexTable *t, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "umbp: unpin() takes an iterable of keys"), *freed, **runs, *res = NULL;
+    uint64_t *d = seq != NULL ? it_digests(t, seq, 0) : NULL;
+    Py_ssize_t n = d != NULL ? PySequence_Fast_GET_SIZE(seq) : 0, used = 0;
+    PyObject *bad = Py_None;
+    if (d != NULL) {
+        int gc = it_gc_hold();
+        if (it_runs_ahead(t, d, n, it_doomed, &runs, &freed, &res) == 0) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint32_t h = it_find(t, d + 2 * i);
+                int st = h == IT_NIL ? IT_FREE : IT_STATE(t, h);
+                if ((st != IT_COMMITTED && st != IT_DOOMED) || t->pins[h] == 0) {
+                    bad = PySequence_Fast_GET_ITEM(seq, i);
+                    break;
+                }
+                if (--t->pins[h])
+                    continue;
+                t->pinned--;
+                if (st == IT_COMMITTED) {
+                    it_lru_push(t, h); /* a read is a use: most recently used */
+                    continue;
+                }
+                PyList_SET_ITEM(freed, used++, runs[i]); /* the removed row's last pin: its pages go back */
+                runs[i] = NULL;
+                t->deferred--;
+                it_delete(t, h);
+            }
+            PyTuple_SET_ITEM(res, 0, it_runs_done(runs, n, freed, used));
+            PyTuple_SET_ITEM(res, 1, Py_NewRef(bad));
+        }
+        it_gc_release(gc);
+    }
+    PyMem_RawFree(d);
+    Py_XDECREF(seq);
+    return res;
 }
 
 /* evict() -> (key, Slot, start, npages) of the least recently used unpinned committed row, removed; or None. */
@@ -1527,8 +1665,10 @@ static PyObject *IndexTable_evict(IndexTable *t, PyObject *unused) {
     uint32_t h = t->lru_head;
     if (h == IT_NIL)
         Py_RETURN_NONE;
+    int gc = it_gc_hold(); /* h stays the LRU's head while its answer is made */
     PyObject *res = Py_BuildValue("(NNLI)", it_key(t, h), it_slot(t, h), (long long)t->start[h],
                                   (unsigned int)t->npages[h]);
+    it_gc_release(gc);
     if (res == NULL)
         return NULL;
     it_lru_unlink(t, h);
@@ -1768,6 +1908,42 @@ nomem:
     return -1;
 }
 
+/* Room for m more runs (as pr_room for one): then m frees in a row allocate nothing. */
+static int pr_room_for(PageRuns *r, uint64_t m) {
+    uint64_t size = r->mask + 1;
+    while ((r->nruns + m) * 2 > size)
+        size *= 2;
+    if (size > r->mask + 1 && pr_rehash(r, size) < 0)
+        return -1;
+    if ((uint64_t)r->ncap - r->nfresh < m) { /* (nodes on the free list not counted: room enough either way) */
+        uint64_t n = (uint64_t)r->ncap;
+        while (n - r->nfresh < m)
+            n *= 2;
+        if (n >= IT_NIL) {
+            PyErr_SetString(PyExc_MemoryError, "umbp: too many free page runs");
+            return -1;
+        }
+        PR_GROW(rstart, uint64_t, n);
+        PR_GROW(rlen, uint64_t, n);
+        PR_GROW(prev, uint32_t, n);
+        PR_GROW(next, uint32_t, n);
+        r->ncap = (uint32_t)n;
+    }
+    if (r->lcap - r->nlens < m) {
+        size_t n = r->lcap;
+        while (n - r->nlens < m)
+            n *= 2;
+        PR_GROW(lens, uint64_t, n);
+        PR_GROW(head, uint32_t, n);
+        PR_GROW(tail, uint32_t, n);
+        r->lcap = n;
+    }
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
 static int pr_add(PageRuns *r, uint64_t start, uint64_t length) {
     if (pr_room(r) < 0)
         return -1;
@@ -1878,6 +2054,56 @@ static int pr_free(PageRuns *r, uint64_t start, uint64_t length) {
     return pr_add(r, start, length);
 }
 
+/* room_for(m) -> None: room for m more free runs, so that the next free_many of up to m runs allocates
+ * nothing. An index op that takes pages off its rows calls it first (an upper bound: one run per key), so
+ * that the pages it took are never lost to a free that ran out of memory. */
+static PyObject *PageRuns_room_for(PageRuns *r, PyObject *arg) {
+    Py_ssize_t m = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
+    if (m == -1 && PyErr_Occurred())
+        return NULL;
+    if (m < 0 || (uint64_t)m >= IT_NIL) {
+        PyErr_SetString(PyExc_ValueError, "umbp: PageRuns.room_for(m) takes 0 <= m < 2**32 - 1");
+        return NULL;
+    }
+    if (pr_room_for(r, (uint64_t)m) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* free_many(runs) -> None: every (start, n) of a list or tuple back to the free space, in order, all or none:
+ * every run is checked before the first is freed, and with room made (room_for) nothing here allocates. */
+static PyObject *PageRuns_free_many(PageRuns *r, PyObject *runs) {
+    if (!PyList_Check(runs) && !PyTuple_Check(runs)) {
+        PyErr_SetString(PyExc_TypeError, "umbp: PageRuns.free_many takes a list of (start, n)");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(runs), m = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *run = PySequence_Fast_GET_ITEM(runs, i);
+            long long s = -1, k = -1;
+            if (PyTuple_Check(run) && PyTuple_GET_SIZE(run) == 2) {
+                s = PyLong_AsLongLong(PyTuple_GET_ITEM(run, 0));
+                k = s < 0 ? -1 : PyLong_AsLongLong(PyTuple_GET_ITEM(run, 1));
+            }
+            if (PyErr_Occurred() || s < 0) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "umbp: PageRuns.free_many takes (start >= 0, n) pairs");
+                return NULL; /* (only in the first pass: the second reads the same ints) */
+            }
+            if (k <= 0)
+                continue;
+            if (pass == 0)
+                m++;
+            else
+                pr_free(r, (uint64_t)s, (uint64_t)k); /* room made below: cannot fail */
+        }
+        if (pass == 0 && pr_room_for(r, (uint64_t)m) < 0)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* free(start, n): the run back to the free space, merged with free neighbours. */
 static PyObject *PageRuns_free(PageRuns *r, PyObject *args) {
     long long s, n;
@@ -1924,8 +2150,8 @@ static int rr_over(const PageRuns *r, long long pages, long long max_used) {
 }
 
 /* reserve_row(table, key, nbytes, max_used) -> Slot, or None: DramIndex.reserve's common case in one call
- * and one hash of the key. It answers only an absent str key with an int size that fits the arena and whose
- * pages fit in a free run without lifting the pages in use above max_used (the high watermark), i.e. when
+ * and one hash of the key. It answers only an absent exact str key with an int size that fits the arena and
+ * whose pages fit in a free run without lifting the pages in use above max_used (the high watermark), i.e. when
  * the Python path would evict nothing. Anything else (a bad argument, a present or busy key, a reservation
  * that must evict or cannot fit) is None with nothing changed, and the caller takes the full path, which
  * gives that case its answer or error. Same slot as the full path (same best-fit run). */
@@ -1936,7 +2162,7 @@ static PyObject *PageRuns_reserve_row(PageRuns *r, PyObject *const *args, Py_ssi
     if (ok < 0)
         return NULL;
     PyObject *key = args[1];
-    if (!ok || !PyUnicode_Check(key) || rr_over(r, npages, max_used))
+    if (!ok || !PyUnicode_CheckExact(key) || rr_over(r, npages, max_used))
         Py_RETURN_NONE; /* (the watermark again below, after the Slot: this one only spares making it) */
     PyObject *slot = it_new_slot(t, 0, nbytes, 0, 0); /* before looking at anything: see it_slot_at */
     if (slot == NULL)
@@ -1966,13 +2192,8 @@ fail:
     return NULL;
 }
 
-static int cmp_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* reserve_rows(table, keys, nbytes, max_used) -> [Slot], or None: DramIndex.reserve_many's common case in
- * one call: a list of >= 2 distinct absent str keys, one int size that fits the arena, all of whose pages fit
+ * one call: a list of >= 2 distinct absent exact str keys, one int size that fits the arena, all of whose pages fit
  * in one free run (adjacent slots, in key order) without lifting the pages in use above max_used. Anything
  * else is None with nothing changed, and the caller takes the full path (same slots: the same best-fit run). */
 static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ssize_t nargs) {
@@ -2006,7 +2227,7 @@ static PyObject *PageRuns_reserve_rows(PageRuns *r, PyObject *const *args, Py_ss
     uint64_t *first = d + 2 * n; /* the digests' first words, sorted: a repeated key shows as a repeat */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
-        if (!PyUnicode_Check(key))
+        if (!PyUnicode_CheckExact(key)) /* (the full path keeps an exact copy: see IndexTable_add) */
             goto none;
         if (it_digest(t, key, d + 2 * i) < 0)
             goto done;
@@ -2076,6 +2297,10 @@ static PyObject *PageRuns_evict_lru(PageRuns *r, PyObject *args) {
             Py_DECREF(key);
         }
         uint64_t start = (uint64_t)t->start[h], npages = t->npages[h];
+        if (npages > 0 && pr_free(r, start, npages) < 0) { /* first: on failure the row keeps its pages */
+            Py_DECREF(keys);
+            return NULL;
+        }
         it_lru_unlink(t, h);
         t->live--;
         t->live_bytes -= t->nbytes[h];
@@ -2084,10 +2309,6 @@ static PyObject *PageRuns_evict_lru(PageRuns *r, PyObject *args) {
         count++;
         victims--;
         freed += (long long)npages;
-        if (npages > 0 && pr_free(r, start, npages) < 0) {
-            Py_DECREF(keys);
-            return NULL;
-        }
     }
     return Py_BuildValue("(LLN)", count, nbytes, keys);
 }
@@ -2163,6 +2384,8 @@ static void PageRuns_dealloc(PageRuns *r) {
 static PyMethodDef PageRuns_methods[] = {
     {"alloc", (PyCFunction)PageRuns_alloc, METH_O, NULL},
     {"free", (PyCFunction)PageRuns_free, METH_VARARGS, NULL},
+    {"free_many", (PyCFunction)PageRuns_free_many, METH_O, NULL},
+    {"room_for", (PyCFunction)PageRuns_room_for, METH_O, NULL},
     {"largest_free", (PyCFunction)PageRuns_largest_free, METH_NOARGS, NULL},
     {"free_runs", (PyCFunction)PageRuns_free_runs, METH_NOARGS, NULL},
     {"evict_lru", (PyCFunction)PageRuns_evict_lru, METH_VARARGS, NULL},

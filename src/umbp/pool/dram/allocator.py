@@ -11,6 +11,7 @@ integers are stored (no per-object buffers), and every operation is O(log distin
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 
 class PageAllocator:
@@ -74,6 +75,14 @@ class PageAllocator:
             self._drop_run(start + n, right_len)
             n += right_len
         self._add_run(start, n)
+
+    def room_for(self, m: int) -> None:
+        """The C PageRuns makes room for m more free runs here (see free_many); dicts need none made."""
+
+    def free_many(self, runs: Sequence[tuple[int, int]]) -> None:
+        """free() of every run, in order (the C PageRuns' does all or none)."""
+        for start, n in runs:
+            self.free(start, n)
 
     def largest_free(self) -> int:
         return self._lens[-1] if self._lens else 0

@@ -116,6 +116,14 @@ def make_table(alignment: int, keep_keys: bool, use_native: bool | None = None) 
     return cls(os.urandom(16), alignment, Slot, keep_keys)
 
 
+def _listed(keys: Iterable[str]) -> list[str] | tuple[str, ...]:
+    """The keys of an op that frees pages, as a list (its length bounds the runs it frees). Such an op
+    makes room for those runs in the allocator first, and the table makes its answer before it changes a
+    row: out of memory then fails the op before it takes any page off a row, never after, when the pages
+    would be in no row and never handed back."""
+    return keys if isinstance(keys, (list, tuple)) else list(keys)
+
+
 class DramIndex:
     """key -> Slot(offset, nbytes) inside a fixed capacity; no bytes. See the module docstring."""
 
@@ -376,28 +384,28 @@ class DramIndex:
         return self._table.pin(keys)
 
     def unpin(self, keys: Iterable[str]) -> None:
+        keys = _listed(keys)
+        self._alloc.room_for(len(keys))  # see _listed
         freed, bad = self._table.unpin(keys)
-        self._free_runs(freed)
+        self._alloc.free_many(freed)
         if bad is not None:
             raise SlotStateError(f"umbp: unpin('{bad}') without a matching pin")
 
-    def _free_runs(self, runs: list[tuple[int, int]]) -> None:
-        free = self._alloc.free
-        for start, npages in runs:
-            free(start, npages)
-
     def remove(self, keys: Iterable[str]) -> int:
         """Make keys absent; returns how many were committed. Pinned/reserved pages are freed later."""
+        keys = _listed(keys)
+        self._alloc.room_for(len(keys))
         removed, freed = self._table.remove(keys)
-        self._free_runs(freed)
+        self._alloc.free_many(freed)
         return removed
 
     def clear(self) -> int:
         """Remove every object and cancel every reservation; returns how many objects were removed."""
+        self._alloc.room_for(len(self._table))
+        # in page order (the table's answer): which free run the next reservation gets then follows from
+        # the pages alone, not from the order the table keeps its rows in (the reference index does the same)
         removed, freed = self._table.clear()
-        # in page order: which free run the next reservation gets then follows from the pages alone, not
-        # from the order the table happens to keep its rows in (the reference index does the same)
-        self._free_runs(sorted(freed))
+        self._alloc.free_many(freed)
         return removed
 
     def drain_evicted(self) -> list[Any]:

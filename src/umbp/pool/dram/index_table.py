@@ -63,6 +63,16 @@ class PyIndexTable:
     def _check(self, key: Any) -> None:
         if not isinstance(key, str):
             raise TypeError(f"umbp: index keys are str, got {type(key).__name__}")
+        if not key.isascii():
+            key.encode()  # as the C table, which hashes UTF-8: a lone surrogate raises UnicodeEncodeError
+
+    def _checked(self, keys: Iterable[Any]) -> list[str]:
+        """Every key checked before a method changes anything (as the C table): a bad key found half-way
+        would leave the keys before it pinned, or their pages in no row and never handed back."""
+        keys = list(keys)
+        for k in keys:
+            self._check(k)
+        return keys
 
     def state(self, key: str) -> int:
         self._check(key)
@@ -132,8 +142,7 @@ class PyIndexTable:
 
     def pin(self, keys: Sequence[str]) -> list[Any]:
         out = []
-        for k in keys:
-            self._check(k)
+        for k in self._checked(keys):
             row = self._rows.get(k)
             if row is None or row.state != COMMITTED:
                 out.append(None)
@@ -147,8 +156,7 @@ class PyIndexTable:
 
     def unpin(self, keys: Iterable[str]) -> tuple[list[tuple[int, int]], str | None]:
         freed: list[tuple[int, int]] = []
-        for k in keys:
-            self._check(k)
+        for k in self._checked(keys):
             row = self._rows.get(k)
             if row is None or row.state not in (COMMITTED, DOOMED) or row.pins == 0:
                 return freed, k
@@ -185,8 +193,7 @@ class PyIndexTable:
     def remove(self, keys: Iterable[str]) -> tuple[int, list[tuple[int, int]]]:
         freed: list[tuple[int, int]] = []
         removed = 0
-        for k in keys:
-            self._check(k)
+        for k in self._checked(keys):
             row = self._rows.get(k)
             if row is not None:
                 removed += self._remove_row(k, row, freed)
@@ -195,7 +202,7 @@ class PyIndexTable:
     def clear(self) -> tuple[int, list[tuple[int, int]]]:
         freed: list[tuple[int, int]] = []
         removed = sum(self._remove_row(k, row, freed) for k, row in list(self._rows.items()))
-        return removed, freed
+        return removed, sorted(freed)  # page order, as the C table
 
     def evict(self) -> tuple[Any, Any, int, int] | None:
         if not self._lru:
