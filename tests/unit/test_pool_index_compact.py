@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from umbp.pool import native
 from umbp.pool.dram.dict_index import DictIndex
 from umbp.pool.dram.index import DramIndex
-from umbp.pool.errors import OptionValueError
+from umbp.pool.errors import BufferSizeError, OptionValueError
 
 ALIGN = 512
 KEYS = [f"key/{i}" for i in range(5)] + ["ключ-é"]  # a non-ASCII key goes through UTF-8 too
@@ -386,35 +386,31 @@ def test_a_bad_key_changes_nothing_in_pin_unpin_or_remove(use_native, bad):
 
 @pytest.mark.parametrize("op", ["pin", "unpin", "remove", "clear"])
 def test_running_out_of_memory_in_pin_unpin_or_remove_changes_nothing(op):
-    """Out of memory at any one allocation inside the C table's pin / unpin / remove / clear and the
-    allocator's hand-back of the freed runs (as in the reservation test above): a failed call leaves
-    counters, rows and pages as they were (the table hashes its keys, makes its Slots, runs and answer,
-    and the allocator makes room, before anything changes); the call that succeeds hands back every page
-    it freed. (Through DramIndex, the interpreter's own allocations between the two calls remain.)"""
+    """Out of memory at any one allocation inside pin / unpin / remove / clear (as in the reservation test
+    above): a failed call leaves counters, rows and pages as they were (the table hashes its keys, makes
+    its Slots, runs and answer, and the allocator makes room for the runs, before anything changes, in one
+    C call: PageRuns.hand_back); the call that succeeds hands back every page it freed."""
     _native_or_skip(True)
     testcapi = pytest.importorskip("_testcapi")
     failures = 0
     for k in range(1, 400):
         index = DramIndex(64 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=True)
         keys = _stored(index, 12, pinned=8, removed=4)
-        table, alloc = index._table, index._alloc
         arg = {"pin": keys[2:10], "unpin": keys[:6], "remove": keys[3:11]}.get(op)
-        call = getattr(table, op)
+        call = getattr(index, op)
         before = _pages(index)
-        got = None
+        done = False
         testcapi.set_nomemory(k, k + 1)
         try:  # nothing of the test's own allocates inside the window
-            alloc.room_for(len(arg) if arg is not None else len(table))
-            got = call(arg) if arg is not None else call()
-            if op != "pin":
-                alloc.free_many(got[0 if op == "unpin" else 1])
+            call(arg) if arg is not None else call()
+            done = True
         except MemoryError:
             pass
         finally:
             testcapi.remove_mem_hooks()
         rows = index.allocations()
         assert sum(n for *_rest, n, _state in rows) == index.stats()["used_bytes"], (op, k)
-        if got is not None:
+        if done:
             break
         failures += 1
         assert _pages(index) == before, (op, k)
@@ -477,3 +473,121 @@ def test_a_collection_inside_a_removal_cannot_free_pages_it_pins(use_native, op)
     assert Reentrant.count > 100 and held
     rows = {key: offset for key, offset, _n, _state in index.allocations()}
     assert {k: rows.get(k) for k in held} == held, "pages freed under a pin"
+
+
+def _fragmented(index, doomed: bool) -> None:
+    """66 one-page keys, k/64 only reserved (and removed with `doomed`), then every other key of the
+    first 62 removed: 32 free runs, so the next isolated run freed makes the allocator grow."""
+    for i in range(66):
+        assert index.reserve(f"k/{i}", ALIGN) is not None
+        if i != 64:
+            index.commit(f"k/{i}")
+    if doomed:
+        index.remove(["k/64"])
+    index.remove([f"k/{i}" for i in range(1, 62, 2)])
+
+
+@pytest.mark.parametrize("op", ["abort", "commit-removed", "evict"])
+def test_running_out_of_memory_when_a_reservation_ends_or_an_object_is_evicted_loses_no_page(op):
+    """abort(), the commit of a reservation removed meanwhile, and an eviction take a row's pages off it
+    and free them; freeing can need the allocator to grow (here: 32 free runs, and the run freed has no
+    free neighbour). Out of memory at any one allocation leaves every page in use in a row
+    (PageRuns.hand_back makes the allocator's room before the table changes the row; before, the row
+    went first and a free that could not grow lost its pages)."""
+    _native_or_skip(True)
+    testcapi = pytest.importorskip("_testcapi")
+    failures = 0
+    for k in range(1, 400):
+        index = DramIndex(200 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=True)
+        if op == "evict":
+            index = DramIndex(64 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=True)
+            index.on_evict = lambda victims: None
+            _stored(index, 64)
+            index.remove([f"k/{i}" for i in range(1, 62, 2)])
+            for i in range(1, 62, 2):  # refilled: the LRU's head k/0 frees an isolated run
+                assert index.reserve(f"f/{i}", ALIGN) is not None and index.commit(f"f/{i}")
+        else:
+            _fragmented(index, doomed=op == "commit-removed")
+        objects = len(index)
+        done = False
+        testcapi.set_nomemory(k, k + 1)
+        try:  # nothing of the test's own allocates inside the window
+            if op == "abort":
+                index.abort("k/64")
+            elif op == "commit-removed":
+                index.commit("k/64")
+            else:
+                index.reserve("new", 2 * ALIGN)
+            done = True
+        except MemoryError:
+            failures += 1
+        finally:
+            testcapi.remove_mem_hooks()
+        rows = index.allocations()
+        assert sum(n for *_rest, n, _state in rows) == index.stats()["used_bytes"], (op, k)
+        assert op == "evict" or len(index) >= objects - 1, (op, k)
+        if done:
+            break
+    else:
+        pytest.fail("no call succeeded")
+    assert failures >= (op == "evict")  # (the aborts find room made by the removals before them)
+
+
+def test_an_evict_callback_that_raises_loses_no_page():
+    _native_or_skip(True)
+    index = DramIndex(8 * ALIGN, 1.0, 1.0, alignment=ALIGN, use_native=True)
+    index.on_evict = lambda victims: (_ for _ in ()).throw(RuntimeError("next tier down"))
+    _stored(index, 8)
+    with pytest.raises(RuntimeError):
+        index.reserve("x", ALIGN)
+    assert index.stats()["used_bytes"] == 7 * ALIGN and len(index) == 7 and index.evictions == 1
+    assert index.reserve("x", ALIGN) is not None  # the victim's page is free
+
+
+@pytest.mark.parametrize("use_native", TABLES)
+def test_an_object_of_more_than_two_to_the_32_pages_is_refused(use_native):
+    """A row's page count is 32 bits: an object of more pages (a small alignment and a large arena) is
+    refused with one clear error, not stored with its page count cut (which left pages used for good)."""
+    _native_or_skip(use_native)
+    index = DramIndex(1 << 37, 1.0, 1.0, alignment=8, use_native=use_native)
+    for call, arg in ((index.reserve, "a"), (index.reserve_many, ["a", "b"])):
+        with pytest.raises(BufferSizeError, match="2\\*\\*32 - 1 pages"):
+            call(arg, ((1 << 32) + 1) * 8)
+    assert index.stats()["used_bytes"] == 0 and index.stats()["reserved"] == 0
+    slot = index.reserve("a", ((1 << 32) - 1) * 8)  # the most pages one object may have
+    assert slot is not None and index.commit("a") and index.remove(["a"]) == 1
+    assert index.stats()["used_bytes"] == 0
+    if use_native:
+        with pytest.raises(OverflowError):
+            index._table.add("b", 0, 1 << 32, 8)
+
+
+def test_running_out_of_memory_in_a_watermark_eviction_counts_every_victim():
+    """The one-call watermark eviction (PageRuns.evict_lru) takes victims one by one; out of memory
+    part-way stops it there and answers the victims taken so far (they are gone: counted and reported),
+    rather than raising with them neither counted nor reported."""
+    _native_or_skip(True)
+    testcapi = pytest.importorskip("_testcapi")
+    for k in range(1, 300):
+        index = DramIndex(64 * ALIGN, 0.5, 0.25, alignment=ALIGN, use_native=True)
+        keys = _stored(index, 32)
+        index.remove(keys[1::4])  # holes: victims free isolated runs too
+        for i in range(8):
+            assert index.reserve(f"g/{i}", ALIGN) is not None and index.commit(f"g/{i}")
+        index.drain_evicted()
+        objects = len(index)
+        done = False
+        testcapi.set_nomemory(k, k + 1)
+        try:  # nothing of the test's own allocates inside the window
+            index.reserve("new", ALIGN)
+            done = True
+        except MemoryError:
+            pass
+        finally:
+            testcapi.remove_mem_hooks()
+        assert objects - len(index) == index.evictions == len(index.drain_evicted()), k
+        if done:
+            break
+    else:
+        pytest.fail("no call succeeded")
+    assert index.evictions > 1

@@ -840,6 +840,7 @@ done:
 
 #define IT_NIL 0xFFFFFFFFu
 #define IT_MAX_ROWS (1u << 31) /* so the key table (<= 2 cells per row) has <= 2^32 cells: see it_home */
+#define IT_MAX_PAGES 0xffffffffull /* a row's page count is 32 bits */
 enum { IT_FREE = 0, IT_PENDING = 1, IT_COMMITTED = 2, IT_PENDING_DOOMED = 3, IT_DOOMED = 4 };
 #define IT_HAS_CK 0x80
 
@@ -1290,10 +1291,14 @@ static void it_put_row(IndexTable *t, PyObject *key, const uint64_t d[2], uint64
 static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
     PyObject *key;
     long long start, nbytes;
-    unsigned int npages;
+    unsigned long long npages;
     uint64_t d[2];
-    if (!PyArg_ParseTuple(args, "ULIL", &key, &start, &npages, &nbytes))
+    if (!PyArg_ParseTuple(args, "ULKL", &key, &start, &npages, &nbytes))
         return NULL;
+    if (npages > IT_MAX_PAGES) {
+        PyErr_SetString(PyExc_OverflowError, "umbp: an object of more than 2**32 - 1 pages");
+        return NULL;
+    }
     /* the table keeps exact str keys: dropping one then runs no Python code (a subclass's __del__ could) */
     PyObject *exact = PyUnicode_CheckExact(key) ? Py_NewRef(key) : PyUnicode_FromObject(key), *slot = NULL;
     if (exact == NULL)
@@ -1309,7 +1314,7 @@ static PyObject *IndexTable_add(IndexTable *t, PyObject *args) {
     }
     if (it_make_room(t, d, &cell) < 0)
         goto fail;
-    it_put_row(t, key, d, cell, start, npages, nbytes);
+    it_put_row(t, key, d, cell, start, (uint32_t)npages, nbytes);
     Py_DECREF(exact);
     return slot;
 fail:
@@ -1318,7 +1323,7 @@ fail:
     return NULL;
 }
 
-/* commit(key, checksum) -> 1 committed, -1 no reservation, or (start, npages) to free (removed meanwhile). */
+/* commit(key, checksum) -> 1 committed, -1 no reservation, 0 removed meanwhile (nothing changed: abort it). */
 static PyObject *IndexTable_commit(IndexTable *t, PyObject *const *args, Py_ssize_t nargs) {
     uint32_t h;
     if (nargs != 2) {
@@ -1336,17 +1341,8 @@ static PyObject *IndexTable_commit(IndexTable *t, PyObject *const *args, Py_ssiz
             return NULL;
         t->cksum[h] = v;
     }
-    if (IT_STATE(t, h) == IT_PENDING_DOOMED) { /* removed meanwhile: its pages go back */
-        int gc = it_gc_hold();                  /* (the run made first: on failure nothing changed) */
-        PyObject *run = it_run(t, h);
-        if (run != NULL) {
-            t->reserved--;
-            t->deferred--;
-            it_delete(t, h);
-        }
-        it_gc_release(gc);
-        return run;
-    }
+    if (IT_STATE(t, h) == IT_PENDING_DOOMED) /* removed meanwhile: the caller aborts it (PageRuns.hand_back) */
+        return PyLong_FromLong(0);
     t->reserved--;
     t->state[h] = IT_COMMITTED | (ck != Py_None ? IT_HAS_CK : 0);
     it_lru_push(t, h);
@@ -1910,14 +1906,28 @@ nomem:
 
 /* Room for m more runs (as pr_room for one): then m frees in a row allocate nothing. */
 static int pr_room_for(PageRuns *r, uint64_t m) {
+    /* free runs lie apart (each merged with its free neighbours), so never more than half the pages are
+     * runs, and their distinct lengths k sum to at most every page (k (k + 1) / 2 <= npages); the bounds
+     * keep a clear() of millions of objects from growing the arrays for a run per object. +1: pr_room
+     * asks for one more than the runs there are, before a free drops its neighbours */
+    uint64_t runs = r->nruns + m, most = ((uint64_t)r->npages + 1) / 2, lens = r->nlens + m, k = 0;
+    for (uint64_t hi = 1ull << 31; k < hi;) {
+        uint64_t mid = (k + hi + 1) / 2;
+        if (mid * (mid + 1) / 2 <= (uint64_t)r->npages)
+            k = mid;
+        else
+            hi = mid - 1;
+    }
+    runs = (runs < most ? runs : most) + 1;
+    lens = (lens < k ? lens : k) + 1;
     uint64_t size = r->mask + 1;
-    while ((r->nruns + m) * 2 > size)
+    while (runs * 2 > size)
         size *= 2;
     if (size > r->mask + 1 && pr_rehash(r, size) < 0)
         return -1;
-    if ((uint64_t)r->ncap - r->nfresh < m) { /* (nodes on the free list not counted: room enough either way) */
+    if (r->ncap < runs) { /* the nodes not holding a run: the free list and the fresh ones */
         uint64_t n = (uint64_t)r->ncap;
-        while (n - r->nfresh < m)
+        while (n < runs)
             n *= 2;
         if (n >= IT_NIL) {
             PyErr_SetString(PyExc_MemoryError, "umbp: too many free page runs");
@@ -1929,9 +1939,9 @@ static int pr_room_for(PageRuns *r, uint64_t m) {
         PR_GROW(next, uint32_t, n);
         r->ncap = (uint32_t)n;
     }
-    if (r->lcap - r->nlens < m) {
+    if (r->lcap < lens) {
         size_t n = r->lcap;
-        while (n - r->nlens < m)
+        while (n < lens)
             n *= 2;
         PR_GROW(lens, uint64_t, n);
         PR_GROW(head, uint32_t, n);
@@ -2054,24 +2064,8 @@ static int pr_free(PageRuns *r, uint64_t start, uint64_t length) {
     return pr_add(r, start, length);
 }
 
-/* room_for(m) -> None: room for m more free runs, so that the next free_many of up to m runs allocates
- * nothing. An index op that takes pages off its rows calls it first (an upper bound: one run per key), so
- * that the pages it took are never lost to a free that ran out of memory. */
-static PyObject *PageRuns_room_for(PageRuns *r, PyObject *arg) {
-    Py_ssize_t m = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
-    if (m == -1 && PyErr_Occurred())
-        return NULL;
-    if (m < 0 || (uint64_t)m >= IT_NIL) {
-        PyErr_SetString(PyExc_ValueError, "umbp: PageRuns.room_for(m) takes 0 <= m < 2**32 - 1");
-        return NULL;
-    }
-    if (pr_room_for(r, (uint64_t)m) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-/* free_many(runs) -> None: every (start, n) of a list or tuple back to the free space, in order, all or none:
- * every run is checked before the first is freed, and with room made (room_for) nothing here allocates. */
+/* Every (start, n) of a list or tuple back to the free space, in order, all or none: every run is checked
+ * before the first is freed, and with room made (pr_room_for) nothing here allocates. Py_None or NULL. */
 static PyObject *PageRuns_free_many(PageRuns *r, PyObject *runs) {
     if (!PyList_Check(runs) && !PyTuple_Check(runs)) {
         PyErr_SetString(PyExc_TypeError, "umbp: PageRuns.free_many takes a list of (start, n)");
@@ -2102,6 +2096,50 @@ static PyObject *PageRuns_free_many(PageRuns *r, PyObject *runs) {
             return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* hand_back(table, op, arg) -> the table's answer, with the pages it took off a row back in this allocator,
+ * in one C call: op 0 unpin(arg: keys), 1 remove(arg: keys), 2 clear(), 3 abort(arg: key; also how a commit
+ * of a reservation removed meanwhile ends), 4 evict() (answer None or (key, Slot, start, npages)). Room for
+ * the runs is made first (one per key at most; per committed row for clear), so once the table has taken
+ * pages off its rows nothing can fail before they are free again: with two calls from Python, the
+ * interpreter's own allocations in between, or the free's growth, could run out of memory and lose them. */
+static PyObject *PageRuns_hand_back(PageRuns *r, PyObject *args) {
+    IndexTable *t;
+    int op;
+    PyObject *arg = Py_None, *seq = NULL, *res = NULL;
+    if (!PyArg_ParseTuple(args, "O!i|O", &IndexTableType, &t, &op, &arg) || op < 0 || op > 4) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "umbp: PageRuns.hand_back(table, op 0-4, arg)");
+        return NULL;
+    }
+    if (op < 2 && (seq = PySequence_Fast(arg, "umbp: hand_back takes a sequence of keys")) == NULL)
+        return NULL;
+    Py_ssize_t room = op < 2 ? PySequence_Fast_GET_SIZE(seq) : op == 2 ? t->live : 1;
+    if (pr_room_for(r, (uint64_t)room) == 0) {
+        switch (op) {
+        case 0: res = IndexTable_unpin(t, seq); break;
+        case 1: res = IndexTable_remove(t, seq); break;
+        case 2: res = IndexTable_clear(t, NULL); break;
+        case 3: res = IndexTable_abort(t, arg); break;
+        default: res = IndexTable_evict(t, NULL); break;
+        }
+    }
+    if (res != NULL && res != Py_None) { /* room made, the table's own ints: nothing below fails */
+        if (op < 3) {
+            PyObject *done = PageRuns_free_many(r, PyTuple_GET_ITEM(res, op == 0 ? 0 : 1));
+            if (done == NULL)
+                Py_CLEAR(res);
+            else
+                Py_DECREF(done);
+        } else {
+            Py_ssize_t at = op == 3 ? 0 : 2;
+            pr_free(r, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(res, at)),
+                    PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(res, at + 1)));
+        }
+    }
+    Py_XDECREF(seq);
+    return res;
 }
 
 /* free(start, n): the run back to the free space, merged with free neighbours. */
@@ -2141,7 +2179,7 @@ static int rr_args(PageRuns *r, PyObject *const *args, Py_ssize_t nargs, const c
         return 0;
     *nbytes = n;
     *npages = n ? (n + align - 1) / align : 1;
-    return 1;
+    return (unsigned long long)*npages <= IT_MAX_PAGES; /* (a longer object: the full path refuses it) */
 }
 
 /* Whether `pages` more pages in use would lift the pages in use above max_used (the high watermark). */
@@ -2287,19 +2325,24 @@ static PyObject *PageRuns_evict_lru(PageRuns *r, PyObject *args) {
         uint32_t h = t->lru_head;
         if (h == IT_NIL)
             break;
+        /* out of memory stops the loop with this victim kept; the victims before it are the answer (they are
+         * gone: the caller must count and report them), or the error if there are none */
         if (want_keys) {
             PyObject *key = it_key(t, h);
             if (key == NULL || PyList_Append(keys, key) < 0) {
                 Py_XDECREF(key);
-                Py_DECREF(keys);
-                return NULL;
+                break;
             }
             Py_DECREF(key);
         }
         uint64_t start = (uint64_t)t->start[h], npages = t->npages[h];
         if (npages > 0 && pr_free(r, start, npages) < 0) { /* first: on failure the row keeps its pages */
-            Py_DECREF(keys);
-            return NULL;
+            if (want_keys) {                                 /* and its key goes back off the list */
+                PyObject *last = PyList_GET_ITEM(keys, PyList_GET_SIZE(keys) - 1);
+                Py_SET_SIZE(keys, PyList_GET_SIZE(keys) - 1);
+                Py_DECREF(last);
+            }
+            break;
         }
         it_lru_unlink(t, h);
         t->live--;
@@ -2309,6 +2352,13 @@ static PyObject *PageRuns_evict_lru(PageRuns *r, PyObject *args) {
         count++;
         victims--;
         freed += (long long)npages;
+    }
+    if (PyErr_Occurred()) {
+        if (count == 0) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyErr_Clear();
     }
     return Py_BuildValue("(LLN)", count, nbytes, keys);
 }
@@ -2384,8 +2434,7 @@ static void PageRuns_dealloc(PageRuns *r) {
 static PyMethodDef PageRuns_methods[] = {
     {"alloc", (PyCFunction)PageRuns_alloc, METH_O, NULL},
     {"free", (PyCFunction)PageRuns_free, METH_VARARGS, NULL},
-    {"free_many", (PyCFunction)PageRuns_free_many, METH_O, NULL},
-    {"room_for", (PyCFunction)PageRuns_room_for, METH_O, NULL},
+    {"hand_back", (PyCFunction)PageRuns_hand_back, METH_VARARGS, NULL},
     {"largest_free", (PyCFunction)PageRuns_largest_free, METH_NOARGS, NULL},
     {"free_runs", (PyCFunction)PageRuns_free_runs, METH_NOARGS, NULL},
     {"evict_lru", (PyCFunction)PageRuns_evict_lru, METH_VARARGS, NULL},

@@ -76,9 +76,6 @@ class PageAllocator:
             n += right_len
         self._add_run(start, n)
 
-    def room_for(self, m: int) -> None:
-        """The C PageRuns makes room for m more free runs here (see free_many); dicts need none made."""
-
     def free_many(self, runs: Sequence[tuple[int, int]]) -> None:
         """free() of every run, in order (the C PageRuns' does all or none)."""
         for start, n in runs:

@@ -116,12 +116,8 @@ def make_table(alignment: int, keep_keys: bool, use_native: bool | None = None) 
     return cls(os.urandom(16), alignment, Slot, keep_keys)
 
 
-def _listed(keys: Iterable[str]) -> list[str] | tuple[str, ...]:
-    """The keys of an op that frees pages, as a list (its length bounds the runs it frees). Such an op
-    makes room for those runs in the allocator first, and the table makes its answer before it changes a
-    row: out of memory then fails the op before it takes any page off a row, never after, when the pages
-    would be in no row and never handed back."""
-    return keys if isinstance(keys, (list, tuple)) else list(keys)
+_UNPIN, _REMOVE, _CLEAR, _ABORT, _EVICT = range(5)  # PageRuns.hand_back's ops
+_MAX_PAGES = (1 << 32) - 1  # pages of one object (a row's page count is 32 bits)
 
 
 class DramIndex:
@@ -215,6 +211,11 @@ class DramIndex:
             )
         if nbytes > self.capacity_bytes:
             raise too_large_error(key, nbytes, self.capacity_bytes)
+        if nbytes > _MAX_PAGES * self.alignment:
+            raise BufferSizeError(
+                f"umbp: object '{key}' of {nbytes} bytes takes more than 2**32 - 1 pages of "
+                f"{self.alignment} bytes (the most one object may have); use a larger alignment"
+            )
         state = self._table.state(key)
         if state == 1 or state == 2:
             raise SlotStateError(
@@ -252,7 +253,7 @@ class DramIndex:
             len(keys) >= 2
             and len(set(keys)) == len(keys)
             and type(nbytes) is int  # noqa: E721
-            and 0 < nbytes <= self.capacity_bytes
+            and 0 < nbytes <= min(self.capacity_bytes, _MAX_PAGES * self.alignment)
             and all(state(k) == 0 for k in keys)
         )
         if not simple:  # reserve() gives each odd case its own answer or error
@@ -345,21 +346,22 @@ class DramIndex:
                 self.on_evict(victims)
 
     def _evict_one(self) -> int | None:
-        """Evict the least recently used object; returns its pages (None: nothing is evictable)."""
-        victim = self._table.evict()
+        """Evict the least recently used object; returns its pages (None: nothing is evictable). Its
+        pages are free before on_evict sees it (as in a batched_evictions block): an on_evict that raises
+        or runs out of memory then loses no page."""
+        victim = self._hand_back(_EVICT)
         if victim is None:
             return None
-        key, slot, start, npages = victim
+        key, slot, _start, npages = victim
+        self.evictions += 1
+        self.evicted_bytes += slot.nbytes
+        if self._track_evicted:
+            self._evicted.append(key)
         if self.on_evict is not None:  # the bytes are intact until the caller reuses the pages
             if self._deferred is not None:
                 self._deferred.append((key, slot))
             else:
                 self.on_evict([(key, slot)])
-        self._alloc.free(start, npages)
-        self.evictions += 1
-        self.evicted_bytes += slot.nbytes
-        if self._track_evicted:
-            self._evicted.append(key)
         return npages
 
     def commit(self, key: str, checksum: int | None = None) -> bool:
@@ -369,44 +371,55 @@ class DramIndex:
             return True
         if done == -1:
             raise SlotStateError(f"umbp: commit('{key}') without a reservation; call reserve() first")
-        self._alloc.free(*done)
+        self._hand_back(_ABORT, key)  # removed meanwhile: the reservation ends, its pages go back
         return False
 
     def abort(self, key: str) -> None:
         """Give a reservation back (the copy failed or was cancelled)."""
-        run = self._table.abort(key)
-        if run is None:
+        if self._hand_back(_ABORT, key) is None:
             raise SlotStateError(f"umbp: abort('{key}') without a reservation")
-        self._alloc.free(*run)
 
     def pin(self, keys: Sequence[str]) -> list[Slot | None]:
         """Read-pin committed keys (None for a miss). Pins nest; every pin needs one unpin."""
         return self._table.pin(keys)
 
     def unpin(self, keys: Iterable[str]) -> None:
-        keys = _listed(keys)
-        self._alloc.room_for(len(keys))  # see _listed
-        freed, bad = self._table.unpin(keys)
-        self._alloc.free_many(freed)
+        bad = self._hand_back(_UNPIN, keys)[1]
         if bad is not None:
             raise SlotStateError(f"umbp: unpin('{bad}') without a matching pin")
 
     def remove(self, keys: Iterable[str]) -> int:
         """Make keys absent; returns how many were committed. Pinned/reserved pages are freed later."""
-        keys = _listed(keys)
-        self._alloc.room_for(len(keys))
-        removed, freed = self._table.remove(keys)
-        self._alloc.free_many(freed)
-        return removed
+        return self._hand_back(_REMOVE, keys)[0]
 
     def clear(self) -> int:
         """Remove every object and cancel every reservation; returns how many objects were removed."""
-        self._alloc.room_for(len(self._table))
-        # in page order (the table's answer): which free run the next reservation gets then follows from
-        # the pages alone, not from the order the table keeps its rows in (the reference index does the same)
-        removed, freed = self._table.clear()
-        self._alloc.free_many(freed)
-        return removed
+        # the freed runs in page order (the table's answer): which free run the next reservation gets
+        # then follows from the pages alone, not from the order the table keeps its rows in (the
+        # reference index does the same)
+        return self._hand_back(_CLEAR)[0]
+
+    def _hand_back(self, op: int, arg: Any = ()) -> Any:
+        """The table's unpin / remove / clear / abort / evict (op), and the pages it took off a row back
+        in the allocator. With the C table, one C call that makes room for the freed runs first
+        (PageRuns.hand_back): running out of memory then fails the op before the table takes a page off a
+        row, never after, when those pages would be in no row and never free again."""
+        if op <= _REMOVE and not isinstance(arg, (list, tuple)):
+            arg = list(arg)
+        if self.native:
+            return self._alloc.hand_back(self._table, op, arg)
+        t = self._table
+        if op == _ABORT:
+            res = t.abort(arg)
+            runs = [res] if res is not None else []
+        elif op == _EVICT:
+            res = t.evict()
+            runs = [res[2:]] if res is not None else []
+        else:
+            res = t.unpin(arg) if op == _UNPIN else t.remove(arg) if op == _REMOVE else t.clear()
+            runs = res[0] if op == _UNPIN else res[1]
+        self._alloc.free_many(runs)
+        return res
 
     def drain_evicted(self) -> list[Any]:
         """Keys evicted since the last call (empty unless track_evicted), so the owner can tell others;

@@ -89,7 +89,7 @@ class PyIndexTable:
         self.reserved += 1
         return self._slot_of(row)
 
-    def commit(self, key: str, checksum: int | None) -> int | tuple[int, int]:
+    def commit(self, key: str, checksum: int | None) -> int:
         self._check(key)
         row = self._rows.get(key)
         if row is None or row.state not in (PENDING, PENDING_DOOMED):
@@ -98,11 +98,9 @@ class PyIndexTable:
             if not 0 <= checksum < 1 << 64:
                 raise OverflowError(f"umbp: checksum {checksum} is not a uint64")
             row.checksum = checksum
+        if row.state == PENDING_DOOMED:  # removed meanwhile: nothing changed, the caller aborts it
+            return 0
         self.reserved -= 1
-        if row.state == PENDING_DOOMED:
-            self.deferred -= 1
-            del self._rows[key]
-            return (row.start, row.npages)
         row.state = COMMITTED
         self._lru_push(key, row)
         self.live += 1
