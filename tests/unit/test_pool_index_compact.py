@@ -591,3 +591,13 @@ def test_running_out_of_memory_in_a_watermark_eviction_counts_every_victim():
     else:
         pytest.fail("no call succeeded")
     assert index.evictions > 1
+
+
+def test_the_c_types_cannot_be_made_without_their_arguments():
+    """An IndexTable or PageRuns made by __new__ alone had no arrays, and its methods read through NULL
+    (a crash); they are made and set up in one step now."""
+    _native_or_skip(True)
+    for cls in (native.lib.IndexTable, native.lib.PageRuns):
+        with pytest.raises(TypeError):
+            cls.__new__(cls)
+    assert native.lib.PageRuns(10).free_pages == 10

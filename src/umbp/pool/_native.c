@@ -1177,10 +1177,6 @@ static int IndexTable_init(IndexTable *t, PyObject *args, PyObject *kw) {
     long long alignment;
     PyObject *slot_type;
     int keep_keys;
-    if (t->table != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "umbp: IndexTable is initialised once");
-        return -1;
-    }
     if (!PyArg_ParseTupleAndKeywords(args, kw, "y*LOp", kwlist, &seed, &alignment, &slot_type, &keep_keys))
         return -1;
     if (seed.len != 16 || !PyType_Check(slot_type) ||
@@ -1200,6 +1196,14 @@ static int IndexTable_init(IndexTable *t, PyObject *args, PyObject *kw) {
     if (it_grow_rows(t, 0) < 0 || it_rehash(t, 4096) < 0)
         return -1;
     return 0;
+}
+
+/* Made and set up in one step (as PageRuns_new). */
+static PyObject *IndexTable_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    IndexTable *t = (IndexTable *)type->tp_alloc(type, 0);
+    if (t != NULL && IndexTable_init(t, args, kw) < 0)
+        Py_CLEAR(t);
+    return (PyObject *)t;
 }
 
 static void IndexTable_dealloc(IndexTable *t) {
@@ -1747,8 +1751,7 @@ static PyTypeObject IndexTableType = {
     .tp_basicsize = sizeof(IndexTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Compact key -> slot table of the DRAM index (see umbp.pool.index).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)IndexTable_init,
+    .tp_new = IndexTable_new,
     .tp_dealloc = (destructor)IndexTable_dealloc,
     .tp_methods = IndexTable_methods,
     .tp_members = IndexTable_members,
@@ -1874,43 +1877,9 @@ static size_t pr_lower(const PageRuns *r, uint64_t n) { /* first index with lens
         r->field = p;                                                                                   \
     } while (0)
 
-/* Room for one more run: its node, its length class and its hash cells. pr_take_at and pr_free make it before
- * they drop a run, so the pr_add after the drop cannot fail: one that runs out of memory changes nothing. */
-static int pr_room(PageRuns *r) {
-    if ((r->nruns + 1) * 2 > r->mask + 1 && pr_rehash(r, (r->mask + 1) * 2) < 0)
-        return -1;
-    if (r->nfree == IT_NIL && r->nfresh == r->ncap) {
-        uint64_t n = (uint64_t)r->ncap * 2;
-        if (n >= IT_NIL) {
-            PyErr_SetString(PyExc_MemoryError, "umbp: too many free page runs");
-            return -1;
-        }
-        PR_GROW(rstart, uint64_t, n);
-        PR_GROW(rlen, uint64_t, n);
-        PR_GROW(prev, uint32_t, n);
-        PR_GROW(next, uint32_t, n);
-        r->ncap = (uint32_t)n;
-    }
-    if (r->nlens == r->lcap) {
-        size_t n = r->lcap * 2;
-        PR_GROW(lens, uint64_t, n);
-        PR_GROW(head, uint32_t, n);
-        PR_GROW(tail, uint32_t, n);
-        r->lcap = n;
-    }
-    return 0;
-nomem:
-    PyErr_NoMemory();
-    return -1;
-}
-
-/* Room for m more runs (as pr_room for one): then m frees in a row allocate nothing. */
-static int pr_room_for(PageRuns *r, uint64_t m) {
-    /* free runs lie apart (each merged with its free neighbours), so never more than half the pages are
-     * runs, and their distinct lengths k sum to at most every page (k (k + 1) / 2 <= npages); the bounds
-     * keep a clear() of millions of objects from growing the arrays for a run per object. +1: pr_room
-     * asks for one more than the runs there are, before a free drops its neighbours */
-    uint64_t runs = r->nruns + m, most = ((uint64_t)r->npages + 1) / 2, lens = r->nlens + m, k = 0;
+/* The most distinct lengths free runs can have: k, with k (k + 1) / 2 <= npages (they sum to at most every page). */
+static uint64_t pr_most_lengths(const PageRuns *r) {
+    uint64_t k = 0;
     for (uint64_t hi = 1ull << 31; k < hi;) {
         uint64_t mid = (k + hi + 1) / 2;
         if (mid * (mid + 1) / 2 <= (uint64_t)r->npages)
@@ -1918,8 +1887,22 @@ static int pr_room_for(PageRuns *r, uint64_t m) {
         else
             hi = mid - 1;
     }
+    return k;
+}
+
+/* Room for m more runs than there are, and one: their nodes, length classes and hash cells, so that m frees
+ * in a row allocate nothing (PageRuns.hand_back), and, with m = 0 (pr_room), so that the pr_add after a
+ * free or a take drops runs cannot fail: one that runs out of memory changes nothing. Bounded by what free
+ * runs can become: they lie apart (each merged with its free neighbours), so never more than half the
+ * pages are runs, and their lengths are few (pr_most_lengths); a clear() of millions of objects then does
+ * not grow the arrays for a run per object. */
+static int pr_room_for(PageRuns *r, uint64_t m) {
+    uint64_t most = ((uint64_t)r->npages + 1) / 2, runs = r->nruns + m, classes = r->nlens + m + 1;
     runs = (runs < most ? runs : most) + 1;
-    lens = (lens < k ? lens : k) + 1;
+    if (classes > r->lcap && m > 0) {
+        uint64_t k = pr_most_lengths(r) + 1;
+        classes = classes < k ? classes : k;
+    }
     uint64_t size = r->mask + 1;
     while (runs * 2 > size)
         size *= 2;
@@ -1939,9 +1922,9 @@ static int pr_room_for(PageRuns *r, uint64_t m) {
         PR_GROW(next, uint32_t, n);
         r->ncap = (uint32_t)n;
     }
-    if (r->lcap < lens) {
+    if (r->lcap < classes) {
         size_t n = r->lcap;
-        while (n < lens)
+        while (n < classes)
             n *= 2;
         PR_GROW(lens, uint64_t, n);
         PR_GROW(head, uint32_t, n);
@@ -1952,6 +1935,12 @@ static int pr_room_for(PageRuns *r, uint64_t m) {
 nomem:
     PyErr_NoMemory();
     return -1;
+}
+
+static int pr_room(PageRuns *r) {
+    if ((r->nruns + 1) * 2 <= r->mask + 1 && r->ncap > r->nruns && r->nlens < r->lcap)
+        return 0; /* room already: the common case, on every take and free */
+    return pr_room_for(r, 0);
 }
 
 static int pr_add(PageRuns *r, uint64_t start, uint64_t length) {
@@ -2390,10 +2379,6 @@ static PyObject *PageRuns_free_runs(PageRuns *r, PyObject *unused) {
 static int PageRuns_init(PageRuns *r, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"npages", NULL};
     long long npages;
-    if (r->by_start != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "umbp: PageRuns is initialised once");
-        return -1;
-    }
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L", kwlist, &npages))
         return -1;
     r->npages = npages;
@@ -2416,6 +2401,15 @@ static int PageRuns_init(PageRuns *r, PyObject *args, PyObject *kw) {
     if (npages > 0 && pr_add(r, 0, (uint64_t)npages) < 0)
         return -1;
     return 0;
+}
+
+/* Made and set up in one step: an object made by __new__ alone would have no arrays, and its methods would
+ * read through NULL. */
+static PyObject *PageRuns_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PageRuns *r = (PageRuns *)type->tp_alloc(type, 0);
+    if (r != NULL && PageRuns_init(r, args, kw) < 0)
+        Py_CLEAR(r);
+    return (PyObject *)r;
 }
 
 static void PageRuns_dealloc(PageRuns *r) {
@@ -2453,8 +2447,7 @@ static PyTypeObject PageRunsType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "umbp.pool._native.PageRuns",
     .tp_basicsize = sizeof(PageRuns),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)PageRuns_init,
+    .tp_new = PageRuns_new,
     .tp_dealloc = (destructor)PageRuns_dealloc,
     .tp_methods = PageRuns_methods,
     .tp_members = PageRuns_members,
