@@ -77,7 +77,8 @@ class PageAllocator:
         self._add_run(start, n)
 
     def free_many(self, runs: Sequence[tuple[int, int]]) -> None:
-        """free() of every run, in order (the C PageRuns' does all or none)."""
+        """free() of every run, in order: DramIndex's hand-back of the runs the Python table frees (the C
+        table's go back inside PageRuns.hand_back)."""
         for start, n in runs:
             self.free(start, n)
 
