@@ -1542,7 +1542,7 @@ static PyObject *it_runs_done(PyObject **runs, Py_ssize_t n, PyObject *freed, Py
  * answer made first (it_digests, it_runs_ahead; `removed` counted as the distinct committed rows). */
 static PyObject *IndexTable_remove(IndexTable *t, PyObject *keys) {
     PyObject *seq = PySequence_Fast(keys, "umbp: remove() takes an iterable of keys"), *freed, **runs, *res = NULL;
-    Py_ssize_t n = seq != NULL ? PySequence_Fast_GET_SIZE(seq) : 0, removed = 0, used = 0;
+    Py_ssize_t n = seq != NULL ? PySequence_Fast_GET_SIZE(seq) : 0, committed = 0, used = 0;
     uint64_t *d = seq != NULL ? it_digests(t, seq, (size_t)n) : NULL;
     if (d == NULL) {
         Py_XDECREF(seq);
@@ -1553,13 +1553,13 @@ static PyObject *IndexTable_remove(IndexTable *t, PyObject *keys) {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t h = it_find(t, d + 2 * i);
         if (h != IT_NIL && IT_STATE(t, h) == IT_COMMITTED)
-            rows[removed++] = h;
+            rows[committed++] = h;
     }
-    qsort(rows, (size_t)removed, sizeof(uint64_t), cmp_u64);
-    Py_ssize_t distinct = 0;
-    for (Py_ssize_t i = 0; i < removed; i++)
-        distinct += i == 0 || rows[i] != rows[i - 1];
-    PyObject *count = PyLong_FromSsize_t(distinct);
+    qsort(rows, (size_t)committed, sizeof(uint64_t), cmp_u64); /* a key given twice is removed once */
+    Py_ssize_t removed = 0;
+    for (Py_ssize_t i = 0; i < committed; i++)
+        removed += i == 0 || rows[i] != rows[i - 1];
+    PyObject *count = PyLong_FromSsize_t(removed);
     if (count != NULL && it_runs_ahead(t, d, n, it_frees_now, &runs, &freed, &res) == 0) {
         for (Py_ssize_t i = 0; i < n; i++) {
             uint32_t h = it_find(t, d + 2 * i);
@@ -2053,38 +2053,11 @@ static int pr_free(PageRuns *r, uint64_t start, uint64_t length) {
     return pr_add(r, start, length);
 }
 
-/* Every (start, n) of a list or tuple back to the free space, in order, all or none: every run is checked
- * before the first is freed, and with room made (pr_room_for) nothing here allocates. Py_None or NULL. */
-static PyObject *PageRuns_free_many(PageRuns *r, PyObject *runs) {
-    if (!PyList_Check(runs) && !PyTuple_Check(runs)) {
-        PyErr_SetString(PyExc_TypeError, "umbp: PageRuns.free_many takes a list of (start, n)");
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(runs), m = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *run = PySequence_Fast_GET_ITEM(runs, i);
-            long long s = -1, k = -1;
-            if (PyTuple_Check(run) && PyTuple_GET_SIZE(run) == 2) {
-                s = PyLong_AsLongLong(PyTuple_GET_ITEM(run, 0));
-                k = s < 0 ? -1 : PyLong_AsLongLong(PyTuple_GET_ITEM(run, 1));
-            }
-            if (PyErr_Occurred() || s < 0) {
-                if (!PyErr_Occurred())
-                    PyErr_SetString(PyExc_ValueError, "umbp: PageRuns.free_many takes (start >= 0, n) pairs");
-                return NULL; /* (only in the first pass: the second reads the same ints) */
-            }
-            if (k <= 0)
-                continue;
-            if (pass == 0)
-                m++;
-            else
-                pr_free(r, (uint64_t)s, (uint64_t)k); /* room made below: cannot fail */
-        }
-        if (pass == 0 && pr_room_for(r, (uint64_t)m) < 0)
-            return NULL;
-    }
-    Py_RETURN_NONE;
+/* The run (start, npages) at items `at`, `at + 1` of one of the table's answers back to the free space. The
+ * table's own ints, and hand_back made room first: nothing here fails. */
+static void pr_free_run(PageRuns *r, PyObject *answer, Py_ssize_t at) {
+    pr_free(r, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(answer, at)),
+            PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(answer, at + 1)));
 }
 
 /* hand_back(table, op, arg) -> the table's answer, with the pages it took off a row back in this allocator,
@@ -2114,17 +2087,13 @@ static PyObject *PageRuns_hand_back(PageRuns *r, PyObject *args) {
         default: res = IndexTable_evict(t, NULL); break;
         }
     }
-    if (res != NULL && res != Py_None) { /* room made, the table's own ints: nothing below fails */
+    if (res != NULL && res != Py_None) { /* (see pr_free_run) */
         if (op < 3) {
-            PyObject *done = PageRuns_free_many(r, PyTuple_GET_ITEM(res, op == 0 ? 0 : 1));
-            if (done == NULL)
-                Py_CLEAR(res);
-            else
-                Py_DECREF(done);
+            PyObject *runs = PyTuple_GET_ITEM(res, op == 0 ? 0 : 1);
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(runs); i++)
+                pr_free_run(r, PyList_GET_ITEM(runs, i), 0);
         } else {
-            Py_ssize_t at = op == 3 ? 0 : 2;
-            pr_free(r, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(res, at)),
-                    PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(res, at + 1)));
+            pr_free_run(r, res, op == 3 ? 0 : 2);
         }
     }
     Py_XDECREF(seq);

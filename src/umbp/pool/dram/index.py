@@ -404,8 +404,6 @@ class DramIndex:
         in the allocator. With the C table, one C call that makes room for the freed runs first
         (PageRuns.hand_back): running out of memory then fails the op before the table takes a page off a
         row, never after, when those pages would be in no row and never free again."""
-        if op <= _REMOVE and not isinstance(arg, (list, tuple)):
-            arg = list(arg)
         if self.native:
             return self._alloc.hand_back(self._table, op, arg)
         t = self._table
