@@ -1,7 +1,8 @@
 """Probe (not a test; CUDA): where an idle save's (and load's) wall time goes, on the device's own clock, with no
 profiler (which slows the host steps several-fold). Timing events are recorded on the caller's stream just
 before the call (the device is idle, so it runs it at once: the call's start), on the save stream just
-before the head's copies and before each round's copy call, and after the call's last work. An event on
+before the head's copies and before each round's copy call (on the load stream before a restore's first
+early copy and each round's copy call), and after the call's last work. An event on
 the save stream runs when everything queued there before it is done, or when the host queues it, whichever
 is later; so each figure shows whether the copy engine was waiting for the host or the host for it.
 
@@ -35,7 +36,7 @@ def main(tokens: list[int], reps: int) -> None:
         ev.record(stream)
         marks.append((name, ev))
 
-    real_head, real_runs = e._head, e._copy_runs
+    real_head, real_runs, real_early = e._head, e._copy_runs, e._early_copy
 
     def head(batch, count, save, queued):
         mark("head", save)
@@ -46,7 +47,11 @@ def main(tokens: list[int], reps: int) -> None:
         mark(f"{kind} {sum(1 for n, _ in marks if n.startswith(kind))}", stream)
         return real_runs(runs, stg, to_arena, stream, lead)
 
-    e._head, e._copy_runs = head, copy_runs
+    def early_copy(*args):  # a restore's early copies (early.py), on the copy stream
+        mark("early copy", e._main(1))
+        return real_early(*args)
+
+    e._head, e._copy_runs, e._early_copy = head, copy_runs, early_copy
     print(torch.cuda.get_device_name())
     for n in tokens:
         save_batch, load_batch, nbytes = r.prepare(n)

@@ -109,3 +109,46 @@ def test_bad_arrays_are_refused_before_any_copy():
     with pytest.raises(ValueError, match="negative size"):
         copy(0, ok, 0, ok, np.array([1, -1, 1], np.int64), 0, False, False)
     assert runtime.calls == []
+
+
+EARLY_CASES = {
+    "list": [0, 4096, 8 << 20],
+    "numpy": np.array([8, 1 << 20, 64], dtype=np.int64),
+    "numpy unsigned": np.array([8, 16, 24], dtype=np.uint64),
+    "tuple of numpy ints": (np.int32(0), np.int64(8), np.uint16(16)),
+    "misaligned": [0, 4, 8],
+    "negative": [0, -8, 16],
+    "at the end": [(16 << 20) - (1 << 20), 0, 8],
+    "past the end": [(16 << 20) - (1 << 20) + 8, 0, 8],
+    "past 2**63": [0, 1 << 63, 8],
+    "past 2**64": [0, 1 << 64, 8],
+    "a float": [0, 8.0, 16],
+    "a numpy float": np.array([0.0, 8.0, 16.0]),
+    "a string": [0, "8", 16],
+    "None": [0, None, 16],
+    "a bool": [True, 0, 8],
+    "too few": [0, 8],
+}
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 65])
+@pytest.mark.parametrize("case", list(EARLY_CASES))
+def test_the_early_copies_c_call_checks_and_copies_as_its_python_twin(case, count):
+    """batchcopy.native_early (_copies.early) and batchcopy.python_early: the same answer and the same
+    copies for every kind of offset (a bad one among the first `count`: no copy at all), list or array."""
+    offsets = EARLY_CASES[case]
+    args = (55, 1 << 40, 1 << 21, 1 << 41, offsets, 1 << 20, 16 << 20, count)
+    native, python = Runtime(), Runtime()
+    got_native = batchcopy.native_early(batchcopy._address(native.one))(*args)
+    got_python = batchcopy.python_early(lambda d, s, n, h: python.one(d, s, n, 4, h))(*args)
+    assert got_native == got_python
+    assert native.calls == python.calls
+    assert got_native == bool(native.calls)
+    if got_native:
+        assert [c[1] for c in native.calls] == [(1 << 40) + k * (1 << 21) for k in range(count)]
+
+
+def test_a_failing_early_copy_raises_naming_the_cuda_error():
+    runtime = Runtime(error=700, fail_at=1)
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        batchcopy.native_early(batchcopy._address(runtime.one))(0, 0, 8, 0, [0, 8, 16], 8, 64, 3)

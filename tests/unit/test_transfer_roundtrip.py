@@ -80,6 +80,14 @@ ENGINES = [
         id="kernel-dma-native-split-interpret",
         marks=_interp,
     ),
+    # and the early copies through the C extension's check-and-copy call
+    pytest.param(
+        "kernel",
+        "cpu",
+        dict(DMA, slots="scattered", copies="host-native-early"),
+        id="kernel-dma-native-early-interpret",
+        marks=_interp,
+    ),
     # a cold save's head (head.py): its first objects copied from their KV pages by the copy calls
     pytest.param(
         "kernel",
@@ -207,11 +215,19 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
     opts = dict(options, max_staging_bytes=int(rng.choice([1 << 14, 64 << 20]))) if options else {}
     if scattered:
         opts["max_staging_bytes"] = 64 << 20  # whole batches per round: many runs per batch copy
+    if backend == "kernel":  # launches between KV pages and staging run pieces in parts (some empty)
+        opts["hbm_split"] = int(rng.choice([1, 3, 4, 8]))
     engine = make_engine(
         arena, groups, backend=backend, piece_bytes=int(rng.choice([1024, 4096, 64 << 10])), **opts
     )
     calls = (
-        _host_copies(engine, early=copies == "host-early", native=copies == "host-native") if copies else None
+        _host_copies(
+            engine,
+            early=copies in ("host-early", "host-native-early"),
+            native=copies in ("host-native", "host-native-early"),
+        )
+        if copies
+        else None
     )
     heads = _with_head(engine, rng) if head else None
     batch = _plan(groups, rng, arena.capacity_bytes, scattered)
@@ -245,7 +261,11 @@ def test_round_trip(backend: str, device: str, options: dict, layout: str) -> No
         and all(engine.align[m.group] >= 8 for m in batch)
     ):
         assert calls["one"] and calls["batch"], f"both kinds of copy call were made: {calls} {why}"
-    if copies == "host-early" and len(batch[0].block_ids) > 1 and engine.align[batch[0].group] >= 8:
+    if (
+        copies in ("host-early", "host-native-early")
+        and len(batch[0].block_ids) > 1
+        and engine.align[batch[0].group] >= 8
+    ):
         assert calls["early"] == 2, f"both loads led with early copies: {calls} {why}"
     nobj = sum(len(m.block_ids) for m in batch)
     if heads is not None and nobj > 1 and all(engine.align[m.group] >= 8 for m in batch):
@@ -305,8 +325,15 @@ def _host_copies(engine, early: bool = False, native: bool = False) -> dict[str,
 
     from umbp.transfer import batchcopy
 
-    engine._copy_one, engine.batch_copy_min_runs = one, 2  # (the early copies call _copy_one)
+    engine.batch_copy_min_runs = 2
     engine._runs_copy = _native_host_copies(calls) if native else batchcopy.python_runs(one, batch)
+    # the early copies: the C call through the stand-in's address, or the Python twin through `one`
+    stand_in = getattr(engine._runs_copy, "stand_ins", None)
+    if native:
+        engine._early_copy = batchcopy.native_early(batchcopy._address(stand_in[0]))
+        engine._early_copy.stand_ins = stand_in  # type: ignore[attr-defined]
+    else:
+        engine._early_copy = batchcopy.python_early(one)
     return calls
 
 
@@ -363,16 +390,18 @@ def test_early_copies_survive_rounds_bigger_than_the_ring_interpret() -> None:
 
 
 @_interp
-def test_early_copies_never_skip_validation_interpret() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_early_copies_never_skip_validation_interpret(native: bool) -> None:
     """A restore's early copies (early.py) go out before the batch is validated, so a bad batch must
     still raise exactly what it raises without them, write no KV byte, and lead with no copy at all when
-    one of the early objects' own offsets is bad (the copy would read outside the arena)."""
+    one of the early objects' own offsets is bad (the copy would read outside the arena). Both the C
+    check-and-copy call and its Python twin."""
     groups = _layouts("cpu")["attn-kv-first-bf16"]
     arena = _arena("cpu", 4 << 20)
     engine = make_engine(arena, groups, backend="kernel", **DMA)
     plain = make_engine(arena, groups, backend="kernel", **DMA)
     plain.early_bytes = 0
-    calls = _host_copies(engine, early=True)
+    calls = _host_copies(engine, early=True, native=native)
     _host_copies(plain)
     span = -(-engine.object_bytes(0) // SLOT) * SLOT
     offs = [k * span for k in range(4)]
@@ -386,6 +415,8 @@ def test_early_copies_never_skip_validation_interpret() -> None:
         "misaligned": ([0, 1, 2], [4, span, 2 * span], False),
         "not an integer": ([0, 1, 2], [0.5, span, 2 * span], False),
         "negative": ([0, 1, 2], [-span, span, 2 * span], False),
+        "past 2**63": ([0, 1, 2], [1 << 64, span, 2 * span], False),
+        "a numpy float": ([0, 1, 2], np.array([0.0, span, 2 * span]), False),
         # the rest of the batch: early copies, then the same error
         "a block id out of range": ([0, 1, 10**6], offs[:3], True),
         "a block loaded twice": ([0, 1, 0], offs[:3], True),

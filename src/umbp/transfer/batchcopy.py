@@ -18,12 +18,18 @@ the batch call, as `issue` splits them), in one call to the C extension umbp.tra
 calls the same runtime functions through their addresses (`native_runs`): through ctypes, the arrays'
 conversion and each call's arguments cost ~20 us of a slow host's time per batch call and ~5 us per
 single copy. Without the extension, `python_runs` does the same through `issue` and ctypes.
+
+`load_early()` is a restore's early copies (early.py): the first objects' offsets checked and each copied
+with `cudaMemcpyAsync`, in one C call (`native_early`), else `python_early` through ctypes.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +60,7 @@ OneCopy = Callable[[int, int, int, int], None]
 # a call's first round issues runs one by one until this many bytes are queued (see issue): ~40 us of
 # copy at 55 GB/s, more than the batch call's host cost it covers (H200)
 LEAD_BYTES, LEAD_RUNS = 2 << 20, 4
+EARLY_MOST = 64  # a restore's early copies: at most this many objects (the C twin's bound too)
 _DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses (unified addressing)
 
 
@@ -185,6 +192,71 @@ def native_runs(one: int, call: tuple[ctypes._CFuncPtr, bool] | None) -> RunsCop
         )
 
     return copy
+
+
+# copy(stream, dst_base, dst_step, src_base, offsets, nbytes, capacity, count) -> whether it copied
+EarlyCopy = Callable[[int, int, int, int, Sequence[Any], int, int, int], bool]
+
+
+def load_early() -> EarlyCopy | None:
+    """A restore's early copies: object k of the first `count` goes from src_base + offsets[k] to
+    dst_base + k * dst_step (nbytes each, on the stream), once every one of those offsets is an integer,
+    8-byte aligned, with its object inside the arena (capacity bytes); else nothing is copied and the
+    answer is False. One C call where the extension is built, else through ctypes. None without the
+    runtime's cudaMemcpyAsync."""
+    runtime = _runtime()
+    one = getattr(runtime, "cudaMemcpyAsync", None) if runtime is not None else None
+    if one is None:
+        return None
+    if _copies is None:
+        copy_one = load_one()
+        return python_early(copy_one) if copy_one is not None else None
+    return native_early(_address(one))
+
+
+def early_offsets(offsets: Sequence[Any], count: int, nbytes: int, capacity: int) -> list[int]:
+    """The first `count` offsets as ints, or [] where any is not an integer, 8-byte aligned, with its
+    object of nbytes inside the arena: what the early copies check (the C twin in _copies.c)."""
+    if count <= 0 or count > EARLY_MOST or nbytes <= 0 or capacity < nbytes:
+        return []
+    out = []
+    for k in range(count):
+        try:
+            off = operator.index(offsets[k])
+        except (TypeError, IndexError, ValueError, OverflowError):
+            return []
+        if off < 0 or off & 7 or off > capacity - nbytes:
+            return []
+        out.append(off)
+    return out
+
+
+def python_early(one: OneCopy) -> EarlyCopy:
+    """load_early's copy through `one` (load_one's copy, or a stand-in in tests)."""
+
+    def copy(
+        stream: int,
+        dst_base: int,
+        dst_step: int,
+        src_base: int,
+        offsets: Sequence[Any],
+        nbytes: int,
+        capacity: int,
+        count: int,
+    ) -> bool:
+        offs = early_offsets(offsets, count, nbytes, capacity)
+        for k, off in enumerate(offs):
+            one(dst_base + k * dst_step, src_base + off, nbytes, stream)
+        return bool(offs)
+
+    return copy
+
+
+def native_early(one: int) -> EarlyCopy:
+    """load_early's copy in one C call, `one` being cudaMemcpyAsync's address (tests: a stand-in's): the
+    extension's function itself, `one` bound (no Python layer in front of a restore's first copy)."""
+    assert _copies is not None
+    return functools.partial(_copies.early, one)
 
 
 def _address(fn: ctypes._CFuncPtr) -> int:

@@ -11,29 +11,37 @@ work: only the scatter into KV pages does, see KernelEngine._load_dma). So those
 at the end of the staging buffer of the batch's first round; the batch is then validated as any other
 (a bad batch raises before anything writes a KV page: the early copies only filled our own staging),
 and the rest is laid out and copied while they run. The first round's verify and scatter read the
-early objects from that area, so they are checked and written like every other object.
+early objects from that area, so they are checked and written like every other object. The offsets'
+checks and the copies are one C call where umbp.transfer._copies is built (batchcopy.load_early; its
+Python twin otherwise): on a slow host the Python checks, staging rows and a ctypes call per copy put the
+first copy ~50 us into the call.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from umbp.transfer.api import Handle, Moves
+from umbp.transfer.batchcopy import EarlyCopy
 from umbp.transfer.plans import aligned
 from umbp.transfer.ring import StagingRing
 from umbp.transfer.rounds import LOAD
 
-EARLY_BYTES, EARLY_OBJECTS = 4 << 20, 4  # ~75 us of copy at 55 GB/s: longer than the host work it covers
+# ~150 us of copy at 55 GB/s: longer than the host work it covers (validation, layout, the first round's
+# copy call), which took up to ~190 us on a slow H100 host; there 8 MiB and up to 6 objects restored 8K
+# tokens at 0.851 of the link against 0.816 with 4 MiB and 4 objects, 16K at 0.887 against 0.856
+# (interleaved, faster in 53 and 59 of 61 calls; bench/results/archive/2026-12-06-restore-tail-split-48/)
+EARLY_BYTES, EARLY_OBJECTS = 8 << 20, 6
 ROW_ALIGN = 256  # each early object's staging row
 
 
-# staging bytes kept for the early copies at the end of each ring buffer: objects are added while fewer
-# than EARLY_BYTES are queued, each at most EARLY_BYTES, so under twice that plus each row's alignment
-EARLY_AREA = 2 * EARLY_BYTES + EARLY_OBJECTS * ROW_ALIGN
+def early_area(nbytes: int, objects: int) -> int:
+    """Staging bytes kept for the early copies at the end of each ring buffer: objects are added while
+    fewer than `nbytes` are queued, each at most `nbytes`, so under twice that plus each row's alignment."""
+    return 2 * max(nbytes, 0) + max(objects, 0) * ROW_ALIGN
 
 
 @dataclass
@@ -48,7 +56,14 @@ class Early:
 
 
 class EarlyCopies:
-    """The early copies of KernelEngine (see the module docstring)."""
+    """The early copies of KernelEngine (see the module docstring): `early_bytes` / `early_objects` (engine
+    arguments; 0 bytes: none) bound how much of a restore goes first; `_early_area`, the staging kept for
+    them, is sized from both when the engine is made."""
+
+    early_bytes: int
+    early_objects: int
+    _early_area: int
+    _early_copy: EarlyCopy | None  # batchcopy.load_early's copy (None: no early copies)
 
     def load(self, batch: Sequence[Moves]) -> Handle:
         """As TransferEngine.load; a restore that finds the load direction idle has its first objects'
@@ -67,48 +82,42 @@ class EarlyCopies:
         """Issue the first objects' copies of a restore that finds the load direction idle, or return
         None (then the call goes the usual way): on the zero-copy path, without the runtime's copy
         call, for objects under the run bar or over `early_bytes`, for a first Moves of one object (at
-        least one object is left for the layout), or for anything the checks below do not accept (the
-        full validation then names the error)."""
-        if self.early_bytes <= 0 or self._copy_one is None or self.load_path == "zero-copy":
+        least one object is left for the layout), or where an early object's offset is not an integer,
+        8-byte aligned, its object inside the arena (the full validation then names the error)."""
+        if self.early_bytes <= 0 or self._early_copy is None or self.load_path == "zero-copy":
             return None
         try:
-            nbytes, offsets = self._early_offsets(batch)
+            first = batch[0]
+            nbytes, count = self._early_count(first)
         except (AttributeError, TypeError, ValueError, IndexError, KeyError):
             return None
-        if not offsets or not self._idle(LOAD):
+        if not count or not self._idle(LOAD):
             return None
         copy = self._main(LOAD)  # not ordered after the caller's stream: see KernelEngine._load_dma
         if self.ring.pooled:  # the first round's ring slot: its end area is kept for these copies
             slot = self.ring.take(LOAD, self._ring_bytes)
             base = slot[0].data_ptr() + self._early_at
         else:  # CPU (tests): nothing is pooled; the first round gets a buffer of its own
-            slot = [aligned(EARLY_AREA, self.device), None]
+            slot = [aligned(self._early_area, self.device), None]
             base = slot[0].data_ptr()
         StagingRing.acquire(slot, copy)
-        rows = base + row_step(nbytes) * np.arange(len(offsets), dtype=np.int64)
+        step = row_step(nbytes)
         handle = copy.cuda_stream if copy is not None else 0
-        for row, off in zip(rows.tolist(), offsets, strict=True):
-            self._copy_one(row, self.arena_base + off, nbytes, handle)
-        return Early(slot, len(offsets), rows)
+        capacity = self.arena.capacity_bytes
+        if not self._early_copy(handle, base, step, self.arena_base, first.offsets, nbytes, capacity, count):
+            return None  # (the slot taken stays in the ring's turn; nothing was queued into it)
+        return Early(slot, count, base + step * np.arange(count, dtype=np.int64))
 
-    def _early_offsets(self, batch: Sequence[Moves]) -> tuple[int, list[int]]:
-        """The first Moves' object size and the arena offsets of its objects to copy early ([]: none),
-        each checked as far as the copy needs: an integer, 8-byte aligned, its object inside the arena."""
-        first = batch[0]
+    def _early_count(self, first: Moves) -> tuple[int, int]:
+        """The first Moves' object size and how many of its objects to copy early (0: none)."""
         nbytes = self.groups[first.group].object_bytes
         if nbytes < self.dma_min_run_bytes or nbytes > self.early_bytes or self.align[first.group] < 8:
-            return nbytes, []
+            return nbytes, 0
         count = min(len(first.offsets) - 1, len(first.block_ids) - 1, self.early_objects)
         # about early_bytes, and never more than the ring's early area holds
-        count = min(count, -(-self.early_bytes // nbytes), EARLY_AREA // row_step(nbytes))
-        cap = self.arena.capacity_bytes
-        out = []
-        for value in list(first.offsets[:count]):
-            off = operator.index(value)
-            if off < 0 or off & 7 or off + nbytes > cap:
-                return nbytes, []
-            out.append(off)
-        return nbytes, out
+        return nbytes, max(
+            0, min(count, -(-self.early_bytes // nbytes), self._early_area // row_step(nbytes))
+        )
 
 
 def row_step(nbytes: int) -> int:

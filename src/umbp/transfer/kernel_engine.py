@@ -34,7 +34,7 @@ from umbp.pool.checksum import LANES, ROW_BYTES, lane_table
 from umbp.transfer import batchcopy
 from umbp.transfer.api import Handle, Moves, TransferEngine
 from umbp.transfer.completion import DeviceHandle
-from umbp.transfer.early import EARLY_AREA, EARLY_BYTES, EARLY_OBJECTS, Early, EarlyCopies, row_step
+from umbp.transfer.early import EARLY_BYTES, EARLY_OBJECTS, Early, EarlyCopies, early_area, row_step
 from umbp.transfer.geometry import PIECE_BYTES
 from umbp.transfer.head import SAVE_HEAD_BYTES, SaveHead
 from umbp.transfer.plans import (
@@ -49,9 +49,13 @@ from umbp.transfer.rounds import LOAD, SAVE, BatchRounds, staging_rows
 from umbp.transfer.staged import Batch, staged_load, staged_save
 from umbp.transfer.streams import EngineStreams
 
+# parts per piece in launches between KV pages and device staging (triton_kernels.copy_objects): a
+# restore's last round is a few objects, whose verify ran latency-bound with one program per 64 KiB piece
+# (an 8K Granite restore's last verify 14.6 -> 9.6 us on H100s; docs/transfer.md)
+HBM_SPLIT = 4
 FETCH_BLOCK = 1024  # elements per program of kernels.fetch_words (8 KiB of a plan's int64 words)
 # the copy kernel's constexprs, in its signature's order (triton_kernels.copy_objects)
-COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS")
+COPY_CONSTEXPRS = ("BLOCK", "SRC_KV", "DST_KV", "CHECKSUM", "GUARD", "ALIGN16", "STORE", "CROWS", "SPLIT")
 
 
 class KernelEngine(BatchRounds, EarlyCopies, SaveHead, EngineStreams, TransferEngine):
@@ -73,8 +77,11 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, EngineStreams, TransferEn
         min_round_bytes: int = 16 << 20,
         tail_round_bytes: int = 4 << 20,
         hbm_ctas: int | None = None,
+        hbm_split: int = HBM_SPLIT,
         batch_copy_min_runs: int = 3,
         save_head_bytes: int = SAVE_HEAD_BYTES,
+        early_bytes: int = EARLY_BYTES,
+        early_objects: int = EARLY_OBJECTS,
     ):
         super().__init__(arena, groups, piece_bytes)
         cuda = self.device.type == "cuda"
@@ -113,7 +120,7 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, EngineStreams, TransferEn
         self.save_path, self.load_path = save_path, load_path
         # dma copies of scattered runs: one batch call (batchcopy.py) where the CUDA runtime has it
         self._batch_copy = batchcopy.load() if cuda else None
-        self._copy_one = batchcopy.load_one() if cuda else None
+        self._early_copy = batchcopy.load_early() if cuda else None  # a restore's early copies
         self._runs_copy = batchcopy.load_runs() if cuda else None  # a round's copies in one call
         self.batch_copy_min_runs = batch_copy_min_runs
         if dma_min_run_bytes is None:  # below the bar zero-copy was faster (H200, docs/transfer.md)
@@ -143,14 +150,24 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, EngineStreams, TransferEn
         )
         span = (longest + ROW_BYTES - 8) // ROW_BYTES + 1
         self.crows = min(16, 1 << (span - 1).bit_length())
+        # launches between KV pages and device staging run each piece as hbm_split parts (see
+        # triton_kernels.copy_objects), their tiles as tall as the longest part's rows (a part that starts
+        # inside a row takes two tiles: slower, never wrong)
+        if hbm_split < 1:
+            raise ValueError(f"umbp: hbm_split must be at least 1, got {hbm_split}")
+        self.hbm_split = hbm_split
+        part_words = (-(-(longest // 8) // hbm_split) + 63) // 64 * 64  # as the kernel cuts them
+        part_rows = -(-part_words * 8 // ROW_BYTES)
+        self.hbm_crows = min(self.crows, 1 << (part_rows - 1).bit_length())
         self.tmpl, self.toff = templates(self.groups, self.device)
         self._init_streams(cuda)
         # a cold dma save's first objects: copy-engine copies straight from their KV pages (head.py)
         self.save_head_bytes = save_head_bytes
         # each ring buffer ends in an area for a restore's early copies (early.py), past the rounds' room
-        self.early_bytes, self.early_objects = EARLY_BYTES, EARLY_OBJECTS
+        self.early_bytes, self.early_objects = early_bytes, early_objects
+        self._early_area = early_area(early_bytes, early_objects)
         self._early_at = row_step(self._ring_bytes)
-        extra = self._early_at - self._ring_bytes + EARLY_AREA
+        extra = self._early_at - self._ring_bytes + self._early_area
         self.ring = StagingRing(self.device, self._ring_bytes, pooled=cuda, extra=extra)
         self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._tables = TablePool()
@@ -502,6 +519,7 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, EngineStreams, TransferEn
             self.ktab,
             self._dummy if guard is None else guard,
         )
+        split = self.hbm_split if hbm else 1
         constexprs = (
             self.block,
             src is None,
@@ -510,9 +528,10 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, EngineStreams, TransferEn
             guard is not None,
             align16,
             store,
-            self.crows,
+            self.hbm_crows if hbm else self.crows,
+            split,
         )
-        grid = min(end - first, self.hbm_ctas if hbm else self.ctas)
+        grid = min((end - first) * split, self.hbm_ctas if hbm else self.ctas)
         self._launch_copy(grid, args, constexprs, COPY_CONSTEXPRS, self.num_warps)
 
     def _host_buffer(self, words: int) -> torch.Tensor:

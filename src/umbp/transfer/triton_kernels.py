@@ -187,6 +187,7 @@ def copy_objects(
     ALIGN16: tl.constexpr,
     STORE: tl.constexpr = True,
     CROWS: tl.constexpr = 16,
+    SPLIT: tl.constexpr = 1,
 ):
     """Pieces first..n-1 of the plan (a round of a call: one plan serves all of a call's launches).
     `*_at`: word offsets in `plan` of the block ids, the source and destination rows (unused on a KV
@@ -197,10 +198,15 @@ def copy_objects(
     whatever their value, so that one compiled variant serves every launch. `ktab`: psum64's lane weights K
     (umbp.pool.checksum.gf64.lane_table), enough for the largest object. GUARD: an object whose checksum (made by
     an earlier launch over the same plan) is not the one expected moves nothing, and `out[obj]` (int64,
-    page-locked host memory: the caller's result, no copy back needed) says whether it was written."""
+    page-locked host memory: the caller's result, no copy back needed) says whether it was written.
+    SPLIT: each piece is run as that many parts (multiples of 512 bytes, the last shorter or empty),
+    each by its own program: launches between KV pages and device staging run at HBM speed,
+    where a 64 KiB piece per program leaves a small round (a restore's last verify and scatter) with
+    too few programs to hide the memory's latency; launches that cross PCIe keep whole pieces."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    for p in range(first + pid, n, tl.num_programs(0)):
+    for pp in range(first * SPLIT + pid, n * SPLIT, tl.num_programs(0)):
+        p = pp // SPLIT
         s = p * 0
         for j in range(1, nseg):  # piece p's segment: the last starting at or before it (a scan: a batch
             # has one segment per group share, a handful; cached loads, negligible beside an 8 KiB piece)
@@ -212,12 +218,19 @@ def copy_objects(
         obj = tl.load(plan + nseg + s) + o  # object index within the call
         at = tl.load(tmpl + 2 * ntmpl + t)
         nw = tl.load(tmpl + 3 * ntmpl + t) // 8
+        if SPLIT > 1:  # this program's part of the piece: words [lo, lo + nw) of it
+            part = ((nw + SPLIT - 1) // SPLIT + 63) // 64 * 64
+            lo = tl.minimum((pp - p * SPLIT) * part, nw)
+            nw = tl.minimum(nw - lo, part)
+            at += lo * 8
+        else:
+            lo = 0
         if SRC_KV:
-            src_a = tl.load(tmpl + t) + tl.load(plan + ids_at + obj) * tl.load(tmpl + ntmpl + t)
+            src_a = tl.load(tmpl + t) + tl.load(plan + ids_at + obj) * tl.load(tmpl + ntmpl + t) + lo * 8
         else:
             src_a = src_base + tl.load(plan + src_at + obj) + at
         if DST_KV:
-            dst_a = tl.load(tmpl + t) + tl.load(plan + ids_at + obj) * tl.load(tmpl + ntmpl + t)
+            dst_a = tl.load(tmpl + t) + tl.load(plan + ids_at + obj) * tl.load(tmpl + ntmpl + t) + lo * 8
         else:
             dst_a = dst_base + tl.load(plan + dst_at + obj) + at
         if ALIGN16:
@@ -231,7 +244,8 @@ def copy_objects(
                 tl.load(plan + want_at + 2 * obj + 1) != 0
             )
             nw = tl.where(good, nw, 0)
-            tl.store(out + obj, good.to(tl.int64), mask=q == o * per)  # once per object: its first piece
+            first_part = (q == o * per) & (pp == p * SPLIT)
+            tl.store(out + obj, good.to(tl.int64), mask=first_part)  # once per object: its first part
         if CHECKSUM:  # STORE=False: checksum only (verifying bytes a DMA copy brought in)
             h = _piece_checksum(src, dst, at // 8, nw, ktab, STORE, CROWS)
             tl.atomic_xor(plan + sums_at + obj, h.to(tl.int64, bitcast=True), sem="relaxed")
