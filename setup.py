@@ -7,11 +7,29 @@ silently failed there is an error, not a slower pass."""
 
 from setuptools import Extension, setup
 
+# umbp.pool._native: one extension from several files, one concept each (module.c says which holds what),
+# compiled as one unit (unity.c includes them all, so that calls between them inline as within one file).
+# Their folder is not named _native: where the extension was not built, `import umbp.pool._native` would
+# then find the folder (an empty namespace package) instead of failing over to the pure-Python paths.
+NATIVE = "src/umbp/pool/_native_c"
+NATIVE_FILES = (
+    "module",
+    "psum",
+    "copy",
+    "frames",
+    "headers",
+    "index_table",
+    "index_ops",
+    "page_runs",
+    "page_runs_index",
+)
+
 setup(
     ext_modules=[
         Extension(
             "umbp.pool._native",
-            ["src/umbp/pool/_native.c"],
+            [f"{NATIVE}/unity.c"],
+            depends=[f"{NATIVE}/native.h", *(f"{NATIVE}/{name}.c" for name in NATIVE_FILES)],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),

@@ -32,7 +32,7 @@ class _Row:
 
 
 class PyIndexTable:
-    """Same methods and results as the C IndexTable; see its comment block in _native.c."""
+    """Same methods and results as the C IndexTable; see its comment block in _native_c/index_table.c."""
 
     def __init__(self, seed: bytes, alignment: int, slot_type: type, keep_keys: bool) -> None:
         self._seed = bytes(seed)
