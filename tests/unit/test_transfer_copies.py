@@ -152,3 +152,61 @@ def test_a_failing_early_copy_raises_naming_the_cuda_error():
     runtime = Runtime(error=700, fail_at=1)
     with pytest.raises(RuntimeError, match="CUDA error 700"):
         batchcopy.native_early(batchcopy._address(runtime.one))(0, 0, 8, 0, [0, 8, 16], 8, 64, 3)
+
+
+@pytest.mark.parametrize("fail_index", [False, True])
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("count", [1, 2, 7])
+def test_a_save_heads_copies_in_one_c_call_are_the_ones_python_issues(count, batched, fail_index):
+    """batchcopy.native_head (_copies.head) and batchcopy.python_head: each object's runs of KV memory
+    at the same addresses, to the same slots, split the same way between single copies and the batch
+    call."""
+    from umbp.transfer.head import Runs
+
+    rng = np.random.default_rng(count)
+    runs = Runs(
+        src=np.array([1 << 30, 3 << 30, 5 << 30], np.int64),
+        stride=np.array([409600, 204800, 409600], np.int64),
+        obj=np.array([0, 409600, 614400], np.int64),
+        nbytes=np.array([409600, 204800, 1 << 20], np.int64),
+    )
+    ids = rng.integers(0, 1000, 9).astype(np.int64)
+    offs = rng.integers(0, 1 << 20, 9).astype(np.int64) * 4096
+    native, python = Runtime(fail_index), Runtime(fail_index)
+    batchcopy.native_head(batchcopy._address(native.one), (native.batch, fail_index))(
+        1 << 40, offs, ids, runs, count, 77, batched
+    )
+
+    def one(d, s, n, h):
+        python.one(d, s, n, 4, h)
+
+    def many(d, s, n, h):
+        python.calls.append(("batch", *(tuple(int(v) for v in a) for a in (d, s, n)), h))
+
+    batchcopy.python_head(one, many)(1 << 40, offs, ids, runs, count, 77, batched)
+    assert native.calls == python.calls
+    copied = [c[1:4] for c in native.calls if c[0] == "one"]
+    for c in native.calls:
+        if c[0] == "batch":
+            copied += list(zip(*c[1:4], strict=True))
+    want = {
+        (
+            (1 << 40) + int(offs[k] + runs.obj[j]),
+            int(runs.src[j] + ids[k] * runs.stride[j]),
+            int(runs.nbytes[j]),
+        )
+        for k in range(count)
+        for j in range(3)
+    }
+    assert set(copied) == want and len(copied) == len(want)
+
+
+def test_a_failing_head_copy_raises_naming_the_cuda_error():
+    from umbp.transfer.head import Runs
+
+    runs = Runs(*(np.array([v], np.int64) for v in (1 << 30, 4096, 0, 4096)))
+    runtime = Runtime(error=700, fail_at=0)
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        batchcopy.native_head(batchcopy._address(runtime.one), None)(
+            0, np.zeros(2, np.int64), np.arange(2, dtype=np.int64), runs, 2, 0, False
+        )

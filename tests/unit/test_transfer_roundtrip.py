@@ -96,6 +96,14 @@ ENGINES = [
         id="kernel-dma-head-interpret",
         marks=_interp,
     ),
+    # and the head's addresses worked out and its copies issued by the C extension's one call
+    pytest.param(
+        "kernel",
+        "cpu",
+        dict(DMA, slots="scattered", copies="host-native", head=True),
+        id="kernel-dma-native-head-interpret",
+        marks=_interp,
+    ),
     pytest.param("staged", "cuda", {}, id="staged-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", ZERO, id="kernel-cuda", marks=_cuda),
     pytest.param("kernel", "cuda", DMA, id="kernel-dma-cuda", marks=_cuda),
@@ -327,13 +335,17 @@ def _host_copies(engine, early: bool = False, native: bool = False) -> dict[str,
 
     engine.batch_copy_min_runs = 2
     engine._runs_copy = _native_host_copies(calls) if native else batchcopy.python_runs(one, batch)
-    # the early copies: the C call through the stand-in's address, or the Python twin through `one`
+    # the early copies and a save's head: the C calls through the stand-ins' addresses, or the Python
+    # twins through `one` and `batch`
     stand_in = getattr(engine._runs_copy, "stand_ins", None)
     if native:
-        engine._early_copy = batchcopy.native_early(batchcopy._address(stand_in[0]))
-        engine._early_copy.stand_ins = stand_in  # type: ignore[attr-defined]
+        one_at = batchcopy._address(stand_in[0])
+        engine._early_copy = batchcopy.native_early(one_at)
+        engine._head_copy = batchcopy.native_head(one_at, (stand_in[1], False))
+        engine._early_copy.stand_ins = engine._head_copy.stand_ins = stand_in  # type: ignore[attr-defined]
     else:
         engine._early_copy = batchcopy.python_early(one)
+        engine._head_copy = batchcopy.python_head(one, batch)
     return calls
 
 

@@ -131,14 +131,7 @@ def load_runs() -> RunsCopy | None:
     stream as `issue` enqueues them (`batch`: the batch call may take them; `lead`: the copy engine is
     idle): in one C call where the extension is built, else through ctypes. None without the runtime's
     cudaMemcpyAsync."""
-    runtime = _runtime()
-    one = getattr(runtime, "cudaMemcpyAsync", None) if runtime is not None else None
-    if one is None:
-        return None
-    if _copies is None:
-        copy_one = load_one()
-        return python_runs(copy_one, load()) if copy_one is not None else None
-    return native_runs(_address(one), _batch_call(runtime))
+    return _loaded(native_runs, python_runs)
 
 
 def python_runs(one: OneCopy, batch: BatchCopy | None) -> RunsCopy:
@@ -204,14 +197,7 @@ def load_early() -> EarlyCopy | None:
     8-byte aligned, with its object inside the arena (capacity bytes); else nothing is copied and the
     answer is False. One C call where the extension is built, else through ctypes. None without the
     runtime's cudaMemcpyAsync."""
-    runtime = _runtime()
-    one = getattr(runtime, "cudaMemcpyAsync", None) if runtime is not None else None
-    if one is None:
-        return None
-    if _copies is None:
-        copy_one = load_one()
-        return python_early(copy_one) if copy_one is not None else None
-    return native_early(_address(one))
+    return _loaded(lambda one, _call: native_early(one), lambda one, _batch: python_early(one))
 
 
 def early_offsets(offsets: Sequence[Any], count: int, nbytes: int, capacity: int) -> list[int]:
@@ -257,6 +243,75 @@ def native_early(one: int) -> EarlyCopy:
     extension's function itself, `one` bound (no Python layer in front of a restore's first copy)."""
     assert _copies is not None
     return functools.partial(_copies.early, one)
+
+
+# copy(dst_base, offs, ids, runs, count, stream, batched): a save head's copies (head.py): for objects
+# k < count and each run j of `runs` (head.Runs), runs.nbytes[j] bytes from runs.src[j] + ids[k] *
+# runs.stride[j] to dst_base + offs[k] + runs.obj[j], split as `issue` splits a call's first round
+HeadCopy = Callable[[int, np.ndarray, np.ndarray, Any, int, int, bool], None]
+
+
+def load_head() -> HeadCopy | None:
+    """A cold save's head copies: one C call where the extension is built (the addresses worked out
+    there), else numpy and `issue` through ctypes. None without the runtime's cudaMemcpyAsync."""
+    return _loaded(native_head, python_head)
+
+
+def python_head(one: OneCopy, batch: BatchCopy | None) -> HeadCopy:
+    """load_head's copy in numpy and `issue` (one, batch: load_one's and load's copies, or stand-ins)."""
+
+    def copy(
+        dst_base: int, offs: np.ndarray, ids: np.ndarray, runs: Any, count: int, stream: int, batched: bool
+    ) -> None:
+        src = (runs.src + ids[:count, None] * runs.stride).ravel()
+        dst = (dst_base + offs[:count, None] + runs.obj).ravel()
+        size = np.tile(runs.nbytes, count)
+        issue(dst, src, size, stream, one, batch if batched else None, True)
+
+    return copy
+
+
+def native_head(one: int, call: tuple[ctypes._CFuncPtr, bool] | None) -> HeadCopy:
+    """load_head's copy in one C call (one: cudaMemcpyAsync's address; call: from _batch_call)."""
+    assert _copies is not None
+    head_ = _copies.head
+    batch_at, fail_index = (_address(call[0]), call[1]) if call is not None else (0, False)
+
+    def copy(
+        dst_base: int, offs: np.ndarray, ids: np.ndarray, runs: Any, count: int, stream: int, batched: bool
+    ) -> None:
+        at = batch_at if batched else 0
+        head_(
+            one,
+            at,
+            fail_index,
+            dst_base,
+            offs,
+            ids,
+            runs.src,
+            runs.stride,
+            runs.obj,
+            runs.nbytes,
+            count,
+            stream,
+            LEAD_BYTES,
+            LEAD_RUNS,
+        )
+
+    return copy
+
+
+def _loaded(native: Callable[[int, Any], Any], python: Callable[[OneCopy, BatchCopy | None], Any]) -> Any:
+    """native(cudaMemcpyAsync's address, _batch_call's answer) where the C extension is built, else
+    python(load_one's copy, load's copy); None without the runtime's cudaMemcpyAsync."""
+    runtime = _runtime()
+    one = getattr(runtime, "cudaMemcpyAsync", None) if runtime is not None else None
+    if one is None:
+        return None
+    if _copies is None:
+        copy_one = load_one()
+        return python(copy_one, load()) if copy_one is not None else None
+    return native(_address(one), _batch_call(runtime))
 
 
 def _address(fn: ctypes._CFuncPtr) -> int:

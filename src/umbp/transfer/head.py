@@ -28,6 +28,7 @@ from functools import cached_property
 import numpy as np
 
 from umbp.transfer.api import Moves
+from umbp.transfer.batchcopy import HeadCopy
 from umbp.transfer.geometry import GroupGeometry
 from umbp.transfer.rounds import SAVE
 from umbp.transfer.staged import Batch
@@ -73,26 +74,26 @@ class SaveHead:
 
     save_head_bytes: int = SAVE_HEAD_BYTES
     save_head_min_run: int = SAVE_HEAD_MIN_RUN
+    _head_copy: HeadCopy | None  # batchcopy.load_head's copy (None: no head)
 
     @cached_property
     def _head_runs(self) -> dict[int, Runs]:
         return {g: object_runs(geom) for g, geom in self.groups.items()}
 
     @cached_property
-    def _head_sizes(self) -> dict[int, np.ndarray]:
-        """Per group, its runs' sizes repeated for the most objects a head of it had so far (a head's
-        copy sizes are a prefix: np.tile per call was ~15 us of a slow host's time)."""
-        return {}
+    def _head_shortest(self) -> dict[int, int]:
+        """Per group, its shortest run of KV memory (0: none), looked up once instead of per call."""
+        return {g: int(r.nbytes.min()) if r.nbytes.size else 0 for g, r in self._head_runs.items()}
 
     def _head_count(self, batch: Batch) -> int:
         """How many of the first Moves' objects make the head: as many whole objects as fit in
         save_head_bytes (at least one), never every object of the call (the rest keeps the rounds'
         path), none where the runtime's copy call is missing or the group's runs are short."""
         geom, m, ids, _offs = batch[0]
-        runs = self._head_runs.get(m.group)
-        if self.save_head_bytes <= 0 or self._runs_copy is None or runs is None:
+        shortest = self._head_shortest.get(m.group, 0)
+        if self.save_head_bytes <= 0 or self._head_copy is None or not shortest:
             return 0
-        if not runs.nbytes.size or int(runs.nbytes.min()) < self.save_head_min_run:
+        if shortest < self.save_head_min_run:
             return 0
         fit = max(1, self.save_head_bytes // geom.object_bytes)
         return min(ids.size, self.flat(batch)[0].nobj - 1, fit)
@@ -102,18 +103,11 @@ class SaveHead:
         the caller's queued work (`queued`: its marker event); their digests are _head_sums'."""
         _geom, m, ids, offs = batch[0]
         runs = self._head_runs[m.group]
-        src = (runs.src + ids[:count, None] * runs.stride).ravel()
-        dst = (offs[:count, None] + runs.obj).ravel()
-        size = self._head_sizes.get(m.group)
-        if size is None or size.size < src.size:
-            size = self._head_sizes[m.group] = np.tile(runs.nbytes, count)
-        size = size[: src.size]
         if save is not None:
             save.wait_event(queued)
         handle = save.cuda_stream if save is not None else 0  # None: CPU tensors (tests' host copies)
-        self._runs_copy(
-            self.arena_base, dst, 0, src, size, handle, size.size >= self.batch_copy_min_runs, True
-        )
+        batched = count * runs.src.size >= self.batch_copy_min_runs
+        self._head_copy(self.arena_base, offs, ids, runs, count, handle, batched)
 
     def _head_sums(self, plan, count: int, wide: bool) -> None:
         """The head's digests into the plan's sums: the copy kernel reading their KV pages,

@@ -121,6 +121,7 @@ class KernelEngine(BatchRounds, EarlyCopies, SaveHead, EngineStreams, TransferEn
         # dma copies of scattered runs: one batch call (batchcopy.py) where the CUDA runtime has it
         self._batch_copy = batchcopy.load() if cuda else None
         self._early_copy = batchcopy.load_early() if cuda else None  # a restore's early copies
+        self._head_copy = batchcopy.load_head() if cuda else None  # a cold save's head
         self._runs_copy = batchcopy.load_runs() if cuda else None  # a round's copies in one call
         self.batch_copy_min_runs = batch_copy_min_runs
         if dma_min_run_bytes is None:  # below the bar zero-copy was faster (H200, docs/transfer.md)
