@@ -30,14 +30,14 @@ STEPS = (
     "_sm_copy",
     "_finish",
     "_path",
-    "_copy_one",  # one copy-engine copy (engines that lead a call's first round with them)
+    "_early_copy",  # a restore's early copies, one call (engines with early.py's C call)
     "_head",  # a cold save's head copies (engines with head.py)
     "_head_sums",
 )
 
 
 def _steps(engine):
-    """(name, bound step) for each of STEPS the engine has: older engines lack _copy_one, and on CPU it is None."""
+    """(name, bound step) for each of STEPS the engine has: older engines lack _early_copy, and on CPU it is None."""
     for name in STEPS:
         inner = getattr(engine, name, None)
         if inner is not None:
@@ -93,7 +93,7 @@ def host(engine, fn, label: str, spans: dict, reps: int = 31) -> None:
         t2 = time.perf_counter()
         for name, s in spans.items():
             rows.setdefault(name, []).append(sum(b - a for a, b in s) * 1e6)
-        copies = [s[0][1] for name, s in spans.items() if name in ("_copy_runs", "_copy_one", "_head")]
+        copies = [s[0][1] for name, s in spans.items() if name in ("_copy_runs", "_early_copy", "_head")]
         first = min(copies, default=t0)
         rows.setdefault("= first copy issued at", []).append((first - t0) * 1e6)
         rows.setdefault("= submit", []).append((t1 - t0) * 1e6)

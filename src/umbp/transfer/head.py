@@ -91,9 +91,12 @@ class SaveHead:
         path), none where the runtime's copy call is missing or the group's runs are short."""
         geom, m, ids, _offs = batch[0]
         shortest = self._head_shortest.get(m.group, 0)
-        if self.save_head_bytes <= 0 or self._head_copy is None or not shortest:
-            return 0
-        if shortest < self.save_head_min_run:
+        if (
+            self.save_head_bytes <= 0
+            or self._head_copy is None
+            or not shortest
+            or shortest < self.save_head_min_run
+        ):
             return 0
         fit = max(1, self.save_head_bytes // geom.object_bytes)
         return min(ids.size, self.flat(batch)[0].nobj - 1, fit)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 
 from umbp.transfer.plans import aligned
+from umbp.transfer.rounds import LOAD
 
 
 class StagingRing:
     """[buffer, event after which it is free] slots: two per direction when `pooled` (CUDA), taken in
     turn; a one-off buffer for a round bigger than `nbytes` or when not pooled (CPU, where nothing
-    runs asynchronously). Each pooled buffer of the load direction (1) has `extra` bytes past its
+    runs asynchronously). Each pooled buffer of the load direction has `extra` bytes past its
     `nbytes` for a restore's early copies (early.py): a round never reaches into them, or a round of the
     call could overwrite early objects before the first round's scatter has read them."""
 
@@ -31,7 +32,7 @@ class StagingRing:
             return [aligned(nbytes, self.device), None]
         slots = self._slots[direction]
         if not slots:  # both at once: never an allocation (which can fail) between a batch's rounds
-            extra = self.extra if direction == 1 else 0  # (saves have no early copies)
+            extra = self.extra if direction == LOAD else 0  # (saves have no early copies)
             slots += [[aligned(self.nbytes + extra, self.device), None] for _ in range(2)]
         self._turn[direction] += 1
         return slots[self._turn[direction] % len(slots)]
